@@ -1,0 +1,5 @@
+import sys
+
+from foldtrain.cli import main
+
+sys.exit(main())

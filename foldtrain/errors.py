@@ -1,0 +1,26 @@
+"""User-facing errors: one clear line naming the problem and the fix.
+
+Anything raised as a ``FoldtrainError`` is printed by the CLI as a single line
+``foldtrain: error: ...`` and the process exits with status 2, before any
+process group is created where possible.
+"""
+
+
+class FoldtrainError(Exception):
+    """A problem the user can fix; its message names the problem and the fix."""
+
+
+class ConfigError(FoldtrainError):
+    """An invalid configuration value or key."""
+
+
+class DataError(FoldtrainError):
+    """Missing, empty, truncated or corrupt data."""
+
+
+class CheckpointError(FoldtrainError):
+    """A missing or corrupt checkpoint."""
+
+
+class DistributedError(FoldtrainError):
+    """A rank died, stalled or the launch is inconsistent."""

@@ -1,0 +1,149 @@
+"""GPT-2: learned positions, pre-LayerNorm blocks, GELU MLP, tied embeddings.
+
+The model knows nothing about parallelism. It is an ordered list of parts
+(``model.parts``): the embedding, ``n_layer`` blocks and the head (final
+LayerNorm + tied output projection), each a module mapping one tensor to the
+next, so pipeline parallelism can slice it into chunks and tensor parallelism
+can rewrite its linears from outside.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    n_layer: int
+    n_head: int
+    d_model: int
+    context: int
+    vocab_size: int
+    dropout: float = 0.0
+
+    @classmethod
+    def from_config(cls, m) -> "GPTShape":
+        return cls(m.n_layer, m.n_head, m.d_model, m.context, m.vocab_size, m.dropout)
+
+
+class Embedding(nn.Module):
+    """Token + learned position embeddings: (B, T) token ids -> (B, T, d) hidden states."""
+
+    def __init__(self, s: GPTShape):
+        super().__init__()
+        self.wte = nn.Embedding(s.vocab_size, s.d_model)
+        self.wpe = nn.Embedding(s.context, s.d_model)
+        self.drop = nn.Dropout(s.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class Attention(nn.Module):
+    def __init__(self, s: GPTShape):
+        super().__init__()
+        self.n_head = s.n_head
+        self.qkv = nn.Linear(s.d_model, 3 * s.d_model)
+        self.proj = nn.Linear(s.d_model, s.d_model)
+        self.dropout = s.dropout
+        self.resid_drop = nn.Dropout(s.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.qkv(x)
+        # heads are read from the local width so a column-parallel qkv (n_head / tp heads) works unchanged
+        n_head = qkv.shape[-1] // (3 * (x.shape[-1] // self.n_head))
+        q, k, v = qkv.view(B, T, 3, n_head, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: GPTShape):
+        super().__init__()
+        self.fc = nn.Linear(s.d_model, 4 * s.d_model)
+        self.proj = nn.Linear(4 * s.d_model, s.d_model)
+        self.drop = nn.Dropout(s.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, s: GPTShape):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(s.d_model)
+        self.attn = Attention(s)
+        self.ln2 = nn.LayerNorm(s.d_model)
+        self.mlp = MLP(s)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the output projection (its weight tied to the token embedding)."""
+
+    def __init__(self, s: GPTShape):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(s.d_model)
+        self.lm_head = nn.Linear(s.d_model, s.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, shape: GPTShape):
+        super().__init__()
+        self.shape = shape
+        self.parts = nn.ModuleList([Embedding(shape), *[Block(shape) for _ in range(shape.n_layer)], Head(shape)])
+        self.head.lm_head.weight = self.embedding.wte.weight  # tied
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * shape.n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    @property
+    def embedding(self) -> Embedding:
+        return self.parts[0]
+
+    @property
+    def blocks(self) -> list[Block]:
+        return list(self.parts[1:-1])
+
+    @property
+    def head(self) -> Head:
+        return self.parts[-1]
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab), or the mean cross-entropy when ``targets`` are given."""
+        x = idx
+        for part in self.parts:
+            x = part(x)
+        if targets is None:
+            return x
+        return lm_loss(x, targets)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))

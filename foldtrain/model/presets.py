@@ -1,0 +1,34 @@
+"""Model shape presets (plain data, no torch).
+
+``n_layer``, ``n_head``, ``d_model``, ``context`` (max positions) and
+``vocab_size``. GPT-2 shapes follow the released checkpoints, ``bai2022`` is
+the HP3C'22 study's model (character-level Chinese vocabulary of ~26.7k) and
+the GPT-3 shapes follow Brown et al. 2020, Table 2.1 (16 heads for 1.3B so the
+head size is a whole 128, and 5120 instead of the table's 5140 for 13B).
+"""
+
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(n_layer=4, n_head=4, d_model=96, context=256, vocab_size=8192),
+    "gpt2-small": dict(n_layer=12, n_head=12, d_model=768, context=1024, vocab_size=50257),
+    "gpt2-medium": dict(n_layer=24, n_head=16, d_model=1024, context=1024, vocab_size=50257),
+    "gpt2-large": dict(n_layer=36, n_head=20, d_model=1280, context=1024, vocab_size=50257),
+    "gpt2-xl": dict(n_layer=48, n_head=25, d_model=1600, context=1024, vocab_size=50257),
+    "bai2022": dict(n_layer=12, n_head=12, d_model=768, context=512, vocab_size=26700),
+    "gpt3-1.3b": dict(n_layer=24, n_head=16, d_model=2048, context=2048, vocab_size=50257),
+    "gpt3-2.7b": dict(n_layer=32, n_head=32, d_model=2560, context=2048, vocab_size=50257),
+    "gpt3-6.7b": dict(n_layer=32, n_head=32, d_model=4096, context=2048, vocab_size=50257),
+    "gpt3-13b": dict(n_layer=40, n_head=40, d_model=5120, context=2048, vocab_size=50257),
+    "gpt3-175b": dict(n_layer=96, n_head=96, d_model=12288, context=2048, vocab_size=50257),
+}
+
+
+def analytic_param_count(n_layer: int, d_model: int, context: int, vocab_size: int) -> int:
+    """Parameters of the GPT-2 architecture with biases and tied embeddings.
+
+    token + position embeddings, per block two LayerNorms (2d each), qkv
+    (3d^2 + 3d), attention projection (d^2 + d), MLP (4d^2 + 4d, 4d^2 + d),
+    and the final LayerNorm; the head shares the token embedding.
+    """
+    d = d_model
+    per_block = 12 * d * d + 13 * d
+    return vocab_size * d + context * d + n_layer * per_block + 2 * d

@@ -1,0 +1,18 @@
+"""Parallelism applied from outside the model: data-parallel strategies, pipeline and tensor parallel.
+
+``build_engine`` picks the training-step engine for a validated config.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from foldtrain.errors import ConfigError
+
+
+def build_engine(cfg, model: nn.Module, env, micro_batch: int):
+    from foldtrain.train.engine import Engine
+
+    if cfg.dp.strategy == "none" and env.world_size == 1:
+        return Engine(model, cfg, env.device, micro_batch)
+    raise ConfigError(f"--dp.strategy {cfg.dp.strategy} is not available in this build; use --dp.strategy none")

@@ -1,0 +1,1 @@
+"""Training: the engine (one rank's step), the loop, LR schedule, precision, logging."""

@@ -58,6 +58,7 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = 300
+    stop_at: int = 0  # end this session after this step (with a checkpoint), e.g. for time-limited jobs; 0: run to steps
     global_batch: int = 16  # sequences per optimizer step, over all data-parallel ranks
     micro_batch: int = 0  # sequences per forward/backward; 0: the whole per-rank batch
     seq_len: int = 128
@@ -313,7 +314,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"--model.d_model {m.d_model} is not divisible by --model.n_head {m.n_head}; pick sizes where it is")
     for key in ("steps", "global_batch", "seq_len", "log_every", "eval_batches"):
         _positive(f"train.{key}", getattr(t, key))
-    for key in ("micro_batch", "eval_every", "sample_tokens"):
+    for key in ("micro_batch", "eval_every", "sample_tokens", "stop_at"):
         _positive(f"train.{key}", getattr(t, key), allow_zero=True)
     if t.seq_len > m.context:
         raise ConfigError(f"--train.seq_len {t.seq_len} is larger than the model's context {m.context}; lower --train.seq_len or raise --model.context")

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from foldtrain.errors import CheckpointError
 
@@ -122,9 +123,8 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} has a corrupt meta.json; delete it to resume from an earlier one, or drop --resume") from None
         try:
             dcp.load(state, checkpoint_id=str(path), process_group=self.process_group)
-        except Exception as e:  # DCP raises many types for truncated/corrupt files
-            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-            raise CheckpointError(f"checkpoint {path} is corrupt or does not match this model ({first}); delete it to resume from an earlier one, or drop --resume") from None
+        except (Exception, CheckpointException) as e:  # DCP raises many types (CheckpointException is a BaseException)
+            raise CheckpointError(f"checkpoint {path} is corrupt or does not match this model ({_first_line(e)}); delete it to resume from an earlier one, or drop --resume") from None
         extra_file = path / f"rank{_rank()}.pt"
         if not extra_file.is_file():
             raise CheckpointError(f"checkpoint {path} has no state for rank {_rank()} (saved with another world size?); resume with the same layout")
@@ -156,7 +156,13 @@ def load_model_weights(model: torch.nn.Module, path: Path | None) -> None:
     state = {"model": get_model_state_dict(model)}
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {path} is corrupt or does not match this model ({first}); pass another --checkpoint") from None
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt or does not match this model ({_first_line(e)}); pass another --checkpoint") from None
     set_model_state_dict(model, state["model"])
+
+
+def _first_line(e: BaseException) -> str:
+    """The innermost meaningful line of a (possibly multi-rank, multi-line) DCP error."""
+    lines = [l.strip() for l in str(e).splitlines() if l.strip() and not l.startswith((" ", "Traceback"))]
+    msg = lines[-1] if lines else type(e).__name__
+    return msg[:160]

@@ -57,9 +57,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.qkv(x)
-        # heads are read from the local width so a column-parallel qkv (n_head / tp heads) works unchanged
-        n_head = qkv.shape[-1] // (3 * (x.shape[-1] // self.n_head))
-        q, k, v = qkv.view(B, T, 3, n_head, -1).permute(2, 0, 3, 1, 4)
+        # qkv's output features are laid out head-major ([head][q|k|v][head_dim]), so a column-parallel
+        # split of qkv gives each rank whole heads; the head count is read from the local width.
+        head_dim = x.shape[-1] // self.n_head
+        n_head = qkv.shape[-1] // (3 * head_dim)
+        q, k, v = qkv.view(B, T, n_head, 3, head_dim).permute(3, 0, 2, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
 

@@ -90,14 +90,15 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, ckpt: CheckpointManager) 
 
     log = RunLogger(out, env.is_main, t.steps, start, t.progress)
     log.info(f"model {cfg.model.preset}: {n_params:,} parameters (analytic {analytic:,}); {env.world_size} process(es), strategy {cfg.dp.strategy}, precision {cfg.precision}, device {env.device}")
-    log.info(f"data: {data.split('train').shape[0]:,} train / {data.split('val').shape[0]:,} val tokens, vocab {data.vocab_size}; {sampler.num_samples:,} sequences of {t.seq_len}")
+    log.info(f"data: {data.split('train').shape[0]:,} train / {data.split('val').shape[0]:,} val tokens, vocab {data.vocab_size}; {len(sampler):,} sequences of {t.seq_len}")
     if cfg.resume:
         log.info(f"resumed from {ckpt.latest()} at step {start}")
 
     tokens_per_step = t.global_batch * t.seq_len
     meta = {"world_size": env.world_size, "strategy": cfg.dp.strategy, "model": GPTShape.from_config(cfg.model).__dict__, "data_step": 0}
     loss = float("nan")
-    for step in range(start, t.steps):
+    end = min(t.steps, t.stop_at) if t.stop_at else t.steps
+    for step in range(start, end):
         t0 = time.perf_counter()
         lr = engine.lr  # the rate this step uses
         x, y = engine.batch(sampler, step)
@@ -112,9 +113,13 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, ckpt: CheckpointManager) 
                 record["val_loss"] = engine.eval_loss(val)
                 record["val_ppl"] = math.exp(min(record["val_loss"], 50.0))
             log.log(record, advance=t.log_every if done % t.log_every == 0 else done % t.log_every)
-        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == t.steps:
+        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == end:
             ckpt.save(done, engine.state_dict(), {**meta, "data_step": done}, extra=engine.extra_state())
-    summary = {"step": t.steps, "loss": loss, "params": n_params}
+    summary = {"step": end, "loss": loss, "params": n_params}
+    if end < t.steps:
+        log.info(f"stopped at step {end} of {t.steps} (--train.stop_at); continue with --resume")
+        log.close()
+        return summary
     if env.is_main:
         log.close()
         full = engine.eval_model()

@@ -1,0 +1,51 @@
+"""Pipeline schedules as data: per-rank action lists, torch-free.
+
+>>> from foldtrain.pipeline.schedules import build_schedule, format_schedule
+>>> print(format_schedule(build_schedule("fold", 2, 2, 2)))  # doctest: +NORMALIZE_WHITESPACE
+fold: pp=2 virtual=2 microbatches=2 dp_sync=after-flush
+rank 0: F(c0,m0) F(c0,m1) F(c2,m0) F(c2,m1) B(c2,m1) B(c2,m0) B(c0,m1) B(c0,m0)
+rank 1: F(c1,m0) F(c1,m1) F(c3,m0) F(c3,m1) B(c3,m1) B(c3,m0) B(c1,m1) B(c1,m0)
+"""
+
+from .actions import (
+    COMM_OPS,
+    COMPUTE_OPS,
+    RECV_OPS,
+    REDUCE_OPS,
+    SEND_OPS,
+    Action,
+    Op,
+    Schedule,
+    chunks_of_rank,
+    format_schedule,
+    local_chunk,
+    message_key,
+    stage_rank,
+)
+from .generators import DP_SYNC_MODES, SCHEDULE_NAMES, build_schedule, insert_comms, insert_reductions
+from .validate import ScheduleError, activations_peak, simulate_order, validate_schedule
+
+__all__ = [
+    "Action",
+    "COMM_OPS",
+    "COMPUTE_OPS",
+    "DP_SYNC_MODES",
+    "Op",
+    "RECV_OPS",
+    "REDUCE_OPS",
+    "SCHEDULE_NAMES",
+    "SEND_OPS",
+    "Schedule",
+    "ScheduleError",
+    "activations_peak",
+    "build_schedule",
+    "chunks_of_rank",
+    "format_schedule",
+    "insert_comms",
+    "insert_reductions",
+    "local_chunk",
+    "message_key",
+    "simulate_order",
+    "stage_rank",
+    "validate_schedule",
+]

@@ -1,0 +1,163 @@
+"""The action vocabulary of a pipeline schedule (pure Python, no torch).
+
+A schedule is one list of :class:`Action` per pipeline rank, for ONE training
+iteration. The same lists drive the torch executor, the simulator and the
+timeline plots.
+
+Placement (folded, as Megatron's interleaved schedule and Fold3D): the model is
+cut into ``S = P * V`` segments; segment ``s`` lives on rank ``s % P`` as that
+rank's local chunk ``s // P``. The chain of segments wraps around the ring of
+ranks ``V`` times; rank ``P-1`` sends the output of segment ``c*P + P-1`` to
+rank 0's segment ``(c+1)*P``.
+
+``Action.chunk`` is always the GLOBAL segment id, and it is always a segment
+that lives on the rank whose list holds the action:
+
+* ``SEND_ACT(s, m, peer)``  -- after ``F(s, m)``: send the output of segment
+  ``s`` (the PRODUCER, local) to ``peer = stage_rank(s + 1)``.
+* ``RECV_ACT(s, m, peer)``  -- before ``F(s, m)``: receive the input of
+  segment ``s`` (the CONSUMER, local) from ``peer = stage_rank(s - 1)``.
+  ``SEND_ACT(s, m)`` on rank(s) is matched by ``RECV_ACT(s + 1, m)`` on rank(s+1).
+* ``SEND_GRAD(s, m, peer)`` -- after ``B(s, m)``: send the gradient w.r.t. the
+  input of segment ``s`` (the PRODUCER, local) to ``peer = stage_rank(s - 1)``.
+* ``RECV_GRAD(s, m, peer)`` -- before ``B(s, m)``: receive the gradient w.r.t.
+  the output of segment ``s`` (the CONSUMER, local) from ``peer = stage_rank(s + 1)``.
+  ``SEND_GRAD(s, m)`` on rank(s) is matched by ``RECV_GRAD(s - 1, m)`` on rank(s-1).
+
+:func:`message_key` maps both ends of a transfer to the same key
+``(kind, producing segment, mb)``.
+
+``LAUNCH_REDUCE(c)``, ``WAIT_REDUCE(c)``, ``OPTIM_STEP(c)`` act on the
+data-parallel gradient reduction and the optimizer step of local chunk
+(segment) ``c``; their ``mb`` and ``peer`` are ``None``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Op(str, Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_ACT = "SA"
+    RECV_ACT = "RA"
+    SEND_GRAD = "SG"
+    RECV_GRAD = "RG"
+    LAUNCH_REDUCE = "LR"
+    WAIT_REDUCE = "WR"
+    OPTIM_STEP = "OS"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COMPUTE_OPS = frozenset({Op.FORWARD, Op.BACKWARD})
+SEND_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD})
+RECV_OPS = frozenset({Op.RECV_ACT, Op.RECV_GRAD})
+COMM_OPS = SEND_OPS | RECV_OPS
+REDUCE_OPS = frozenset({Op.LAUNCH_REDUCE, Op.WAIT_REDUCE, Op.OPTIM_STEP})
+
+
+@dataclass(frozen=True)
+class Action:
+    op: Op
+    chunk: int  # global segment id, local to the rank holding the action
+    mb: int | None = None  # micro-batch; None for LR / WR / OS
+    peer: int | None = None  # pipeline rank on the other side of a send / recv
+
+    def __str__(self) -> str:
+        if self.mb is None:
+            return f"{self.op.value}(c{self.chunk})"
+        if self.peer is None:
+            return f"{self.op.value}(c{self.chunk},m{self.mb})"
+        arrow = "->" if self.op in SEND_OPS else "<-"
+        return f"{self.op.value}(c{self.chunk},m{self.mb}{arrow}{self.peer})"
+
+
+def stage_rank(s: int, pp: int) -> int:
+    """Pipeline rank that holds global segment ``s``."""
+    return s % pp
+
+
+def local_chunk(s: int, pp: int) -> int:
+    """Index of segment ``s`` among its rank's chunks (0 = earliest in the model)."""
+    return s // pp
+
+
+def chunks_of_rank(p: int, pp: int, virtual: int) -> list[int]:
+    """Global segment ids held by rank ``p``, ascending."""
+    return [c * pp + p for c in range(virtual)]
+
+
+def message_key(a: Action) -> tuple[str, int, int]:
+    """The transfer a send or recv takes part in: (kind, producing segment, mb).
+
+    ``SA(s, m)`` and ``RA(s + 1, m)`` share key ``("act", s, m)``;
+    ``SG(s, m)`` and ``RG(s - 1, m)`` share key ``("grad", s, m)``.
+    """
+    if a.mb is None:
+        raise ValueError(f"{a} is not a send or recv")
+    if a.op is Op.SEND_ACT:
+        return ("act", a.chunk, a.mb)
+    if a.op is Op.RECV_ACT:
+        return ("act", a.chunk - 1, a.mb)
+    if a.op is Op.SEND_GRAD:
+        return ("grad", a.chunk, a.mb)
+    if a.op is Op.RECV_GRAD:
+        return ("grad", a.chunk + 1, a.mb)
+    raise ValueError(f"{a} is not a send or recv")
+
+
+@dataclass
+class Schedule:
+    """One training iteration: ``ranks[p]`` is pipeline rank ``p``'s action list.
+
+    With ``defer_reduce`` the ``WAIT_REDUCE(c)`` / ``OPTIM_STEP(c)`` that sit
+    before chunk ``c``'s first forward (see :meth:`deferred_chunks`) refer to
+    the reduction LAUNCHED IN THE PREVIOUS ITERATION: the executor skips them in
+    the first iteration and must run the pending ones (wait + step) at the end
+    of training and before every checkpoint or evaluation that reads weights.
+    """
+
+    name: str
+    pp: int
+    virtual: int
+    microbatches: int
+    dp_sync: str
+    defer_reduce: bool
+    ranks: list[list[Action]] = field(default_factory=list)
+
+    @property
+    def segments(self) -> int:
+        return self.pp * self.virtual
+
+    def compute_only(self, rank: int) -> list[Action]:
+        """Rank ``rank``'s F / B actions, in order."""
+        return [a for a in self.ranks[rank] if a.op in COMPUTE_OPS]
+
+    def deferred_chunks(self, rank: int) -> list[int]:
+        """Chunks whose WAIT_REDUCE comes before their first forward (previous iteration's reduction)."""
+        first_f: dict[int, int] = {}
+        wait: dict[int, int] = {}
+        for i, a in enumerate(self.ranks[rank]):
+            if a.op is Op.FORWARD:
+                first_f.setdefault(a.chunk, i)
+            elif a.op is Op.WAIT_REDUCE:
+                wait.setdefault(a.chunk, i)
+        return sorted(c for c, i in wait.items() if c in first_f and i < first_f[c])
+
+
+def format_schedule(sched: Schedule, *, all_actions: bool = False) -> str:
+    """Each rank's compute actions (or every action) on one line."""
+    head = (
+        f"{sched.name}: pp={sched.pp} virtual={sched.virtual} microbatches={sched.microbatches} "
+        f"dp_sync={sched.dp_sync}" + (" defer_reduce" if sched.defer_reduce else "")
+    )
+    width = len(str(max(sched.pp - 1, 0)))
+    lines = [head]
+    for p in range(sched.pp):
+        acts = sched.ranks[p] if all_actions else sched.compute_only(p)
+        lines.append(f"rank {p:>{width}}: " + " ".join(str(a) for a in acts))
+    return "\n".join(lines)

@@ -19,6 +19,8 @@ import os
 import random
 import re
 import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+@contextmanager
+def _single_process_ok():
+    """DCP warns that it assumes a single process when no process group exists: that is intended here."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def _barrier() -> None:
@@ -86,7 +97,8 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
             tmp.mkdir()
         _barrier()
-        dcp.save(state, checkpoint_id=str(tmp), process_group=self.process_group)
+        with _single_process_ok():
+            dcp.save(state, checkpoint_id=str(tmp), process_group=self.process_group)
         torch.save({"rng": rng_state(), **(extra or {})}, tmp / f"rank{_rank()}.pt")
         _barrier()
         if _rank() == 0:
@@ -122,7 +134,8 @@ class CheckpointManager:
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise CheckpointError(f"checkpoint {path} has a corrupt meta.json; delete it to resume from an earlier one, or drop --resume") from None
         try:
-            dcp.load(state, checkpoint_id=str(path), process_group=self.process_group)
+            with _single_process_ok():
+                dcp.load(state, checkpoint_id=str(path), process_group=self.process_group)
         except (Exception, CheckpointException) as e:  # DCP raises many types (CheckpointException is a BaseException)
             raise CheckpointError(f"checkpoint {path} is corrupt or does not match this model ({_first_line(e)}); delete it to resume from an earlier one, or drop --resume") from None
         extra_file = path / f"rank{_rank()}.pt"
@@ -155,7 +168,8 @@ def load_model_weights(model: torch.nn.Module, path: Path | None) -> None:
         raise CheckpointError(f"no checkpoint at {path}; train first or pass --checkpoint DIR of a saved step")
     state = {"model": get_model_state_dict(model)}
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        with _single_process_ok():
+            dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"checkpoint {path} is corrupt or does not match this model ({_first_line(e)}); pass another --checkpoint") from None
     set_model_state_dict(model, state["model"])

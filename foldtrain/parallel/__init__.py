@@ -13,6 +13,15 @@ from foldtrain.errors import ConfigError
 def build_engine(cfg, model: nn.Module, env, micro_batch: int):
     from foldtrain.train.engine import Engine
 
+    # --- 3D engine (data x pipeline x tensor parallel): any --parallel.dp/pp/tp above 1
+    from foldtrain.parallel.layout import uses_3d_engine
+
+    if uses_3d_engine(cfg):
+        from foldtrain.pipeline.engine import PipelineEngine
+
+        return PipelineEngine(model, cfg, env.device, micro_batch)
+    # --- end 3D engine
+
     if cfg.dp.strategy == "none" and env.world_size == 1:
         return Engine(model, cfg, env.device, micro_batch)
     raise ConfigError(f"--dp.strategy {cfg.dp.strategy} is not available in this build; use --dp.strategy none")

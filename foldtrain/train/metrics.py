@@ -26,11 +26,8 @@ class RunLogger:
         self.enabled = enabled
         self.metrics = open(out / "metrics.jsonl", "a") if enabled else None
         self.log_file = open(out / "train.log", "a") if enabled else None
-        self.bar = None
-        if enabled and progress:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
+        self.bar = None  # created at the first logged step, so start-up lines print above it
+        self._bar_args = dict(total=total_steps, initial=start_step) if enabled and progress else None
         self.tb = None
         if enabled:
             try:
@@ -60,6 +57,10 @@ class RunLogger:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, record["step"])
+        if self.bar is None and self._bar_args is not None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(unit="step", dynamic_ncols=True, file=sys.stderr, **self._bar_args)
         if self.bar is not None:
             post = {k: record[k] for k in ("loss", "val_loss") if k in record}
             if "tokens_per_s" in record:

@@ -1,0 +1,330 @@
+"""Torch-free metrics over the events of all ranks (real runs and the simulator alike).
+
+``events_by_rank`` is any of: a list of per-rank event lists (index = rank, as
+:func:`~foldtrain.profile.timeline.gather_timelines` returns), a ``{rank: events}``
+mapping, a list of :class:`~foldtrain.profile.timeline.Timeline`, or one flat
+list of events (grouped by their ``"rank"`` field).
+
+Per step window ``[t0, t1]`` (``D = t1 - t0``), with ``U_r`` the union of rank
+``r``'s ``compute`` intervals clipped to the window:
+
+* ``bubble[r]   = 1 - |U_r| / D``                      (per-rank pipeline bubble)
+* ``all_idle    = 1 - |U_0 ∪ U_1 ∪ ... | / D``          (share of the step in which
+  NO rank computes: Fold3D's "all-GPU idle time", 44% for Megatron in the paper)
+* ``reduce_wait[r]`` = total ``reduce_wait`` time of rank ``r`` (data-parallel
+  communication it could not hide); ``reduce_wait_max`` = its max over ranks.
+
+Step windows: for a step ``s``, ``t0`` is the earliest start and ``t1`` the latest
+end of the ranks' ``"step"`` events of ``s`` (written by ``Timeline.end_step``);
+without them, of all events carrying ``step == s``; with no step information at
+all, the whole recording is one window (``step: None``). An event counts for
+step ``s`` when its ``step`` field is ``s`` (or, with no step information, always).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Iterable
+
+Interval = tuple[float, float]
+
+# --------------------------------------------------------------------------- input shapes
+
+
+def as_rank_lists(events_by_rank: Any) -> list[list[dict[str, Any]]]:
+    """Normalise the accepted input shapes to ``[events of rank 0, events of rank 1, ...]``."""
+    if events_by_rank is None:
+        return []
+    if isinstance(events_by_rank, Mapping):
+        if not events_by_rank:
+            return []
+        out: list[list[dict]] = [[] for _ in range(max(events_by_rank) + 1)]
+        for r, evs in events_by_rank.items():
+            out[r] = list(evs)
+        return out
+    seq = list(events_by_rank)
+    if not seq:
+        return []
+    if all(isinstance(x, dict) for x in seq):  # one flat list of events
+        n = max(int(ev["rank"]) for ev in seq) + 1
+        out = [[] for _ in range(n)]
+        for ev in seq:
+            out[int(ev["rank"])].append(ev)
+        return out
+    return [list(getattr(x, "events", x) or []) for x in seq]
+
+
+# --------------------------------------------------------------------------- interval arithmetic
+
+
+def merge_intervals(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sorted, disjoint union of ``intervals`` (empty ones dropped)."""
+    ivs = sorted((float(s), float(e)) for s, e in intervals if e > s)
+    out: list[Interval] = []
+    for s, e in ivs:
+        if out and s <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
+def clip_intervals(intervals: Iterable[Interval], lo: float, hi: float) -> list[Interval]:
+    return [(max(s, lo), min(e, hi)) for s, e in intervals if min(e, hi) > max(s, lo)]
+
+
+def total_length(intervals: Iterable[Interval]) -> float:
+    return sum(e - s for s, e in merge_intervals(intervals))
+
+
+def complement(merged: list[Interval], lo: float, hi: float) -> list[Interval]:
+    """``[lo, hi]`` minus the disjoint sorted intervals ``merged``."""
+    out: list[Interval] = []
+    t = lo
+    for s, e in merged:
+        if s > t:
+            out.append((t, min(s, hi)))
+        t = max(t, e)
+        if t >= hi:
+            break
+    if t < hi:
+        out.append((t, hi))
+    return [(s, e) for s, e in out if e > s]
+
+
+# --------------------------------------------------------------------------- step windows
+
+
+def step_windows(events_by_rank: Any) -> list[tuple[Any, float, float]]:
+    """``[(step, t0, t1), ...]`` ordered by ``t0`` (see the module docstring)."""
+    ranks = as_rank_lists(events_by_rank)
+    markers: dict[Any, list[float]] = {}
+    tagged: dict[Any, list[float]] = {}
+    lo, hi = float("inf"), float("-inf")
+    for evs in ranks:
+        for ev in evs:
+            s, e = ev["start"], ev["end"]
+            lo, hi = min(lo, s), max(hi, e)
+            step = ev.get("step")
+            if step is None:
+                continue
+            table = markers if ev["kind"] == "step" else tagged
+            w = table.setdefault(step, [s, e])
+            w[0], w[1] = min(w[0], s), max(w[1], e)
+    if not markers and not tagged:
+        return [] if lo > hi else [(None, lo, hi)]
+    wins = {**tagged, **markers}  # a step's markers win over its tagged events
+    return sorted(((st, w[0], w[1]) for st, w in wins.items()), key=lambda x: (x[1], x[2]))
+
+
+def _step_events(evs: list[dict], step: Any, has_steps: bool) -> list[dict]:
+    return [ev for ev in evs if not has_steps or ev.get("step") == step]
+
+
+def _kind_intervals(evs: list[dict], kind: str, lo: float, hi: float) -> list[Interval]:
+    return clip_intervals(((ev["start"], ev["end"]) for ev in evs if ev["kind"] == kind), lo, hi)
+
+
+def idle_intervals(events_by_rank: Any) -> list[Interval]:
+    """Intervals, inside the step windows, during which no rank computes (for the Gantt shading)."""
+    ranks = as_rank_lists(events_by_rank)
+    wins = step_windows(ranks)
+    has_steps = bool(wins) and wins[0][0] is not None
+    out: list[Interval] = []
+    for step, lo, hi in wins:
+        busy = merge_intervals(iv for evs in ranks for iv in _kind_intervals(_step_events(evs, step, has_steps), "compute", lo, hi))
+        out += complement(busy, lo, hi)
+    return out
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def step_summary(ranks: list[list[dict]], step: Any, lo: float, hi: float, has_steps: bool = True) -> dict[str, Any]:
+    """Metrics of one step window ``[lo, hi]`` (see the module docstring); times in seconds."""
+    dur = hi - lo
+    compute, bubble, recv_wait, reduce_wait, optim = [], [], [], [], []
+    all_busy: list[Interval] = []
+    for evs in ranks:
+        mine = _step_events(evs, step, has_steps)
+        busy = merge_intervals(_kind_intervals(mine, "compute", lo, hi))
+        all_busy += busy
+        c = sum(e - s for s, e in busy)
+        compute.append(c)
+        bubble.append(1.0 - c / dur if dur > 0 else 0.0)
+        recv_wait.append(sum(e - s for s, e in _kind_intervals(mine, "recv_wait", lo, hi)))
+        reduce_wait.append(sum(e - s for s, e in _kind_intervals(mine, "reduce_wait", lo, hi)))
+        optim.append(sum(e - s for s, e in _kind_intervals(mine, "optim", lo, hi)))
+    union = total_length(all_busy)
+    n = len(ranks)
+    return {
+        "step": step,
+        "start": lo,
+        "end": hi,
+        "duration": dur,
+        "ranks": n,
+        "compute": compute,
+        "bubble": bubble,
+        "bubble_mean": sum(bubble) / n if n else 0.0,
+        "bubble_max": max(bubble, default=0.0),
+        "all_idle": 1.0 - union / dur if dur > 0 else 0.0,
+        "all_idle_time": max(dur - union, 0.0),
+        "recv_wait": recv_wait,
+        "reduce_wait": reduce_wait,
+        "reduce_wait_max": max(reduce_wait, default=0.0),
+        "optim": optim,
+    }
+
+
+_PER_RANK = ("compute", "bubble", "recv_wait", "reduce_wait", "optim")
+_SCALARS = ("duration", "bubble_mean", "bubble_max", "all_idle", "all_idle_time", "reduce_wait_max")
+
+
+def mean_summary(steps: list[dict[str, Any]], skip_first: bool = True) -> dict[str, Any]:
+    """Average of per-step summaries, without the first (warm-up) when ``skip_first`` and there are >= 2."""
+    use = steps[1:] if skip_first and len(steps) >= 2 else list(steps)
+    if not use:
+        return {"step": "mean", "steps": []}
+    k = len(use)
+    n = max(s["ranks"] for s in use)
+    out: dict[str, Any] = {"step": "mean", "steps": [s["step"] for s in use], "ranks": n}
+    for key in _SCALARS:
+        out[key] = sum(s[key] for s in use) / k
+    for key in _PER_RANK:
+        out[key] = [sum(s[key][r] for s in use if r < len(s[key])) / k for r in range(n)]
+    return out
+
+
+def summarize(events_by_rank: Any, skip_first: bool = True) -> list[dict[str, Any]]:
+    """One summary per step window (ordered by time), then their average.
+
+    The last element has ``"step": "mean"`` and ``"steps"``: the steps it
+    averages (all but the first, as warm-up, when there are >= 2 and
+    ``skip_first``). Empty input gives ``[]``.
+    """
+    ranks = as_rank_lists(events_by_rank)
+    wins = step_windows(ranks)
+    if not wins:
+        return []
+    has_steps = wins[0][0] is not None
+    per_step = [step_summary(ranks, st, lo, hi, has_steps) for st, lo, hi in wins]
+    return per_step + [mean_summary(per_step, skip_first)]
+
+
+def format_summary(summaries: list[dict[str, Any]], unit: str = "ms") -> str:
+    """A small text table of :func:`summarize`'s output."""
+    scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
+    lines = [f"{'step':>6} {'time/' + unit:>10} {'all-idle':>9} {'bubble(mean)':>13} {'bubble(max)':>12} {'dp-wait(max)/' + unit:>16}"]
+    for s in summaries:
+        if "duration" not in s:
+            continue
+        lines.append(f"{str(s['step']):>6} {s['duration'] * scale:>10.3f} {s['all_idle']:>9.1%} {s['bubble_mean']:>13.1%} "
+                     f"{s['bubble_max']:>12.1%} {s['reduce_wait_max'] * scale:>16.3f}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- simulator bridge
+
+
+def _opname(op: Any) -> str:
+    return str(getattr(op, "value", op))
+
+
+def events_from_simulation(
+    sim_result: Mapping[str, Any],
+    schedule: Any = None,
+    *,
+    t_reduce: float = 0.0,
+    t_optim: float = 0.0,
+    unit_s: float = 1e-3,
+    step: int = 0,
+    recv_waits: bool = True,
+) -> list[list[dict[str, Any]]]:
+    """Turn :func:`~foldtrain.pipeline.schedules.simulate_order`'s output into per-rank events.
+
+    Every ``(Action, start, end)`` becomes a ``compute`` event named ``"F c2 m1"``
+    (``args``: ``op``, ``chunk`` = global segment, ``mb``). One simulator time
+    unit becomes ``unit_s`` seconds (default 1 ms, so plots read in units).
+    Each rank also gets a ``"step"`` event from 0 to its last event. With
+    ``recv_waits``, every gap before a compute action becomes a ``recv_wait``
+    event (``"RA c2 m1"`` before a forward, ``"RG c2 m1"`` before a backward): in
+    the simulator a rank only idles waiting for another rank's output.
+
+    With ``schedule`` (the simulated :class:`Schedule`) and ``t_reduce`` /
+    ``t_optim`` > 0 (simulator units), the data-parallel reductions and optimizer
+    steps are added with a simple model: ``LR(c)`` launches chunk ``c``'s
+    reduction when the compute before it in the rank's list has ended; a rank's
+    reductions run one after another on its communication stream, ``t_reduce``
+    each (a ``reduce`` event, stream start -> completion, plus a
+    ``reduce_launch`` instant); a ``WR(c)`` after the rank's compute blocks
+    until that completion (``reduce_wait``); each ``OS(c)`` takes ``t_optim``.
+    Reductions deferred to the next iteration (``defer_reduce``) are launched but
+    not waited for; their ``WR`` / ``OS`` before the first forward (which
+    belong to the previous iteration) are left out. Compute times are not
+    changed: ``simulate_order`` does not model reductions.
+    """
+    out: list[list[dict[str, Any]]] = []
+    sim_ranks = sim_result["ranks"]
+    for p, acts in enumerate(sim_ranks):
+        evs: list[dict[str, Any]] = []
+        comp_end: dict[tuple, float] = {}
+        free = 0.0
+        for a, s, e in acts:
+            op = _opname(a.op)
+            if recv_waits and s > free:
+                rop = "RA" if op == "F" else "RG"
+                evs.append({"name": f"{rop} c{a.chunk} m{a.mb}", "kind": "recv_wait", "rank": p, "start": free * unit_s,
+                            "end": s * unit_s, "step": step, "args": {"op": rop, "chunk": a.chunk, "mb": a.mb}})
+            free = e
+            evs.append({"name": f"{op} c{a.chunk} m{a.mb}", "kind": "compute", "rank": p, "start": s * unit_s,
+                        "end": e * unit_s, "step": step, "args": {"op": op, "chunk": a.chunk, "mb": a.mb}})
+            comp_end[(op, a.chunk, a.mb)] = e
+        t_end = max((e for _, _, e in acts), default=0.0)
+        if schedule is not None and (t_reduce > 0 or t_optim > 0):
+            t_end = _simulate_reductions(evs, schedule.ranks[p], comp_end, p, t_reduce, t_optim, unit_s, step)
+        evs.append({"name": f"step {step}", "kind": "step", "rank": p, "start": 0.0, "end": t_end * unit_s,
+                    "step": step, "args": {}})
+        out.append(evs)
+    return out
+
+
+def _simulate_reductions(evs: list[dict], actions: list, comp_end: dict, p: int, t_reduce: float, t_optim: float,
+                         unit_s: float, step: int) -> float:
+    last_compute = max(comp_end.values(), default=0.0)
+    first_f: dict[int, int] = {}
+    for i, a in enumerate(actions):
+        if _opname(a.op) == "F":
+            first_f.setdefault(a.chunk, i)
+    cursor = 0.0  # time the rank reaches the current action of its list
+    stream = 0.0  # when the rank's reduction stream is free
+    done: dict[int, float] = {}
+
+    def ev(name: str, kind: str, s: float, e: float, **args: Any) -> None:
+        evs.append({"name": name, "kind": kind, "rank": p, "start": s * unit_s, "end": e * unit_s, "step": step,
+                    "args": args})
+
+    for i, a in enumerate(actions):
+        op = _opname(a.op)
+        if op in ("F", "B"):
+            cursor = comp_end[(op, a.chunk, a.mb)]
+        elif op == "LR":
+            start = max(cursor, stream)
+            stream = done[a.chunk] = start + t_reduce
+            ev(f"LR c{a.chunk}", "reduce_launch", cursor, cursor, chunk=a.chunk, instant=True)
+            if t_reduce > 0:
+                ev(f"reduce c{a.chunk}", "reduce", start, stream, chunk=a.chunk)
+        elif op in ("WR", "OS") and a.chunk in first_f and i < first_f[a.chunk]:
+            continue  # deferred: previous iteration's reduction / step
+        elif op == "WR":
+            cursor = max(cursor, last_compute)
+            t = done.get(a.chunk, cursor)
+            if t > cursor:
+                ev(f"WR c{a.chunk}", "reduce_wait", cursor, t, chunk=a.chunk)
+                cursor = t
+        elif op == "OS":
+            cursor = max(cursor, last_compute)
+            if t_optim > 0:
+                ev(f"OS c{a.chunk}", "optim", cursor, cursor + t_optim, chunk=a.chunk)
+                cursor += t_optim
+    return max(cursor, last_compute)

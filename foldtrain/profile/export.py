@@ -1,0 +1,317 @@
+"""Chrome-trace (Perfetto) export and a matplotlib Gantt chart of per-rank events.
+
+Both take ``events_by_rank`` in any shape :func:`~foldtrain.profile.analysis.as_rank_lists`
+accepts, from real runs (:func:`~foldtrain.profile.timeline.gather_timelines`) or the
+simulator (:func:`~foldtrain.profile.analysis.events_from_simulation`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable
+
+from .analysis import as_rank_lists, idle_intervals, step_windows, summarize
+
+# Chrome trace rows (tid) per event kind
+TRACE_ROWS: dict[str, tuple[int, str]] = {
+    "compute": (0, "compute"),
+    "recv_wait": (1, "p2p comm"),
+    "send": (1, "p2p comm"),
+    "reduce_launch": (2, "dp reduce (blocking)"),
+    "reduce_wait": (2, "dp reduce (blocking)"),
+    "reduce": (3, "dp reduce (in flight)"),
+    "optim": (4, "optimizer"),
+    "other": (5, "other"),
+    "step": (6, "step"),
+}
+
+
+def _is_instant(ev: dict[str, Any]) -> bool:
+    return bool((ev.get("args") or {}).get("instant")) or ev["end"] <= ev["start"]
+
+
+def _select_steps(ranks: list[list[dict]], steps: Iterable[Any] | None) -> list[list[dict]]:
+    if steps is None:
+        return ranks
+    keep = set(steps)
+    return [[ev for ev in evs if ev.get("step") in keep] for evs in ranks]
+
+
+def chrome_trace(events_by_rank: Any, steps: Iterable[Any] | None = None) -> dict[str, Any]:
+    """The Chrome trace-event dict (``{"traceEvents": [...]}``) of the events.
+
+    Complete events (``ph: "X"``) for every event with a duration, instant events
+    (``ph: "i"``) for ``Timeline.instant``; ``pid`` = rank, ``tid`` = row of the
+    event's kind (:data:`TRACE_ROWS`); timestamps in µs from the first event;
+    ``process_name`` ("rank N") and ``thread_name`` metadata.
+    """
+    ranks = _select_steps(as_rank_lists(events_by_rank), steps)
+    t0 = min((ev["start"] for evs in ranks for ev in evs), default=0.0)
+    out: list[dict[str, Any]] = []
+    for r, evs in enumerate(ranks):
+        out.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
+        out.append({"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "args": {"sort_index": r}})
+        used = sorted({TRACE_ROWS.get(ev["kind"], TRACE_ROWS["other"]) for ev in evs})
+        for tid, label in used:
+            out.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": label}})
+            out.append({"name": "thread_sort_index", "ph": "M", "pid": r, "tid": tid, "args": {"sort_index": tid}})
+        for ev in evs:
+            tid = TRACE_ROWS.get(ev["kind"], TRACE_ROWS["other"])[0]
+            args = dict(ev.get("args") or {})
+            if ev.get("step") is not None:
+                args.setdefault("step", ev["step"])
+            rec = {"name": ev["name"], "cat": ev["kind"], "pid": r, "tid": tid,
+                   "ts": (ev["start"] - t0) * 1e6, "args": args}
+            if _is_instant(ev):
+                rec.update(ph="i", s="t")
+            else:
+                rec.update(ph="X", dur=max(ev["end"] - ev["start"], 0.0) * 1e6)
+            out.append(rec)
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(path: str | os.PathLike, events_by_rank: Any, steps: Iterable[Any] | None = None) -> str:
+    """Write :func:`chrome_trace` as JSON to ``path`` (open it in https://ui.perfetto.dev or chrome://tracing)."""
+    path = os.fspath(path)
+    d = os.path.dirname(path)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(chrome_trace(events_by_rank, steps), f, default=str)
+    return path
+
+
+# --------------------------------------------------------------------------- Gantt chart
+
+_COLORS = {
+    "F": "#4C72B0",          # forward
+    "B": "#DD8452",          # backward
+    "fused": "#8172B3",      # other compute, e.g. fused head + loss
+    "recv_wait": "#D9D9D9",
+    "send": "#A0A0A0",
+    "reduce_wait": "#F4C7C3",
+    "reduce": ("#55A868", "#9CD3A8"),
+    "optim": "#C44E52",
+    "other": "#CCB974",
+    "idle": "#FFD54F",
+}
+
+
+def _compute_class(ev: dict[str, Any]) -> str:
+    op = (ev.get("args") or {}).get("op")
+    if op is None:
+        op = ev["name"].split(" ", 1)[0]
+    return op if op in ("F", "B") else "fused"
+
+
+def _reduce_bars(evs: list[dict]) -> list[tuple[float, float, Any]]:
+    """(start, end, chunk) of the data-parallel reductions in flight on one rank.
+
+    ``reduce`` events when recorded; otherwise each ``reduce_launch`` paired with
+    the next ``reduce_wait`` of the same chunk (launch -> end of the wait, an upper
+    bound of the completion); launches never waited for are dropped.
+    """
+    bars = [(ev["start"], ev["end"], (ev.get("args") or {}).get("chunk")) for ev in evs if ev["kind"] == "reduce"]
+    if bars:
+        return bars
+    pending: dict[Any, list[float]] = {}
+    for ev in sorted((e for e in evs if e["kind"] in ("reduce_launch", "reduce_wait")), key=lambda e: (e["start"], e["end"])):
+        c = (ev.get("args") or {}).get("chunk")
+        if ev["kind"] == "reduce_launch":
+            pending.setdefault(c, []).append(ev["start"])
+        elif pending.get(c):
+            bars.append((pending[c].pop(0), ev["end"], c))
+    return bars
+
+
+def plot_gantt(
+    path: str | os.PathLike,
+    events_by_rank: Any,
+    title: str = "",
+    *,
+    steps: Iterable[Any] | None = None,
+    stats: bool = True,
+    width: float = 14.0,
+    dpi: int = 130,
+) -> str:
+    """Write a Gantt chart PNG of the events (matplotlib, Agg; no pyplot state).
+
+    One row per rank (rank 0 on top): forwards and backwards in two colours
+    (labelled ``c<chunk> m<mb>`` where wide enough), other compute (fused head)
+    in a third, receive waits grey and hatched, blocking DP-reduction waits
+    hatched red, optimizer steps red; under each row a thin bar of the
+    data-parallel reductions in flight (launch -> completion); the intervals in
+    which no rank computes shaded across all rows. x axis: ms from the first
+    event. ``steps`` restricts the chart to those steps; ``stats`` adds the
+    all-rank idle / bubble / exposed-DP numbers under the title.
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    ranks = _select_steps(as_rank_lists(events_by_rank), steps)
+    n = max(len(ranks), 1)
+    all_ev = [ev for evs in ranks for ev in evs]
+    t0 = min((ev["start"] for ev in all_ev), default=0.0)
+    t1 = max((ev["end"] for ev in all_ev), default=t0 + 1e-3)
+    span_ms = max((t1 - t0) * 1e3, 1e-9)
+
+    def x(t: float) -> float:
+        return (t - t0) * 1e3
+
+    head_in = 0.75 if (stats or title) else 0.25
+    foot_in = 1.05  # x label + legend
+    height = head_in + 0.62 * n + 0.3 + foot_in
+    fig = Figure(figsize=(width, height), dpi=dpi)
+    left, right = 0.06, 0.985
+    fig.subplots_adjust(left=left, right=right, bottom=foot_in / height, top=1.0 - head_in / height)
+    ax = fig.add_subplot(1, 1, 1)
+    axes_px = (right - left) * width * dpi
+    px_per_ms = axes_px / (span_ms * 1.02)
+    char_px = 7 * dpi / 72 * 0.6  # ~ width of one 7 pt character
+
+    main_h, main_y = 0.58, -0.40  # main band: [r + main_y, r + main_y + main_h]
+    thin_h, thin_y = 0.16, 0.23   # DP reductions: [r + thin_y, r + thin_y + thin_h]
+    present: set[str] = set()
+    n_labels = 0
+    max_labels = 3000
+
+    for r, evs in enumerate(ranks):
+        groups: dict[str, list[tuple[float, float]]] = {}
+        for ev in evs:
+            kind = ev["kind"]
+            if kind in ("step", "reduce", "reduce_launch") or _is_instant(ev):
+                continue
+            key = _compute_class(ev) if kind == "compute" else kind
+            if key not in _COLORS:
+                key = "other"
+            groups.setdefault(key, []).append((x(ev["start"]), max(x(ev["end"]) - x(ev["start"]), 1e-9)))
+            if kind == "compute" and n_labels < max_labels:
+                a = ev.get("args") or {}
+                if "chunk" in a and "mb" in a:
+                    w_px = (ev["end"] - ev["start"]) * 1e3 * px_per_ms
+                    for label in (f"c{a['chunk']} m{a['mb']}", f"c{a['chunk']}m{a['mb']}"):
+                        if w_px >= len(label) * char_px + 3:
+                            ax.text((x(ev["start"]) + x(ev["end"])) / 2, r + main_y + main_h / 2, label, ha="center",
+                                    va="center", fontsize=7, color="white", clip_on=True, zorder=4)
+                            n_labels += 1
+                            break
+        for key, bars in groups.items():
+            present.add(key)
+            style: dict[str, Any] = {"facecolors": _COLORS[key], "edgecolor": "white", "linewidth": 0.6, "zorder": 3}
+            if key == "recv_wait":
+                style.update(hatch="////", edgecolor="#8C8C8C", linewidth=0.4)
+            elif key == "reduce_wait":
+                style.update(hatch="xxx", edgecolor="#C44E52", linewidth=0.4)
+            elif key == "send":
+                style.update(edgecolor="none")
+            ax.broken_barh(bars, (r + main_y, main_h), **style)
+        # data-parallel reductions in flight
+        red = _reduce_bars(evs)
+        if red:
+            present.add("reduce")
+            cols = _COLORS["reduce"]
+            ax.broken_barh([(x(s), max(x(e) - x(s), 1e-9)) for s, e, _ in red], (r + thin_y, thin_h),
+                           facecolors=[cols[i % 2] for i in range(len(red))], edgecolor="#2F6B3C", linewidth=0.4, zorder=3)
+            for s, e, c in red:
+                label = f"c{c}"
+                if c is not None and (e - s) * 1e3 * px_per_ms >= len(label) * char_px * 0.85 + 2:
+                    ax.text((x(s) + x(e)) / 2, r + thin_y + thin_h / 2, label, ha="center", va="center", fontsize=6,
+                            color="#143D1E", clip_on=True, zorder=4)
+        launches = [x(ev["start"]) for ev in evs if ev["kind"] == "reduce_launch"]
+        if launches:
+            present.add("reduce_launch")
+            ax.vlines(launches, r + thin_y - 0.03, r + thin_y + thin_h + 0.03, colors="#2F6B3C", linewidth=0.9, zorder=4)
+
+    for s, e in idle_intervals(ranks):
+        present.add("idle")
+        ax.axvspan(x(s), x(e), color=_COLORS["idle"], alpha=0.35, zorder=1, linewidth=0)
+    wins = step_windows(ranks)
+    if len(wins) > 1 or (wins and wins[0][0] is not None):
+        for st, lo, hi in wins:
+            ax.axvline(x(lo), color="#666666", linestyle="--", linewidth=0.7, zorder=2)
+            ax.axvline(x(hi), color="#666666", linestyle="--", linewidth=0.7, zorder=2)
+            if st is not None and len(wins) > 1:
+                ax.text(x(lo), -0.62, f" step {st}", fontsize=7, color="#444444", va="bottom", ha="left")
+
+    ax.set_ylim(n - 0.5, -0.72)
+    ax.set_yticks(range(n))
+    ax.set_yticklabels([f"rank {r}" for r in range(n)])
+    ax.set_xlim(-0.01 * span_ms, span_ms * 1.01)
+    ax.set_xlabel("time (ms)")
+    ax.grid(axis="x", color="#E5E5E5", linewidth=0.6, zorder=0)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+    heading = title
+    if stats and all_ev:
+        summ = summarize(ranks)
+        if summ:
+            m = summ[-1]
+            note = "" if len(summ) <= 2 else f" (mean of steps {', '.join(map(str, m['steps']))})"
+            line = (f"step {m['duration'] * 1e3:.3g} ms · all-rank idle {m['all_idle']:.1%} · "
+                    f"bubble mean {m['bubble_mean']:.1%} · exposed DP wait (max over ranks) "
+                    f"{m['reduce_wait_max'] * 1e3:.3g} ms{note}")
+            heading = f"{title}\n{line}" if title else line
+    if heading:
+        ax.set_title(heading, fontsize=10, loc="left")
+
+    labels = {
+        "F": ("forward", dict(facecolor=_COLORS["F"])),
+        "B": ("backward", dict(facecolor=_COLORS["B"])),
+        "fused": ("other compute (fused head)", dict(facecolor=_COLORS["fused"])),
+        "recv_wait": ("recv wait", dict(facecolor=_COLORS["recv_wait"], hatch="////", edgecolor="#8C8C8C")),
+        "send": ("send", dict(facecolor=_COLORS["send"])),
+        "reduce_wait": ("DP reduce wait (blocked)", dict(facecolor=_COLORS["reduce_wait"], hatch="xxx", edgecolor="#C44E52")),
+        "reduce": ("DP reduction in flight", dict(facecolor=_COLORS["reduce"][0], edgecolor="#2F6B3C")),
+        "optim": ("optimizer step", dict(facecolor=_COLORS["optim"])),
+        "other": ("other", dict(facecolor=_COLORS["other"])),
+        "idle": ("all ranks idle", dict(facecolor=_COLORS["idle"], alpha=0.5)),
+    }
+    handles = [Patch(label=lab, **kw) for key, (lab, kw) in labels.items() if key in present]
+    if handles:
+        fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.02), ncol=min(len(handles), 7),
+                   fontsize=8, frameon=False)
+    path = os.fspath(path)
+    d = os.path.dirname(path)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    return path
+
+
+# --------------------------------------------------------------------------- saving gathered events
+
+
+def save_events(path: str | os.PathLike, events_by_rank: Any) -> str:
+    """Write per-rank events as JSON ``{"ranks": [[event, ...], ...]}`` (read back by :func:`load_events`)."""
+    path = os.fspath(path)
+    d = os.path.dirname(path)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"ranks": as_rank_lists(events_by_rank)}, f, default=str)
+    return path
+
+
+def load_events(*paths: str | os.PathLike) -> list[list[dict[str, Any]]]:
+    """Per-rank events from files written by :func:`save_events` or ``Timeline.to_json`` (one per rank).
+
+    Events of a ``Timeline.to_json`` file go to that timeline's rank; the files
+    must already share a time base (e.g. events gathered and saved by rank 0).
+    """
+    flat: list[dict[str, Any]] = []
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        if isinstance(d, dict) and "ranks" in d:
+            for r, evs in enumerate(d["ranks"]):
+                flat += [dict(ev, rank=r) for ev in evs]
+        elif isinstance(d, dict) and "events" in d:
+            flat += [dict(ev, rank=d["rank"]) for ev in d["events"]]
+        elif isinstance(d, dict):
+            raise ValueError(f"{p}: not an events file (want save_events or Timeline.to_json output, e.g. not a Chrome trace)")
+        else:  # a bare list of per-rank lists, or of events
+            flat += [dict(ev, rank=r) for r, evs in enumerate(as_rank_lists(d)) for ev in evs]
+    return as_rank_lists(flat)

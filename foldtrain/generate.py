@@ -12,7 +12,10 @@ def sample(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, context: in
     was_training = model.training
     model.eval()
     for _ in range(max_new_tokens):
-        logits = model(idx[:, -context:])[:, -1, :].float()
+        logits = model(idx[:, -context:])
+        if hasattr(logits, "full_tensor"):  # vocab-sharded logits of a tensor-parallel model
+            logits = logits.full_tensor()
+        logits = logits[:, -1, :].float()
         if temperature <= 0:
             nxt = logits.argmax(dim=-1, keepdim=True)
         else:

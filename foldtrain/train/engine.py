@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from foldtrain.model.gpt import lm_loss
+from foldtrain.parallel.tp_loss import tp_loss
 from foldtrain.train.lr import WarmupCosine
 from foldtrain.train.precision import Precision
 
@@ -77,6 +77,10 @@ class Engine:
     def reduce_scalar(self, value: torch.Tensor) -> torch.Tensor:
         return value
 
+    def global_finite(self, finite: bool) -> bool:
+        """Agree on the loss scaler's skip decision across ranks that hold different gradient shards."""
+        return finite
+
     def apply_update(self, grads_finite: bool) -> None:
         """Clip and step the optimizer on the (synchronised) gradients, unless they overflowed."""
         if grads_finite:
@@ -109,7 +113,7 @@ class Engine:
 
     def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self.precision.forward_context():
-            return lm_loss(self.model(x), y)
+            return tp_loss(self.model(x), y)  # = lm_loss on plain logits; vocab-parallel on sharded ones
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Forward/backward this rank's rows of the global batch and update; returns the global mean loss."""
@@ -128,7 +132,7 @@ class Engine:
             for (_, p), m in zip(self.named_params, self.master):
                 m.grad = None if p.grad is None else p.grad.float()
         opt_params = self.optimizer_params()
-        finite = scaler.unscale_and_check([p.grad for p in opt_params if p.grad is not None])
+        finite = self.global_finite(scaler.unscale_and_check([p.grad for p in opt_params if p.grad is not None]))
         self.apply_update(finite)
         scaler.update(finite)
         self.zero_grad()

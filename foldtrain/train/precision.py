@@ -40,8 +40,9 @@ class LossScaler:
         finite = torch.ones((), dtype=torch.bool, device=grads[0].device if grads else "cpu")
         for g in grads:
             g.mul_(inv)
-            finite &= torch.isfinite(g).all()
-        return bool(finite)
+            local = g.to_local() if hasattr(g, "to_local") else g  # DTensor: this rank's shard
+            finite &= torch.isfinite(local).all()
+        return bool(finite)  # this rank's verdict; the engine makes it global (Engine.global_finite)
 
     def update(self, found_finite: bool) -> None:
         if not self.enabled:

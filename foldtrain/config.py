@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import tomllib
 import types
 import typing
@@ -351,12 +352,22 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
 def validate_world(cfg: Config, world_size: int) -> None:
     """Checks that need the launch's world size; run on every rank before any collective."""
     d, t = cfg.dp, cfg.train
+    if d.strategy == "horovod" and importlib.util.find_spec("horovod") is None:
+        raise ConfigError(
+            "--dp.strategy horovod needs Horovod, which is not installed (it builds from PyPI only with patches for torch 2.x); "
+            "use --dp.strategy allreduce, foldtrain's Horovod-style ring all-reduce"
+        )
     if d.strategy == "none" and world_size > 1 and cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.tp == 1:
         raise ConfigError(f"--dp.strategy none runs one process but {world_size} were launched; pick a strategy (e.g. --dp.strategy ddp) or launch one process")
     if d.ps_servers and d.strategy != "ps":
         raise ConfigError("--dp.ps_servers only applies to --dp.strategy ps; remove it or choose ps")
     if d.ps_servers >= world_size and d.strategy == "ps":
         raise ConfigError(f"--dp.ps_servers {d.ps_servers} leaves no worker among {world_size} ranks; use fewer servers or launch more ranks")
+    from foldtrain.parallel.layout import uses_3d_engine, validate_layout
+
+    if uses_3d_engine(cfg):  # mesh sizes, schedule, chunk split, tensor-parallel divisibility
+        validate_layout(cfg, world_size)
+        return
     workers = dp_workers(cfg, world_size)
     micro = t.micro_batch or max(1, t.global_batch // workers)
     if t.global_batch % (workers * micro):

@@ -86,7 +86,8 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, ckpt: CheckpointManager) 
         engine.load_state_dict(state)
         start = int(meta["step"])
     else:
-        torch.manual_seed(cfg.train.seed + 1000 * env.rank)  # dropout streams differ per rank
+        # dropout streams differ per data/pipeline rank; tensor-parallel ranks share one (replicated activations)
+        torch.manual_seed(cfg.train.seed + 1000 * (env.rank // cfg.parallel.tp))
 
     log = RunLogger(out, env.is_main, t.steps, start, t.progress)
     log.info(f"model {cfg.model.preset}: {n_params:,} parameters (analytic {analytic:,}); {env.world_size} process(es), strategy {cfg.dp.strategy}, precision {cfg.precision}, device {env.device}")

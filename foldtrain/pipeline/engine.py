@@ -1,0 +1,388 @@
+"""The 3D-parallel training engine: data x pipeline x tensor parallel, any pipeline schedule.
+
+``PipelineEngine`` is the ``Engine`` for every run with ``--parallel.dp/pp/tp`` above 1:
+
+* layout: :func:`foldtrain.parallel.layout.validate_layout` (micro-batches, layer split) and the
+  ``(dp, pp, tp)`` mesh of :mod:`foldtrain.parallel.mesh` (TP innermost, Megatron placement);
+* model: this pipeline rank's ``V`` chunks (:mod:`.stage`), full-model parameter names, Megatron
+  tensor parallelism inside each chunk when ``tp > 1`` (``foldtrain.parallel.tensor``), optional
+  activation recomputation (``--ac full``);
+* one AdamW and one LR schedule per local chunk, so a chunk can step as soon as its own gradients
+  are reduced (Fold3D's per-chunk reduction, and the deferred steps of ``--fold.defer_reduce``);
+* the schedule (:func:`foldtrain.pipeline.schedules.build_schedule`) run by the single
+  :class:`~.executor.Executor`.
+
+Numerics: a step is the single-process step on the same global batch with the same micro-batch
+size: every micro-batch loss is divided by the micro-batch count ``M``, gradients averaged over
+data-parallel ranks, the tied embedding / output-projection gradients summed over their two
+copies, then one global-norm clip and AdamW. In fp32 it matches ``Engine`` to rounding.
+``bf16`` / ``fp16`` autocast work (fp16 with the dynamic ``LossScaler``: one overflow decision over
+all ranks, every chunk skips together); the ``*-master`` modes are refused by the layout check.
+
+``--profile``: every rank records its actions in a :class:`foldtrain.profile.Timeline`; after each
+step the timelines are gathered on rank 0 (a collective), ``stats()`` reports the step's mean
+``bubble_fraction``, ``all_rank_idle_fraction`` and ``exposed_dp_comm_s`` (longest blocking
+data-parallel wait), and at the end of training rank 0 writes ``timeline.json`` (Chrome trace of
+the last steps) and ``gantt.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from foldtrain.errors import ConfigError
+from foldtrain.model.gpt import GPT, GPTShape
+from foldtrain.parallel.layout import validate_layout
+from foldtrain.parallel.mesh import get_topology
+from foldtrain.pipeline.executor import ChunkReducer, Executor, P2P, _local
+from foldtrain.pipeline.schedules import build_schedule
+from foldtrain.pipeline.stage import apply_activation_checkpointing, build_chunks
+from foldtrain.train.engine import Engine, build_optimizer
+from foldtrain.train.lr import WarmupCosine
+from foldtrain.train.precision import Precision
+
+PROFILE_KEEP_STEPS = 3  # steps kept for timeline.json / gantt.png
+
+
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "_local_tensor") and hasattr(t, "device_mesh")
+
+
+class PipelineEngine(Engine):
+    """One rank of a 3D-parallel run (see the module docstring)."""
+
+    def __init__(self, model: GPT, cfg, device: torch.device, micro_batch: int | None = None):
+        if not dist.is_initialized():
+            raise ConfigError("the 3D engine (--parallel.dp/pp/tp) needs a process group; launch with torchrun")
+        self.cfg = cfg
+        self.device = device
+        world = dist.get_world_size()
+        self.layout = lay = validate_layout(cfg, world)
+        self.micro_batch = lay.micro_batch
+        self.precision = Precision(cfg.precision, device)
+        self.topo = topo = get_topology(lay.dp, lay.pp, lay.tp, device.type, cfg.dp.timeout_s)
+        self.rank = topo.rank
+        self.dp_rank, self.dp_world = topo.dp_rank, lay.dp
+        self.shape: GPTShape = model.shape
+        self.n_parts = len(model.parts)
+        # full-model parameter order and names (tied weight once), for the checkpoint's param_groups
+        full_named = list(model.named_parameters())
+        self._full_decay = [n for n, p in full_named if p.dim() >= 2]
+        self._full_no_decay = [n for n, p in full_named if p.dim() < 2]
+        self.emb_fqn = "parts.0.wte.weight"
+        self.head_fqn = f"parts.{self.n_parts - 1}.lm_head.weight"
+
+        # ---- model chunks
+        chunks = build_chunks(model, lay.layers, lay.pp, topo.pp_rank)
+        for c in chunks:
+            c.to(device=device, dtype=self.precision.param_dtype)
+        if lay.tp > 1:
+            from foldtrain.parallel.tensor import apply_tensor_parallel
+
+            for c in chunks:
+                apply_tensor_parallel(c, topo.tp_mesh)
+        if cfg.ac == "full":
+            for c in chunks:
+                apply_activation_checkpointing(c)
+        self.chunks = {c.segment: c for c in chunks}
+        self.model = nn.ModuleList(chunks)  # this rank's parameters (names: "<i>.parts....")
+        self.named_params = [(n, p) for c in chunks for n, p in c.named_parameters()]
+        self.split_tie = lay.pp > 1
+        # the tied weight copy each end holds when the pipeline splits the tie
+        self.tied = {}
+        if self.split_tie:
+            if 0 in self.chunks:
+                self.tied[0] = self.chunks[0].parts["0"].wte.weight
+            last = lay.segments - 1
+            if last in self.chunks:
+                self.tied[last] = self.chunks[last].head.lm_head.weight
+
+        # ---- per-chunk optimizers and LR schedules
+        self.schedule = WarmupCosine(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.steps)
+        self.optimizers = {s: build_optimizer(list(c.named_parameters()), cfg.optim) for s, c in self.chunks.items()}
+        self.lr_schedulers = {s: torch.optim.lr_scheduler.LambdaLR(o, self.schedule) for s, o in self.optimizers.items()}
+        self.optimizer = self.optimizers[min(self.optimizers)]
+        self.lr_scheduler = self.lr_schedulers[min(self.lr_schedulers)]
+        self.master_model, self.master = None, None
+        self.iteration = 0
+        self.last_grad_norm = 0.0
+        self._step_ok = True
+
+        # ---- schedule, transport, executor
+        self.pipeline_schedule = build_schedule(cfg.parallel.schedule, lay.pp, lay.virtual, lay.microbatches,
+                                                cfg.parallel.dp_sync, cfg.fold.defer_reduce)
+        self.any_deferred = bool(self.pipeline_schedule.deferred_chunks(topo.pp_rank))
+        timeout = cfg.dp.timeout_s
+        self.p2p = P2P(topo, timeout, device)
+        reducers = {
+            s: ChunkReducer(s, list(c.parameters()), self.tied.get(s), topo, timeout, self.p2p.cpu_timeout)
+            for s, c in self.chunks.items()
+        }
+        if lay.tp > 1:
+            from foldtrain.parallel.tensor import tp_loss as loss_fn
+        else:
+            from foldtrain.model.gpt import lm_loss as loss_fn
+        from foldtrain.profile import Timeline
+
+        self.timeline = Timeline(self.rank, enabled=bool(cfg.profile))
+        sync = torch.cuda.synchronize if (cfg.profile and device.type == "cuda") else None
+        self.executor = Executor(
+            self.chunks, lay.segments, topo, self.p2p, reducers, self._step_chunk, self._before_steps,
+            self.precision, loss_fn, torch.float32, self.shape.d_model, self.timeline, sync,
+        )
+        self._profile_events: list[list[list[dict]]] = []  # gathered per step (rank 0)
+        self._stats: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ optimizer side
+    def _chunk_grads_params(self, segs) -> list:
+        return [p for s in segs for p in self.chunks[s].parameters()]
+
+    def _before_steps(self) -> None:
+        """Once per iteration before the first (non-deferred) optimizer step: fp16 overflow check,
+        global gradient norm (all chunks, pipeline and TP ranks; the tied weight counted once), clip."""
+        segs = sorted(self.chunks)
+        params = self._chunk_grads_params(segs)
+        scaler = self.precision.scaler
+        if scaler.enabled:
+            finite = scaler.unscale_and_check([_local(p.grad) for p in params if p.grad is not None])
+            flag = torch.tensor([1.0 if finite else 0.0], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            self._step_ok = bool(flag.item() > 0)
+        if self.any_deferred:
+            # the deferred chunks' gradients of this iteration are not reduced yet: no global norm
+            # (grad_clip must be 0, checked by validate_layout)
+            self.last_grad_norm = 0.0
+            return
+        if not self._step_ok:
+            return  # overflow: the step is skipped (as in Engine, the logged norm keeps its last value)
+        head_copy = self.tied.get(self.layout.segments - 1) if self.split_tie else None
+        norm_params = [p for p in params if p is not head_copy]
+        if self.layout.tp > 1:
+            from foldtrain.parallel.tensor import grad_norm
+
+            local = grad_norm(norm_params).float()
+        else:
+            grads = [p.grad for p in norm_params if p.grad is not None]
+            local = torch.nn.utils.get_total_norm(grads, foreach=True).float() if grads else torch.zeros((), device=self.device)
+        sq = (local**2).reshape(1).to(self.device)
+        if self.layout.pp > 1:
+            work = dist.all_reduce(sq, group=self.topo.pp_group, async_op=True)
+            self.p2p.wait_collective(work, "all-reduce of the gradient norm over pipeline ranks")
+        norm = sq.sqrt()[0]
+        clip = self.cfg.optim.grad_clip
+        if clip > 0:
+            coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        g = _local(p.grad)
+                        g.mul_(coef.to(g.device, g.dtype))
+        self.last_grad_norm = float(norm)
+
+    def _step_chunk(self, s: int) -> None:
+        if self._step_ok:
+            self.optimizers[s].step()
+        self.lr_schedulers[s].step()
+        self.optimizers[s].zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ the step
+    @property
+    def lr(self) -> float:
+        return self.cfg.optim.lr * self.schedule(self.iteration)
+
+    def _split(self, x: torch.Tensor, y: torch.Tensor) -> tuple[list, list]:
+        lay = self.layout
+        if x.shape[0] != lay.microbatches * lay.micro_batch:
+            raise ConfigError(
+                f"the 3D engine expected {lay.microbatches * lay.micro_batch} rows per data-parallel rank "
+                f"({lay.microbatches} micro-batches of {lay.micro_batch}), got {x.shape[0]}"
+            )
+        return list(x.split(lay.micro_batch)), list(y.split(lay.micro_batch))
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        xs, ys = self._split(x, y)
+        self._step_ok = True
+        step = self.iteration
+        self.timeline.begin_step(step)
+        loss_sum = self.executor.run(self.pipeline_schedule, xs, ys)
+        self.timeline.end_step(step)
+        self.precision.scaler.update(self._step_ok)
+        self.iteration += 1
+        loss = self._global_loss(loss_sum)
+        if self.cfg.profile:
+            self._profile_step()
+        return loss
+
+    def _global_loss(self, loss_sum: torch.Tensor) -> float:
+        """Mean over data-parallel ranks of the last pipeline stage's loss, on every rank (one all-reduce)."""
+        contributes = self.topo.pp_rank == self.layout.pp - 1 and self.topo.tp_rank == 0
+        t = (loss_sum.detach().float() / self.layout.dp if contributes else torch.zeros((), device=self.device)).reshape(1)
+        t = t.to(self.device)
+        dist.all_reduce(t)
+        return float(t[0])
+
+    def flush(self) -> None:
+        """Complete deferred reductions and optimizer steps (``--fold.defer_reduce``)."""
+        self.executor.flush()
+
+    def zero_grad(self) -> None:
+        for o in self.optimizers.values():
+            o.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean loss of ``batches`` (the same on every rank), forward-only through the pipeline."""
+        self.flush()
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        try:
+            for x, y in batches:
+                x, y = x.to(self.device), y.to(self.device)
+                xs, ys = list(x.split(self.micro_batch)), list(y.split(self.micro_batch))
+                losses = self.executor.forward_only(xs, ys)
+                if losses:
+                    total += sum(l * xm.shape[0] for l, xm in zip(losses, xs)) / x.shape[0]
+        finally:
+            self.model.train()
+        return self._global_loss(total / max(len(batches), 1))
+
+    # ------------------------------------------------------------------ profiling
+    def _profile_step(self) -> None:
+        from foldtrain.profile import gather_timelines, summarize
+
+        gathered = gather_timelines(self.timeline)
+        self.timeline.clear()
+        if gathered is None:
+            return
+        self._profile_events.append(gathered)
+        self._profile_events = self._profile_events[-PROFILE_KEEP_STEPS:]
+        s = [x for x in summarize(gathered, skip_first=False) if x.get("step") != "mean"]
+        if s:
+            s = s[-1]
+            self._stats = {
+                "bubble_fraction": s["bubble_mean"],
+                "bubble_fraction_max": s["bubble_max"],
+                "all_rank_idle_fraction": s["all_idle"],
+                "exposed_dp_comm_s": s["reduce_wait_max"],
+            }
+        end = min(self.cfg.train.steps, self.cfg.train.stop_at) if self.cfg.train.stop_at else self.cfg.train.steps
+        if self.iteration == end:
+            self.write_profile(Path(self.cfg.out))
+
+    def profile_events(self) -> list[list[dict]]:
+        """The kept steps' events per global rank (rank 0 only; empty elsewhere)."""
+        if not self._profile_events:
+            return []
+        n = len(self._profile_events[0])
+        return [[ev for g in self._profile_events for ev in g[r]] for r in range(n)]
+
+    def write_profile(self, out: Path) -> dict:
+        """Rank 0: write ``timeline.json`` and ``gantt.png`` of the kept steps and print the per-step table."""
+        from foldtrain.profile import format_summary, plot_gantt, summarize, write_chrome_trace
+
+        events = self.profile_events()
+        if not events:
+            return {}
+        out.mkdir(parents=True, exist_ok=True)
+        lay = self.layout
+        write_chrome_trace(out / "timeline.json", events)
+        title = (f"{self.cfg.parallel.schedule} dp={lay.dp} pp={lay.pp} tp={lay.tp} V={lay.virtual} M={lay.microbatches} "
+                 f"dp_sync={self.cfg.parallel.dp_sync}" + (" defer_reduce" if self.cfg.fold.defer_reduce else ""))
+        plot_gantt(out / "gantt.png", events, title)
+        summaries = summarize(events)
+        print(f"pipeline profile ({title}); timeline.json and gantt.png in {out}\n{format_summary(summaries)}", flush=True)
+        return summaries[-1] if summaries else {}
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._stats)
+
+    # ------------------------------------------------------------------ checkpoint state
+    def _save_fqn(self, fqn: str) -> str:
+        """The checkpoint key of a chunk parameter's optimizer state: the last rank's copy of the tied
+        weight shares the embedding's key (their states are identical), as in a single-process run."""
+        return self.emb_fqn if (self.split_tie and fqn == self.head_fqn) else fqn
+
+    def _full_param_groups(self) -> list[dict]:
+        """The optimizer's param_groups as the single-process ``Engine`` saves them (full-model names),
+        identical on every rank."""
+        groups = []
+        for g in self.optimizer.param_groups:
+            decay = g["weight_decay"] > 0
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            groups.append({**hyper, "params": list(self._full_decay if decay else self._full_no_decay)})
+        return groups
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        self.flush()
+        model_sd, optim_state = {}, {}
+        for s, c in self.chunks.items():
+            model_sd.update(get_model_state_dict(c))
+            osd = get_optimizer_state_dict(c, self.optimizers[s])
+            for fqn, st in osd["state"].items():
+                optim_state[self._save_fqn(fqn)] = st
+        return {
+            "model": model_sd,
+            "optim": {"state": optim_state, "param_groups": self._full_param_groups()},
+            "lr_scheduler": {"last_epoch": self.iteration},
+            "scaler": self.precision.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+
+        self.executor.step_pending.clear()
+        for r in self.executor.reducers.values():
+            r.pending, r.work, r.tie_work, r.flat = False, None, None, None
+        for s, c in self.chunks.items():
+            keys = set(c.state_dict().keys())
+            set_model_state_dict(c, {k: v for k, v in sd["model"].items() if k in keys})
+            osd = get_optimizer_state_dict(c, self.optimizers[s])
+            osd["state"] = {fqn: sd["optim"]["state"][self._save_fqn(fqn)] for fqn in osd["state"]}
+            set_optimizer_state_dict(c, self.optimizers[s], osd)
+        self.iteration = int(sd["lr_scheduler"]["last_epoch"])
+        for o, sch in zip(self.optimizers.values(), self.lr_schedulers.values()):
+            sch.last_epoch = self.iteration
+            for g in o.param_groups:
+                g["lr"] = g["initial_lr"] * self.schedule(self.iteration)
+            sch._last_lr = [g["lr"] for g in o.param_groups]
+        self.precision.scaler.load_state_dict(sd["scaler"])
+
+    # ------------------------------------------------------------------ the full model
+    def eval_model(self) -> nn.Module | None:
+        """Collective: the full fp32 model with the current weights on global rank 0, None elsewhere.
+
+        Every rank turns its chunks' weights into full tensors (DTensors gathered over TP), the ranks
+        of data-parallel replica 0 and TP rank 0 send theirs to rank 0, which loads them into a fresh GPT.
+        """
+        self.flush()
+        sd = {}
+        for c in self.chunks.values():
+            for k, v in c.state_dict().items():
+                if _is_dtensor(v):
+                    v = v.full_tensor()
+                sd[k] = v.detach().float().cpu()
+        contributes = self.topo.dp_rank == 0 and self.topo.tp_rank == 0
+        gathered = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(sd if contributes else None, gathered, dst=0)
+        if self.rank != 0:
+            return None
+        merged = {}
+        for part in gathered:
+            if part:
+                merged.update(part)
+        if self.split_tie:
+            merged.pop(self.head_fqn, None)  # the copy equals the embedding; the full model ties them
+        with torch.random.fork_rng(devices=[]):  # building a model must not move rank 0's RNG stream
+            full = GPT(self.shape)
+        missing, unexpected = full.load_state_dict(merged, strict=False)
+        missing = [k for k in missing if k != self.head_fqn]
+        if missing or unexpected:  # pragma: no cover - a bug in the split
+            raise RuntimeError(f"eval_model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        return full.to(self.device)

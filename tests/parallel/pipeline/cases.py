@@ -1,0 +1,104 @@
+"""The cases the 3D-engine worker runs, per world size (torch-free; shared by worker and pytest).
+
+Equivalence cases: EVERY schedule x dp_sync on each layout ``(dp, pp, tp, V)``, except the
+combinations a schedule cannot run, skipped here explicitly:
+
+* ``1f1b`` runs one chunk per rank: only ``V == 1``;
+* ``interleaved-1f1b`` needs ``V >= 2`` (and ``M`` a multiple of ``P``: every layout here uses
+  ``M = 4``, a multiple of every ``P``);
+* ``fold`` with ``--fold.defer_reduce`` (only meaningful with ``dp_sync per-chunk``, and only with
+  ``--optim.grad_clip 0``) is one extra case per layout.
+"""
+
+from __future__ import annotations
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "fold")
+DP_SYNCS = ("after-flush", "per-chunk")
+STEPS = 5
+MICRO = 2  # rows per micro-batch
+M = 4  # micro-batches per data-parallel rank
+
+
+def valid(schedule: str, v: int) -> bool:
+    if schedule == "1f1b":
+        return v == 1  # 1F1B runs one chunk per rank
+    if schedule == "interleaved-1f1b":
+        return v >= 2  # interleaving needs several chunks per rank
+    return True
+
+
+def _cases_for(layout: tuple[int, int, int, int], n_layer: int = 8, tag: str = "", **extra) -> list[dict]:
+    dp, pp, tp, v = layout
+    out = []
+    for sched in SCHEDULES:
+        if not valid(sched, v):
+            continue  # explicitly skipped: see the module docstring
+        for sync in DP_SYNCS:
+            out.append(dict(layout=layout, schedule=sched, dp_sync=sync, defer=False, n_layer=n_layer, **extra))
+    out.append(dict(layout=layout, schedule="fold", dp_sync="per-chunk", defer=True, n_layer=n_layer, **extra))
+    for c in out:
+        c["id"] = case_id(c, tag)
+    return out
+
+
+def case_id(c: dict, tag: str = "") -> str:
+    dp, pp, tp, v = c["layout"]
+    s = f"dp{dp}-pp{pp}-tp{tp}-v{v}-{c['schedule']}-{c['dp_sync']}" + ("-defer" if c["defer"] else "")
+    return s + (f"-{tag}" if tag else "")
+
+
+def _one(layout, schedule, dp_sync, tag, defer=False, n_layer=8, **extra) -> dict:
+    c = dict(layout=layout, schedule=schedule, dp_sync=dp_sync, defer=defer, n_layer=n_layer, **extra)
+    c["id"] = case_id(c, tag)
+    return c
+
+
+def equivalence_cases(world: int) -> list[dict]:
+    if world == 2:
+        return [
+            *_cases_for((1, 2, 1, 1)),
+            *_cases_for((1, 2, 1, 2)),
+            *_cases_for((1, 1, 2, 1), n_layer=2, m=2),  # TP (DTensor) steps are slow on CPU: shallow, 2 micro-batches
+            # uneven split: 7 layers in 4 segments (2, 2, 2, 1), and explicit counts
+            _one((1, 2, 1, 2), "fold", "per-chunk", "7layers", n_layer=7),
+            _one((1, 2, 1, 2), "interleaved-1f1b", "after-flush", "7layers", n_layer=7),
+            _one((1, 2, 1, 2), "gpipe", "per-chunk", "split1321", n_layer=7, layers_per_chunk=[1, 3, 2, 1]),
+            # activation recomputation, and autocast precisions (looser tolerance)
+            _one((1, 2, 1, 2), "fold", "per-chunk", "ac", ac="full"),
+            _one((1, 2, 1, 1), "1f1b", "after-flush", "bf16", precision="bf16"),
+            _one((1, 2, 1, 1), "1f1b", "per-chunk", "fp16", precision="fp16"),
+        ]
+    if world == 4:
+        return [
+            *_cases_for((1, 4, 1, 2)),
+            *_cases_for((2, 2, 1, 2)),
+            _one((4, 1, 1, 1), "gpipe", "per-chunk", "dponly"),
+        ]
+    if world == 8:
+        return _cases_for((2, 2, 2, 1), n_layer=2, m=2)  # 8 processes on few cores: 2 micro-batches
+    return []
+
+
+# checkpoint / resume cases (world 4): save at step 3 of 6, reload, continue
+CKPT_CASES = [
+    dict(id="ckpt-dp2-pp2-tp1-v2-fold-per-chunk", layout=(2, 2, 1, 2), schedule="fold", dp_sync="per-chunk", defer=False, n_layer=8),
+    dict(id="ckpt-dp2-pp2-tp1-v2-fold-per-chunk-defer", layout=(2, 2, 1, 2), schedule="fold", dp_sync="per-chunk", defer=True, n_layer=8),
+    # DTensor (TP-sharded) weights and optimizer states, the tied copy's state under the embedding's key
+    dict(id="ckpt-dp1-pp2-tp2-v1-1f1b-after-flush", layout=(1, 2, 2, 1), schedule="1f1b", dp_sync="after-flush", defer=False, n_layer=2),
+]
+
+# profile cases (world 2): sleep-based blocks of fixed duration
+PROFILE_CASES = [
+    dict(id="profile-gpipe-p2-m4", layout=(1, 2, 1, 1), schedule="gpipe", n_layer=2),
+    dict(id="profile-1f1b-p2-m4", layout=(1, 2, 1, 1), schedule="1f1b", n_layer=2),
+    dict(id="profile-fold-p2-v2-m4", layout=(1, 2, 1, 2), schedule="fold", n_layer=4),
+]
+
+
+def all_ids(world: int) -> list[str]:
+    ids = [c["id"] for c in equivalence_cases(world)]
+    if world == 4:
+        ids += [c["id"] for c in CKPT_CASES]
+    if world == 2:
+        ids += [c["id"] for c in PROFILE_CASES]
+    return ids

@@ -1,0 +1,321 @@
+"""torchrun worker for the 3D-engine tests: many cases in one launch, JSON results on rank 0.
+
+    torchrun --nproc-per-node N tests/parallel/pipeline/worker.py SUITE OUT_DIR
+
+SUITE: ``equiv``: every case of ``cases.equivalence_cases(N)``, plus the checkpoint cases for
+N = 4, and for N = 2 the profile cases and, last, the stalled-rank scenario (rank 1 stops
+answering at step 2; it ends the launch with a non-zero status, its result in ``stall.json``).
+
+Equivalence: each case builds a ``PipelineEngine`` for its (layout, schedule, dp_sync, ...),
+trains ``STEPS`` steps on deterministic synthetic batches and compares on rank 0 every step's
+loss, the final parameters (gathered by ``eval_model``) and an evaluation loss with the
+single-process ``Engine`` on the same global batch and micro-batch size (computed here on rank 0,
+cached per setting). A failing case is recorded with its traceback and the suite goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+
+from foldtrain.config import build_config  # noqa: E402
+from foldtrain.model.gpt import GPT, GPTShape  # noqa: E402
+from tests.parallel.pipeline.cases import CKPT_CASES, M, MICRO, PROFILE_CASES, STEPS, equivalence_cases  # noqa: E402
+
+VOCAB, SEQ, D, HEADS = 64, 8, 16, 2
+DEVICE = torch.device("cpu")
+PROFILE_DT, PROFILE_STEPS = 0.04, 3  # seconds per stand-in block forward (and backward); steps (first = warm-up)
+
+
+def make_cfg(c: dict, steps: int = STEPS, out: str = "", **over):
+    dp, pp, tp, v = c["layout"]
+    clip = 0.0 if c.get("defer") else 1.0
+    args = {
+        "model.n_layer": c.get("n_layer", 8), "model.n_head": HEADS, "model.d_model": D, "model.context": 16,
+        "model.vocab_size": VOCAB, "train.seq_len": SEQ, "train.steps": steps, "train.global_batch": dp * c.get("m", M) * MICRO,
+        "train.micro_batch": MICRO, "optim.lr": 1e-2, "optim.min_lr": 1e-3, "optim.warmup_steps": 2,
+        "optim.grad_clip": clip, "parallel.dp": dp, "parallel.pp": pp, "parallel.tp": tp, "parallel.virtual": v,
+        "parallel.schedule": c["schedule"], "parallel.dp_sync": c.get("dp_sync", "after-flush"),
+        "fold.defer_reduce": bool(c.get("defer")), "precision": c.get("precision", "fp32"), "ac": c.get("ac", "none"),
+        "dp.timeout_s": 60, "train.device": "cpu",
+    }
+    if c.get("layers_per_chunk"):
+        args["parallel.layers_per_chunk"] = ",".join(map(str, c["layers_per_chunk"]))
+    if out:
+        args["out"] = out
+    args.update(over)
+    flat = []
+    for k, v in args.items():
+        flat += [f"--{k}", str(v).lower() if isinstance(v, bool) else str(v)]
+    return build_config(flat)
+
+
+def batches(global_batch: int, steps: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, VOCAB, (steps, global_batch, SEQ + 1), generator=g)
+    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+
+
+def val_data():
+    g = torch.Generator().manual_seed(99)
+    d = torch.randint(0, VOCAB, (2, 2 * MICRO, SEQ + 1), generator=g)
+    return [(x[:, :-1].contiguous(), x[:, 1:].contiguous()) for x in d]
+
+
+def build_model(cfg, seed: int | None = None) -> GPT:
+    torch.manual_seed(cfg.train.seed if seed is None else seed)
+    return GPT(GPTShape.from_config(cfg.model))
+
+
+_REF: dict = {}
+
+
+def reference(cfg, steps: int = STEPS):
+    """Single-process Engine losses, final weights and eval loss (rank 0; cached per setting)."""
+    from foldtrain.train.engine import Engine
+
+    key = (cfg.model.n_layer, cfg.train.global_batch, cfg.optim.grad_clip, cfg.precision, steps)
+    if key not in _REF:
+        eng = Engine(build_model(cfg), cfg, DEVICE, MICRO)
+        losses = [eng.train_step(x, y) for x, y in batches(cfg.train.global_batch, steps)]
+        params = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
+        _REF[key] = (losses, params, eng.eval_loss(val_data()))
+    return _REF[key]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def without_key_bias(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``attn.qkv.bias`` without its key part: the loss does not depend on the key bias (softmax is
+    invariant to adding q.b_k to a whole row), so its gradient is pure rounding noise that AdamW
+    normalises into full-size random updates, different in any two implementations. It is
+    excluded from the comparison (every other parameter is held to the 1e-5 tolerance)."""
+    if not name.endswith("attn.qkv.bias"):
+        return t
+    hd = D // HEADS
+    keep = [i for i in range(t.numel()) if (i % (3 * hd)) // hd != 1]
+    return t[keep]
+
+
+def dp_rows(engine, x, y):
+    b = x.shape[0] // engine.dp_world
+    lo = engine.dp_rank * b
+    return x[lo : lo + b], y[lo : lo + b]
+
+
+def run_engine(cfg, steps_range, engine=None, seed=None):
+    from foldtrain.pipeline.engine import PipelineEngine
+
+    if engine is None:
+        engine = PipelineEngine(build_model(cfg, seed), cfg, DEVICE)
+    data = batches(cfg.train.global_batch, cfg.train.steps)
+    losses = [engine.train_step(*dp_rows(engine, *data[s])) for s in steps_range]
+    return engine, losses
+
+
+def compare(case, cfg, losses, full, eval_loss) -> dict:
+    ref_losses, ref_params, ref_eval = reference(cfg)
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    sd = full.state_dict()
+    assert set(sd) == set(ref_params), set(sd) ^ set(ref_params)
+    errs = {k: rel(without_key_bias(k, sd[k]), without_key_bias(k, ref_params[k])) for k in ref_params}
+    worst = max(errs, key=errs.get)
+    return {"loss_err": loss_err, "param_err": errs[worst], "worst_param": worst, "eval_err": abs(eval_loss - ref_eval) / ref_eval,
+            "losses": losses, "ref_losses": ref_losses}
+
+
+def equivalence_case(case: dict) -> dict | None:
+    cfg = make_cfg(case)
+    engine, losses = run_engine(cfg, range(STEPS))
+    ev = engine.eval_loss(val_data())
+    full = engine.eval_model()
+    if dist.get_rank() != 0:
+        return None
+    return compare(case, cfg, losses, full, ev)
+
+
+def checkpoint_case(case: dict, out: Path) -> dict | None:
+    """Train 6 steps saving at 3; reload step 3 into an engine built from other weights; continue."""
+    from foldtrain.checkpoint import CheckpointManager
+
+    root = out / case["id"]
+    cfg = make_cfg(case, steps=6, out=str(root))
+    ckpt = CheckpointManager(root / "checkpoints", keep=5)
+    engine, first = run_engine(cfg, range(3))
+    ckpt.save(3, engine.state_dict(), {"step": 3})
+    full3 = engine.eval_model()
+    _, rest = run_engine(cfg, range(3, 6), engine)
+    full_a = engine.eval_model()
+    ckpt.save(6, engine.state_dict(), {"step": 6})
+    from foldtrain.pipeline.engine import PipelineEngine
+
+    engine_b = PipelineEngine(build_model(cfg, seed=12345), cfg, DEVICE)  # different weights: the load must restore all
+    state = engine_b.state_dict()
+    ckpt.load(root / "checkpoints" / "step_00000003", state)
+    engine_b.load_state_dict(state)
+    _, resumed = run_engine(cfg, range(3, 6), engine_b)
+    full_b = engine_b.eval_model()
+    if dist.get_rank() != 0:
+        return None
+    torch.save({k: v.detach().cpu() for k, v in full3.state_dict().items()}, root / "params_step3.pt")
+    torch.save({k: v.detach().cpu() for k, v in full_a.state_dict().items()}, root / "params_step6.pt")
+    sa, sb = full_a.state_dict(), full_b.state_dict()
+    return {
+        "losses": first + rest, "resumed": resumed, "ckpt_dir": str(root / "checkpoints"),
+        "param_err": max(rel(sb[k], sa[k]) for k in sa), "loss_err": max(abs(a - b) for a, b in zip(rest, resumed)),
+        "cfg": {"n_layer": cfg.model.n_layer, "global_batch": cfg.train.global_batch, "grad_clip": cfg.optim.grad_clip},
+    }
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, dt):
+        ctx.dt = dt
+        ctx.save_for_backward(w)
+        time.sleep(dt)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        time.sleep(ctx.dt)
+        return g * w, g.sum().reshape(w.shape) * 0.0, None
+
+
+class SleepBlock(nn.Module):
+    """A stand-in transformer block: a fixed duration forward and backward."""
+
+    def __init__(self, dt: float):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+        self.dt = dt
+
+    def forward(self, x):
+        return _Sleep.apply(x, self.w, self.dt)
+
+
+def profile_case(case: dict, out: Path) -> dict | None:
+    from foldtrain.pipeline.engine import PipelineEngine
+    from foldtrain.profile import summarize
+
+    root = out / case["id"]
+    cfg = make_cfg(case, steps=PROFILE_STEPS, out=str(root), profile=True)
+    model = build_model(cfg)
+    for i in range(1, len(model.parts) - 1):
+        model.parts[i] = SleepBlock(PROFILE_DT)
+    engine, losses = run_engine(cfg, range(PROFILE_STEPS), PipelineEngine(model, cfg, DEVICE))
+    if dist.get_rank() != 0:
+        return None
+    events = engine.profile_events()
+    summ = summarize(events)  # the kept steps, first one skipped as warm-up
+    mean = summ[-1]
+    return {"bubble": mean["bubble"], "bubble_mean": mean["bubble_mean"], "all_idle": mean["all_idle"],
+            "compute_bubble": compute_window_bubble(events), "stats": engine.stats(), "out": str(root), "losses": losses}
+
+
+def compute_window_bubble(events: list[list[dict]]) -> list[float]:
+    """Per-rank idle share of each step's compute window (earliest forward start to latest backward
+    end over all ranks), averaged over the steps after the first: the pipeline bubble proper,
+    without the optimizer and the end-of-step synchronisation."""
+    steps = sorted({ev["step"] for evs in events for ev in evs if ev["kind"] == "compute"})[1:]
+    out = [0.0] * len(events)
+    for st in steps:
+        comp = [[ev for ev in evs if ev["kind"] == "compute" and ev["step"] == st] for evs in events]
+        lo = min(ev["start"] for evs in comp for ev in evs)
+        hi = max(ev["end"] for evs in comp for ev in evs)
+        for r, evs in enumerate(comp):
+            out[r] += (1.0 - sum(ev["end"] - ev["start"] for ev in evs) / (hi - lo)) / len(steps)
+    return out
+
+
+def stall_suite(out: Path) -> None:
+    """Rank 1 stops answering at step 2 (``--dp.timeout_s 5``); rank 0 must fail with a
+    DistributedError naming it, shut down cleanly, and exit. Never returns (it ends the launch)."""
+    from foldtrain.distributed import shutdown
+    from foldtrain.errors import DistributedError
+    from foldtrain.pipeline.engine import PipelineEngine
+
+    case = dict(layout=(1, 2, 1, 1), schedule="1f1b", n_layer=2)
+    cfg = make_cfg(case, steps=6, **{"dp.timeout_s": 5})
+    engine = PipelineEngine(build_model(cfg), cfg, DEVICE)
+    data = batches(cfg.train.global_batch, 6)
+    rank = dist.get_rank()
+    t0 = time.time()
+    try:
+        for s in range(6):
+            if s == 2:
+                t0 = time.time()
+                if rank == 1:
+                    print("rank 1: stalling", flush=True)
+                    time.sleep(3600)
+            engine.train_step(*data[s])
+    except DistributedError as e:
+        detected = time.time() - t0
+        print(f"rank {rank}: DistributedError after {detected:.1f}s: {e}", flush=True)
+        shutdown()  # what the trainer does on its way out: must not hang on the dead peer
+        res = {"error": str(e), "type": type(e).__name__, "detected_s": detected, "shutdown_s": time.time() - t0}
+        (out / "stall.json").write_text(json.dumps(res))
+        os._exit(3)
+    (out / "stall.json").write_text(json.dumps({"error": None}))
+    os._exit(0)
+
+
+def main() -> None:
+    suite, out = sys.argv[1], Path(sys.argv[2])
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.set_num_threads(1)
+    only = os.environ.get("FOLDTRAIN_TEST_ONLY")
+    jobs = [("equiv", c) for c in equivalence_cases(world)]
+    if world == 4:
+        jobs += [("ckpt", c) for c in CKPT_CASES]
+    if world == 2:
+        jobs += [("profile", c) for c in PROFILE_CASES]
+    results = {}
+    for kind, c in jobs:
+        if only and only not in c["id"]:
+            continue
+        t0 = time.time()
+        try:
+            fn = {"equiv": equivalence_case, "ckpt": lambda c: checkpoint_case(c, out), "profile": lambda c: profile_case(c, out)}[kind]
+            r = fn(c)
+            ok = True
+        except Exception:
+            r, ok = {"error": traceback.format_exc()}, False
+            print(f"rank {rank}: case {c['id']} failed:\n{r['error']}", flush=True)
+        # a case that failed on some rank must not leave the others waiting in a collective: the
+        # suite aborts as a whole when any rank failed (the failure is in the JSON / output)
+        flag = torch.tensor([0 if ok else 1])
+        dist.all_reduce(flag)
+        if rank == 0:
+            results[c["id"]] = {"ok": ok, "seconds": time.time() - t0, **(r or {})}
+            (out / f"results_w{world}.json").write_text(json.dumps(results, indent=1, default=str))
+        if int(flag):
+            if rank == 0:
+                results[c["id"]]["ok"] = False
+                results[c["id"]].setdefault("error", "failed on another rank (see output)")
+                (out / f"results_w{world}.json").write_text(json.dumps(results, indent=1, default=str))
+            os._exit(1)
+    dist.barrier()
+    if world == 2:
+        stall_suite(out)  # last: it ends the launch (rank 0 exits with the error, torchrun stops rank 1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""``foldtrain bench``: the benchmark harness.
+
+    foldtrain bench dp [--quick] [--strategies ...] [--precisions ...] [--ranks 1,2,4] [--networks loopback,1gbit] ...
+    foldtrain bench pipeline [--quick] [--networks 1gbit,100mbit] [--schedules ...] ...
+
+Every run is a real ``foldtrain train`` launched by torchrun (or an anchor script written with
+plain PyTorch), on loopback or on an emulated slow network of Linux network namespaces
+(:mod:`foldtrain.bench.netns`, needs root and iproute2). Results come from each run's
+``metrics.jsonl`` (:mod:`foldtrain.bench.results`); a run that fails becomes a table row with its
+error and the benchmark goes on.
+
+Modules: ``netns`` (emulated cluster), ``netcheck`` (socket self-checks), ``runner`` (launching
+one run), ``results`` (pure: medians, tables, ratios), ``dp`` and ``pipeline`` (the two
+benchmarks), ``anchors`` (the baselines). This package imports nothing heavy at import time.
+"""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: foldtrain bench {dp,pipeline} [options]
+
+benchmarks:
+  dp         data-parallel strategies x precisions x 1/2/4 ranks, loopback and an emulated slow network,
+             against a plain-PyTorch DDP loop (and Horovod when installed)
+  pipeline   pipeline schedules (gpipe, 1f1b, interleaved-1f1b, fold) with data parallelism across two
+             emulated nodes, against torch.distributed.pipelining (and DeepSpeed when installed)
+
+`foldtrain bench dp --help` / `foldtrain bench pipeline --help` list the options; --quick runs a tiny
+smoke configuration; --dry_run prints the runs without starting them. The emulated network needs root
+and iproute2 (ip, tc); without them the throttled part is skipped.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "dp":
+        from foldtrain.bench.dp import main as dp_main
+
+        return dp_main(rest)
+    if cmd == "pipeline":
+        from foldtrain.bench.pipeline import main as pipeline_main
+
+        return pipeline_main(rest)
+    print(f"foldtrain bench: unknown benchmark '{cmd}'; choose dp or pipeline (see `foldtrain bench --help`)", file=sys.stderr)
+    return 2

@@ -1,0 +1,1 @@
+"""Baselines ("anchors") the benchmarks compare foldtrain with; each is a torchrun script (run with ``-m``)."""

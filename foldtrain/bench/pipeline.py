@@ -1,0 +1,195 @@
+"""``foldtrain bench pipeline``: Fold3D's question on this machine.
+
+Two emulated nodes on throttled links (1gbit and 100mbit by default); pipeline ranks inside a
+node, data parallelism across nodes (dp=2 x pp=2: world 4, 2 processes per node; the mesh puts
+TP innermost, then PP, then DP, so global rank = d*P + p and node = d). foldtrain's ``gpipe``,
+``1f1b`` (V=1) and ``interleaved-1f1b`` (V=2) with the gradient all-reduce after the flush, and
+``fold`` (V=2) reducing each chunk as soon as its last backward is done, each with ``--profile``
+(all-rank idle fraction, exposed DP communication, gantt.png); against PyTorch's
+``torch.distributed.pipelining`` schedules with a DDP-style all-reduce after the flush, and
+DeepSpeed's PipelineModule when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+
+from foldtrain.bench import common
+from foldtrain.bench.results import PIPE_HEADERS, RunResult, pipeline_ratios, pipeline_rows, report_markdown, save_results, text_table
+from foldtrain.errors import FoldtrainError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "fold")
+TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")
+# 8.5M parameters (34 MB of fp32 gradients, ~17 MB per pipeline rank) against 256 tokens per step: on two CPU
+# cores the gradient all-reduce over 1gbit is a sizeable part of a step (~0.3 s of ~1.2 s), over 100mbit most of it
+DEFAULTS = dict(preset="tiny", n_layer=8, d_model=256, global_batch=8, seq_len=32, steps=10, warmup=3,
+                networks="1gbit,100mbit", timeout=900.0)
+QUICK = dict(preset="tiny", n_layer=4, d_model=64, n_head=2, global_batch=8, seq_len=64, steps=5, warmup=2, networks="1gbit")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="foldtrain bench pipeline",
+        description="Pipeline schedules with data parallelism across two emulated nodes: foldtrain's gpipe, 1f1b, "
+                    "interleaved-1f1b (after-flush all-reduce) and fold (per-chunk all-reduce) against "
+                    "torch.distributed.pipelining (+ DDP-style all-reduce) and DeepSpeed when installed.",
+        epilog="Schedules take an optional ':DP_SYNC', e.g. --schedules fold,fold:after-flush,interleaved-1f1b:per-chunk.",
+    )
+    g = p.add_argument_group("what to compare")
+    g.add_argument("--schedules", default=",".join(SCHEDULES), help="foldtrain schedules (default: %(default)s)")
+    g.add_argument("--torch_schedules", default=",".join(TORCH_SCHEDULES), help="torch.distributed.pipelining schedules (default: %(default)s)")
+    g.add_argument("--anchors", default="torch,deepspeed", help="baselines: torch, deepspeed; 'none' for none")
+    g.add_argument("--dp", type=int, default=2, help="data-parallel degree = emulated nodes (default %(default)s)")
+    g.add_argument("--pp", type=int, default=2, help="pipeline ranks per node (default %(default)s)")
+    g.add_argument("--virtual", type=int, default=2, help="chunks per pipeline rank for interleaved-1f1b, fold, looped-bfs (default %(default)s)")
+    g.add_argument("--microbatches", type=int, default=0, help="micro-batches per data-parallel rank (0: global_batch / dp, micro-batch 1)")
+    g.add_argument("--precision", default="fp32", help="--precision of every run (default %(default)s)")
+    g.add_argument("--no_profile", action="store_true", help="leave --profile off the foldtrain runs (no idle metrics, no gantt)")
+    common.add_common(p, DEFAULTS)
+    return p
+
+
+def apply_quick(a) -> None:
+    """--quick: the tiny configuration for every option the command line left at its default."""
+    common.apply_defaults(a, parser(), QUICK)
+
+
+def parse_schedule(spec: str, virtual: int) -> tuple[str, int, str]:
+    """``fold`` -> ("fold", V, "per-chunk"); ``interleaved-1f1b`` -> (..., V, "after-flush");
+    ``gpipe`` / ``1f1b`` -> (..., 1, "after-flush"); ``NAME:DP_SYNC`` overrides the sync."""
+    name, _, sync = spec.partition(":")
+    if name not in SCHEDULES:
+        raise FoldtrainError(f"bench pipeline: unknown schedule '{name}'; choose from {', '.join(SCHEDULES)}")
+    v = virtual if name in ("interleaved-1f1b", "fold") else 1
+    sync = sync or ("per-chunk" if name == "fold" else "after-flush")
+    if sync not in ("after-flush", "per-chunk"):
+        raise FoldtrainError(f"bench pipeline: unknown dp_sync '{sync}' in '{spec}'; use after-flush or per-chunk")
+    return name, v, sync
+
+
+def plan(a, data_path: str, deepspeed_ok: bool = False) -> dict[str, list]:
+    """The jobs of this invocation grouped by network. Pure: no processes."""
+    from foldtrain.bench.runner import Job
+
+    if a.global_batch % a.dp:
+        raise FoldtrainError(f"bench pipeline: --global_batch {a.global_batch} is not divisible by --dp {a.dp}")
+    rows = a.global_batch // a.dp
+    M = a.microbatches or rows
+    if rows % M:
+        raise FoldtrainError(f"bench pipeline: {rows} rows per data-parallel rank do not split into {M} micro-batches")
+    world = a.dp * a.pp
+    base = [*common.train_args(a, data_path), "--precision", a.precision, "--parallel.dp", str(a.dp), "--parallel.pp", str(a.pp),
+            "--parallel.microbatches", str(M)]
+    anchors = [x for x in common.csv(a.anchors) if x != "none"]
+    unknown = [x for x in anchors if x not in ("torch", "deepspeed")]
+    unknown += [s for s in common.csv(a.torch_schedules) if s not in TORCH_SCHEDULES]
+    if unknown:
+        raise FoldtrainError(f"bench pipeline: unknown anchor or torch schedule {', '.join(unknown)}")
+    specs = [parse_schedule(s, a.virtual) for s in common.csv(a.schedules)]
+    jobs: dict[str, list] = {}
+    for net in common.csv(a.networks):
+        loop = net == common.LOOPBACK
+        threads = common.threads_for(a, world)
+        js = jobs.setdefault(net, [])
+
+        def add(impl, variant, v, sync, script, extra, note=""):
+            info = {"virtual": v, "dp_sync": sync}
+            if note:
+                info["note"] = note
+            res = RunResult("pipeline", impl, variant, a.precision, world, net, a.dp, info=info)
+            js.append(common_job(Job, res, script, [*base, "--parallel.virtual", str(v), *extra], loop, a, threads))
+
+        for name, v, sync in specs:
+            extra = ["--parallel.schedule", name, "--parallel.dp_sync", sync]
+            if not a.no_profile:
+                extra.append("--profile")
+            add("foldtrain", name, v, sync, ["-m", "foldtrain", "train"], extra)
+        if "torch" in anchors:
+            for s in common.csv(a.torch_schedules):
+                v = a.virtual if s in ("interleaved-1f1b", "looped-bfs") else 1
+                add("torch", s, v, "after-flush", ["-m", "foldtrain.bench.anchors.torch_pipelining"], ["--schedule", s])
+        if "deepspeed" in anchors and deepspeed_ok:
+            add("deepspeed", "1f1b", 1, "after-flush", ["-m", "foldtrain.bench.anchors.deepspeed_pipe"], [])
+    return jobs
+
+
+def common_job(Job, res, script, args, loopback: bool, a, threads: int):
+    if loopback:
+        return Job(res, script, args, nnodes=1, nproc_per_node=a.dp * a.pp, threads=threads)
+    return Job(res, script, args, nnodes=a.dp, nproc_per_node=a.pp, threads=threads)
+
+
+def main(argv: list[str]) -> int:
+    with common.signals_as_exceptions():
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
+    a = parser().parse_args(argv)
+    if a.quick:
+        apply_quick(a)
+    log = common.logger()
+    notes: list[str] = []
+    anchors = common.csv(a.anchors)
+    deepspeed_ok = False
+    if "deepspeed" in anchors:
+        deepspeed_ok, why = common.module_available("deepspeed")
+        if not deepspeed_ok:
+            log("deepspeed: not installed, skipped" + (f" ({why})" if why and "No module named" not in why else ""))
+            notes.append("deepspeed: not installed, skipped")
+    ws = common.Workspace(a.out, "pipeline")
+    try:
+        data_path = "" if a.dry_run else common.prepare_data(a)
+        jobs = plan(a, data_path, deepspeed_ok)
+        if a.dry_run:
+            common.print_dry_run(jobs, ws, print)
+            return 0
+        max_nodes = {net: a.dp for net in jobs}
+        load_before = os.getloadavg()
+        results = common.execute(jobs, a, ws, max_nodes, log)
+        if a.out:
+            for r in results:
+                g = Path(r.out_dir) / "gantt.png"
+                if r.impl == "foldtrain" and g.is_file():
+                    dst = ws.root / f"gantt_{common.slug(r.variant, r.info.get('dp_sync', ''), r.network)}.png"
+                    shutil.copy(g, dst)
+                    r.info["gantt"] = str(dst)
+        rows = pipeline_rows(results)
+        ratios = pipeline_ratios(results)
+        notes.append(common.load_note(load_before))
+        if a.quick:
+            notes.append("--quick is a smoke test (tiny model, a few measured steps): its numbers are not a measurement")
+        if a.repeat > 1:
+            notes.append(f"every run was repeated {a.repeat} times in rounds; each row is the median over the repetitions")
+        notes += [
+            f"world {a.dp * a.pp}: dp={a.dp} across emulated nodes x pp={a.pp} inside each; micro-batches per dp rank: "
+            f"{a.microbatches or a.global_batch // a.dp}",
+            "medians over the steps after warm-up; all-rank idle / bubble / exposed DP comm come from foldtrain's --profile "
+            "timelines (the anchors do not log them); foldtrain runs carry the profiler's per-step gather",
+            "torch anchors: torch.distributed.pipelining schedules + a flat all-reduce of each stage's gradients over the "
+            "dp group after the schedule (DDP-style, after the flush)",
+        ]
+        print()
+        print(text_table(PIPE_HEADERS, rows))
+        print()
+        print("Ratios (same invocation):")
+        for r in ratios:
+            print("  " + r.line())
+        if not ratios:
+            print("  (none computable from these runs)")
+        for n in notes:
+            print("note: " + n)
+        if a.out:
+            save_results(results, ws.root / "results.json")
+            print(f"runs, gantt_*.png and results.json in {ws.root}")
+        else:
+            print("pass --out DIR to keep the runs and each foldtrain run's gantt.png")
+        if a.report:
+            Path(a.report).write_text(report_markdown("foldtrain bench pipeline", PIPE_HEADERS, rows, ratios, notes))
+            print(f"wrote {a.report}")
+        return 0
+    finally:
+        ws.close()

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from foldtrain.errors import ConfigError
-
 
 def build_engine(cfg, model: nn.Module, env, micro_batch: int):
     from foldtrain.train.engine import Engine
@@ -24,4 +22,7 @@ def build_engine(cfg, model: nn.Module, env, micro_batch: int):
 
     if cfg.dp.strategy == "none" and env.world_size == 1:
         return Engine(model, cfg, env.device, micro_batch)
-    raise ConfigError(f"--dp.strategy {cfg.dp.strategy} is not available in this build; use --dp.strategy none")
+    # --- data parallel over the whole launch (--dp.strategy)
+    from foldtrain.parallel.dp import build_dp_engine
+
+    return build_dp_engine(cfg, model, env, micro_batch)

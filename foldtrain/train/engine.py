@@ -3,8 +3,9 @@
 ``Engine`` is the single-process step (``--dp.strategy none``). Data-parallel strategies
 subclass it and override the hooks ``no_sync`` (skip communication on accumulation
 micro-batches), ``sync_grads`` (make gradients global), ``apply_update`` (e.g. a parameter
-server's push/pull) and ``reduce_scalar`` (average a logged value over ranks); the loop itself,
-precision handling and clipping stay here, in one place.
+server's push/pull), ``reduce_scalar`` (average a logged value over ranks) and
+``model_optim_state`` / ``load_model_optim_state`` (checkpoint state that is sharded or held by
+servers); the loop itself, precision handling and clipping stay here, in one place.
 """
 
 from __future__ import annotations
@@ -156,17 +157,20 @@ class Engine:
 
         In the master modes the fp32 master weights are saved as the model: they are the truth.
         """
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        owner = self.master_model if self.master_model is not None else self.model
         return {
-            "model": get_model_state_dict(owner),
-            "optim": get_optimizer_state_dict(owner, self.optimizer),
+            **self.model_optim_state(),
             "lr_scheduler": {"last_epoch": self.lr_scheduler.last_epoch},
             "scaler": self.precision.scaler.state_dict(),
         }
 
-    def load_state_dict(self, sd: dict) -> None:
+    def model_optim_state(self) -> dict:
+        """The ``model`` and ``optim`` entries of ``state_dict``; strategies that shard them override this pair."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        owner = self.master_model if self.master_model is not None else self.model
+        return {"model": get_model_state_dict(owner), "optim": get_optimizer_state_dict(owner, self.optimizer)}
+
+    def load_model_optim_state(self, sd: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         owner = self.master_model if self.master_model is not None else self.model
@@ -176,6 +180,9 @@ class Engine:
             with torch.no_grad():
                 for (_, p), m in zip(self.named_params, self.master):
                     p.copy_(m)
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.load_model_optim_state(sd)
         self.lr_scheduler.last_epoch = int(sd["lr_scheduler"]["last_epoch"])
         for g in self.optimizer.param_groups:
             g["lr"] = g["initial_lr"] * self.schedule(self.lr_scheduler.last_epoch)

@@ -1,0 +1,48 @@
+"""Data-parallel strategies (``--dp.strategy``), each an ``Engine`` overriding only the hooks it needs.
+
+=============  ==============================================================================
+``none``       one process: the base ``Engine``
+``ddp``        torch ``DistributedDataParallel``: bucketed all-reduce overlapped with backward
+``allreduce``  Horovod-style: per-gradient hooks, tensor fusion, async ring all-reduce,
+               optional fp16/bf16 wire compression
+``sharded-ps`` every rank serves 1/W of the parameters: reduce-scatter, AdamW on the shard,
+               all-gather (ZeRO-1/2)
+``ps``         central parameter server(s), colocated on rank 0 or ``--dp.ps_servers K``
+               dedicated ranks; synchronous, or bounded-staleness asynchronous
+               (``--dp.ps_staleness S``)
+``horovod``    Horovod's ``DistributedOptimizer`` (only where Horovod is installed)
+=============  ==============================================================================
+
+All of them measure their traffic and blocked time per step with
+:class:`~foldtrain.parallel.dp.comm.CommStats` and turn a dead or stalled peer into a one-line
+:class:`~foldtrain.errors.DistributedError` naming it. With one process every strategy is the
+single-process ``Engine`` (there is nobody to communicate with).
+"""
+
+from __future__ import annotations
+
+from foldtrain.errors import ConfigError
+
+
+def build_dp_engine(cfg, model, env, micro_batch: int):
+    """The engine of ``--dp.strategy`` for a launch of ``env.world_size`` processes."""
+    from foldtrain.train.engine import Engine
+
+    strategy = cfg.dp.strategy
+    if env.world_size == 1 and strategy != "horovod":
+        return Engine(model, cfg, env.device, micro_batch)
+    if strategy == "ddp":
+        from foldtrain.parallel.dp.ddp import DDPEngine as cls
+    elif strategy == "allreduce":
+        from foldtrain.parallel.dp.allreduce import AllreduceEngine as cls
+    elif strategy == "sharded-ps":
+        from foldtrain.parallel.dp.sharded_ps import ShardedPSEngine as cls
+    elif strategy == "ps" and cfg.dp.ps_staleness > 0:
+        from foldtrain.parallel.dp.ps_async import AsyncParameterServerEngine as cls
+    elif strategy == "ps":
+        from foldtrain.parallel.dp.ps import ParameterServerEngine as cls
+    elif strategy == "horovod":
+        from foldtrain.parallel.dp.horovod import HorovodEngine as cls
+    else:
+        raise ConfigError(f"--dp.strategy {strategy} cannot run {env.world_size} processes; choose ddp, allreduce, sharded-ps or ps")
+    return cls(model, cfg, env.device, micro_batch)

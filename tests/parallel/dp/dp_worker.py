@@ -1,0 +1,160 @@
+"""Worker for the data-parallel tests: ``torchrun --nproc-per-node W dp_worker.py SPEC.json OUT_DIR``.
+
+SPEC.json is a list of cases (config overrides plus what to do); every rank runs them in order,
+each on a fresh engine built exactly as the trainer builds it (``build_engine``), and writes what
+it observed to ``OUT_DIR/rank{r}.pt``; pytest compares that with single-process runs made by
+``run_case`` in its own process. A case that raises is recorded as ``{"error": ...}`` so one
+failure does not hide the others. A case with ``"die": {"rank": R, "step": S}`` is the dead-rank
+check: rank R ``os._exit(1)``s before step S and the others report what the engine raised, as the
+CLI would, and exit 2. ``"poison": {"rank": R, "step": S}`` makes one parameter's gradient inf on
+rank R at step S (the fp16 loss scaler must skip that step on every rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from foldtrain.checkpoint import CheckpointManager
+from foldtrain.config import build_config, dp_workers, validate
+from foldtrain.distributed import DistEnv
+from foldtrain.errors import FoldtrainError
+from foldtrain.model import GPT, GPTShape
+from foldtrain.parallel import build_engine
+
+MODEL = ["--model.n_layer", "2", "--model.n_head", "2", "--model.d_model", "32", "--model.context", "32", "--model.vocab_size", "128"]
+BASE = [*MODEL, "--train.seq_len", "16", "--train.global_batch", "12", "--optim.warmup_steps", "2", "--train.device", "cpu"]
+
+
+class SyntheticSampler:
+    """Deterministic batches seeded by the step; rank r gets rows [r*G/W, (r+1)*G/W) like SequenceSampler.
+
+    ``toy``: learnable sequences (each token is the previous one plus 1), for the
+    asynchronous server's convergence check.
+    """
+
+    def __init__(self, vocab: int, seq_len: int, toy: bool = False):
+        self.vocab, self.seq_len, self.toy = vocab, seq_len, toy
+
+    def global_batch(self, step: int, rows: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 + step)
+        if self.toy:
+            start = torch.randint(0, self.vocab, (rows, 1), generator=g)
+            return (start + torch.arange(self.seq_len + 1)) % self.vocab
+        return torch.randint(0, self.vocab, (rows, self.seq_len + 1), generator=g)
+
+    def rank_batch(self, step: int, global_batch: int, rank: int, world: int):
+        per = global_batch // world
+        seq = self.global_batch(step, global_batch)[rank * per : (rank + 1) * per]
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def make_engine(args: list[str], env: DistEnv):
+    cfg = build_config([*BASE, *args])
+    validate(cfg, env.world_size)
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(GPTShape.from_config(cfg.model))
+    workers = dp_workers(cfg, env.world_size)
+    return cfg, build_engine(cfg, model, env, cfg.train.micro_batch or cfg.train.global_batch // workers)
+
+
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def train(engine, cfg, sampler, start: int, stop: int, rank: int, case: dict, ckpt: CheckpointManager | None = None) -> dict:
+    rec = {"losses": [], "grad_norms": [], "stats": []}
+    for step in range(start, stop):
+        die = case.get("die")
+        if die and rank == die["rank"] and step == die["step"]:
+            sys.stdout.flush()
+            os._exit(1)
+        if rank in case.get("slow_ranks", []):
+            time.sleep(case.get("slow_s", 0.02))
+        x, y = engine.batch(sampler, step)
+        poison = case.get("poison")
+        hook = None
+        if poison and rank == poison["rank"] and step == poison["step"]:  # an overflowing gradient on one rank
+            hook = engine.named_params[0][1].register_hook(lambda g: torch.full_like(g, float("inf")))
+        rec["losses"].append(engine.train_step(x, y))
+        if hook is not None:
+            hook.remove()
+        rec["grad_norms"].append(engine.last_grad_norm)
+        rec["stats"].append(engine.stats())
+        if ckpt is not None and step + 1 == case.get("ckpt_at"):
+            ckpt.save(step + 1, engine.state_dict(), {"step": step + 1}, extra=engine.extra_state())
+    return rec
+
+
+def run_case(case: dict, env: DistEnv, tmp: Path | None = None) -> dict:
+    """Train ``case['steps']`` steps; optionally save at ``ckpt_at`` and train again from that checkpoint."""
+    if case.get("poison"):  # rank -1: the last one
+        case = {**case, "poison": {**case["poison"], "rank": case["poison"]["rank"] % env.world_size}}
+    cfg, engine = make_engine(case["args"], env)
+    sampler = SyntheticSampler(cfg.model.vocab_size, cfg.train.seq_len, case.get("toy", False))
+    ckpt = CheckpointManager(tmp / "ckpt", keep=5) if tmp is not None and case.get("ckpt_at") else None
+    out = train(engine, cfg, sampler, 0, case["steps"], env.rank, case, ckpt)
+    out["replica"] = params_of(engine.model)
+    out["params"] = params_of(engine.eval_model())  # collective for sharded / server layouts
+    out["eval_loss"] = engine.eval_loss([sampler.rank_batch(999, cfg.train.global_batch, 0, 1)])  # every rank, the same batch
+    out["dp_rank"], out["dp_world"], out["engine"] = engine.dp_rank, engine.dp_world, type(engine).__name__
+    out["batch_rows"] = int(engine.batch(sampler, 0)[0].shape[0])
+    out["scale"] = engine.precision.scaler.scale
+    if ckpt is not None:
+        _, again = make_engine(case["args"], env)
+        state = again.state_dict()
+        ckpt.load(ckpt.latest(), state)
+        again.load_state_dict(state)
+        rec = train(again, cfg, sampler, case["ckpt_at"], case["steps"], env.rank, {**case, "ckpt_at": None})
+        out["resumed_losses"] = rec["losses"]
+        out["resumed_params"] = params_of(again.eval_model())
+    return out
+
+
+def main() -> int:
+    import torch.distributed as dist
+
+    spec, out_dir = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = min((c.get("timeout_s", 120.0) for c in spec), default=120.0)
+    from foldtrain.distributed import init_distributed
+
+    env = init_distributed("cpu", timeout)
+    results = {}
+    try:
+        for case in spec:
+            tmp = None
+            if case.get("ckpt_at"):  # every rank must use the same directory
+                holder = [tempfile.mkdtemp(prefix=case["name"].replace("/", "_") + "_", dir=out_dir) if rank == 0 else None]
+                dist.broadcast_object_list(holder, src=0)
+                tmp = Path(holder[0])
+            t0 = time.perf_counter()
+            try:
+                results[case["name"]] = run_case(case, env, tmp)
+            except FoldtrainError as e:
+                if case.get("die"):
+                    print(f"foldtrain: error: {e}", file=sys.stderr, flush=True)
+                    return 2
+                results[case["name"]] = {"error": f"{type(e).__name__}: {e}"}
+            except Exception as e:  # noqa: BLE001 - recorded for the test to show
+                if case.get("die"):
+                    print(f"unexpected {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                    return 3
+                results[case["name"]] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+            results[case["name"]]["seconds"] = time.perf_counter() - t0
+        torch.save(results, out_dir / f"rank{rank}.pt")
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -33,7 +33,8 @@ def logger():
 @contextlib.contextmanager
 def signals_as_exceptions():
     """SIGTERM / SIGHUP raise SystemExit while the benchmark runs, so every ``finally`` (stopping the
-    runs' process trees, tearing the emulated network down, removing the workspace) still runs."""
+    runs' process trees, tearing the emulated network down, removing the workspace) still runs.
+    A context manager, or a decorator of the benchmark's ``main``."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -104,6 +105,14 @@ def apply_defaults(a, parser: argparse.ArgumentParser, values: dict) -> None:
             setattr(a, k, v)
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str], quick: dict) -> argparse.Namespace:
+    """``argv``'s options; with --quick, ``quick``'s value for every option the command line left at its default."""
+    a = parser.parse_args(argv)
+    if a.quick:
+        apply_defaults(a, parser, quick)
+    return a
+
+
 def model_args(a) -> list[str]:
     out = ["--model.preset", a.preset]
     for k in ("n_layer", "d_model", "n_head"):
@@ -159,6 +168,25 @@ def load_note(before: tuple[float, float, float]) -> str:
     after = os.getloadavg()
     return (f"load average (1 min) {before[0]:.1f} at start, {after[0]:.1f} at the end, on {os.cpu_count()} CPU cores; "
             "other work on the cores skews step times (use --repeat on a busy machine)")
+
+
+def optional_anchor(name: str, module: str, log, notes: list[str]) -> bool:
+    """Whether the ``name`` anchor can run (``import module`` works); if not, say it is skipped."""
+    ok, why = module_available(module)
+    if not ok:
+        log(f"{name}: not installed, skipped" + (f" ({why})" if why and "No module named" not in why else ""))
+        notes.append(f"{name}: not installed, skipped")
+    return ok
+
+
+def run_notes(a, load_before: tuple[float, float, float]) -> list[str]:
+    """The notes every benchmark's results get: the machine's load, --quick, --repeat."""
+    notes = [load_note(load_before)]
+    if a.quick:
+        notes.append("--quick is a smoke test (tiny model, a few measured steps): its numbers are not a measurement")
+    if a.repeat > 1:
+        notes.append(f"every run was repeated {a.repeat} times in rounds; each row is the median over the repetitions")
+    return notes
 
 
 def cuda_devices(device: str) -> int:
@@ -279,3 +307,29 @@ def print_dry_run(jobs_by_network: dict[str, list], ws: Workspace, log=print) ->
                     f"  per node k: ip netns exec <prefix>-n<k> env GLOO_SOCKET_IFNAME=<prefix>-v<k> OMP_NUM_THREADS={job.threads} "
                     f"{sys.executable} -m torch.distributed.run --nnodes {job.nnodes} --node_rank k --nproc_per_node {job.nproc_per_node} "
                     f"--master_addr 198.18.0.1 --master_port PORT {' '.join([*job.script, *job.args])} --out {out}")
+
+
+def print_results(title: str, headers, rows, ratios, notes: list[str], results: list, a, ws: Workspace,
+                  kept: str = "runs and results.json", without_out: str = "") -> None:
+    """The table, the ratios and the notes on stdout; results.json in ``--out`` (saying that ``kept``
+    is there, or printing ``without_out`` when there is no ``--out``); the Markdown ``--report``."""
+    from foldtrain.bench.results import report_markdown, save_results, text_table
+
+    print()
+    print(text_table(headers, rows))
+    print()
+    print("Ratios (same invocation):")
+    for r in ratios:
+        print("  " + r.line())
+    if not ratios:
+        print("  (none computable from these runs)")
+    for n in notes:
+        print("note: " + n)
+    if a.out:
+        save_results(results, ws.root / "results.json")
+        print(f"{kept} in {ws.root}")
+    elif without_out:
+        print(without_out)
+    if a.report:
+        Path(a.report).write_text(report_markdown(title, headers, rows, ratios, notes))
+        print(f"wrote {a.report}")

@@ -14,7 +14,7 @@ import sys
 
 from foldtrain.bench import common
 from foldtrain.errors import FoldtrainError
-from foldtrain.bench.results import DP_HEADERS, RunResult, dp_ratios, dp_rows, report_markdown, save_results, text_table
+from foldtrain.bench.results import DP_HEADERS, RunResult, dp_ratios, dp_rows
 
 STRATEGIES = ("none", "ps", "sharded-ps", "allreduce", "ddp", "horovod")
 ANCHORS = ("ddp_plain", "horovod")
@@ -39,11 +39,6 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--micro_batch", type=int, default=0, help="--train.micro_batch (0: the whole per-rank batch)")
     common.add_common(p, DEFAULTS)
     return p
-
-
-def apply_quick(a) -> None:
-    """--quick: the tiny configuration for every option the command line left at its default."""
-    common.apply_defaults(a, parser(), QUICK)
 
 
 def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = None) -> dict[str, list]:
@@ -113,25 +108,16 @@ def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = 
     return jobs
 
 
+@common.signals_as_exceptions()
 def main(argv: list[str]) -> int:
-    with common.signals_as_exceptions():
-        return _main(argv)
-
-
-def _main(argv: list[str]) -> int:
-    a = parser().parse_args(argv)
-    if a.quick:
-        apply_quick(a)
+    a = common.parse_args(parser(), argv, QUICK)
     log = common.logger()
     notes: list[str] = []
     horovod_ok = False
     anchors = common.csv(a.anchors)
     if "horovod" in anchors:
-        horovod_ok, why = common.module_available("horovod.torch")
-        if not horovod_ok:
-            log("horovod: not installed, skipped" + (f" ({why})" if why and "No module named" not in why else ""))
-            notes.append("horovod: not installed, skipped")
-        elif any(n != common.LOOPBACK for n in common.csv(a.networks)):
+        horovod_ok = common.optional_anchor("horovod", "horovod.torch", log, notes)
+        if horovod_ok and any(n != common.LOOPBACK for n in common.csv(a.networks)):
             notes.append("horovod anchor runs on loopback only (horovodrun across namespaces would need ssh)")
     ws = common.Workspace(a.out, "dp")
     try:
@@ -149,11 +135,7 @@ def _main(argv: list[str]) -> int:
         results = common.execute(jobs, a, ws, max_nodes, log)
         rows = dp_rows(results)
         ratios = dp_ratios(results)
-        notes.append(common.load_note(load_before))
-        if a.quick:
-            notes.append("--quick is a smoke test (tiny model, a few measured steps): its numbers are not a measurement")
-        if a.repeat > 1:
-            notes.append(f"every run was repeated {a.repeat} times in rounds; each row is the median over the repetitions")
+        notes += common.run_notes(a, load_before)
         notes += [
             "medians over the steps after warm-up; tokens/s = global batch x seq_len / step time",
             "speed-up: over foldtrain `none` (1 process) at the same precision; efficiency = speed-up / data-parallel workers",
@@ -161,24 +143,7 @@ def _main(argv: list[str]) -> int:
             "else (starred *) the emulated links' counters; wire MB/step: link bytes (sent + received, with TCP/IP overhead) of node 0 / "
             "mean of the other nodes, sampled over the measured steps",
         ]
-        print()
-        print(text_table(DP_HEADERS, rows))
-        print()
-        print("Ratios (same invocation):")
-        for r in ratios:
-            print("  " + r.line())
-        if not ratios:
-            print("  (none computable from these runs)")
-        for n in notes:
-            print("note: " + n)
-        if a.out:
-            save_results(results, ws.root / "results.json")
-            print(f"runs and results.json in {ws.root}")
-        if a.report:
-            from pathlib import Path
-
-            Path(a.report).write_text(report_markdown("foldtrain bench dp", DP_HEADERS, rows, ratios, notes))
-            print(f"wrote {a.report}")
+        common.print_results("foldtrain bench dp", DP_HEADERS, rows, ratios, notes, results, a, ws)
         return 0
     finally:
         ws.close()

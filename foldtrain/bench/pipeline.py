@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from foldtrain.bench import common
-from foldtrain.bench.results import PIPE_HEADERS, RunResult, pipeline_ratios, pipeline_rows, report_markdown, save_results, text_table
+from foldtrain.bench.results import PIPE_HEADERS, RunResult, pipeline_ratios, pipeline_rows
 from foldtrain.errors import FoldtrainError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "fold")
@@ -50,11 +50,6 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--no_profile", action="store_true", help="leave --profile off the foldtrain runs (no idle metrics, no gantt)")
     common.add_common(p, DEFAULTS)
     return p
-
-
-def apply_quick(a) -> None:
-    """--quick: the tiny configuration for every option the command line left at its default."""
-    common.apply_defaults(a, parser(), QUICK)
 
 
 def parse_schedule(spec: str, virtual: int) -> tuple[str, int, str]:
@@ -122,24 +117,15 @@ def common_job(Job, res, script, args, loopback: bool, a, threads: int):
     return Job(res, script, args, nnodes=a.dp, nproc_per_node=a.pp, threads=threads)
 
 
+@common.signals_as_exceptions()
 def main(argv: list[str]) -> int:
-    with common.signals_as_exceptions():
-        return _main(argv)
-
-
-def _main(argv: list[str]) -> int:
-    a = parser().parse_args(argv)
-    if a.quick:
-        apply_quick(a)
+    a = common.parse_args(parser(), argv, QUICK)
     log = common.logger()
     notes: list[str] = []
     anchors = common.csv(a.anchors)
     deepspeed_ok = False
     if "deepspeed" in anchors:
-        deepspeed_ok, why = common.module_available("deepspeed")
-        if not deepspeed_ok:
-            log("deepspeed: not installed, skipped" + (f" ({why})" if why and "No module named" not in why else ""))
-            notes.append("deepspeed: not installed, skipped")
+        deepspeed_ok = common.optional_anchor("deepspeed", "deepspeed", log, notes)
     ws = common.Workspace(a.out, "pipeline")
     try:
         data_path = "" if a.dry_run else common.prepare_data(a)
@@ -159,11 +145,7 @@ def _main(argv: list[str]) -> int:
                     r.info["gantt"] = str(dst)
         rows = pipeline_rows(results)
         ratios = pipeline_ratios(results)
-        notes.append(common.load_note(load_before))
-        if a.quick:
-            notes.append("--quick is a smoke test (tiny model, a few measured steps): its numbers are not a measurement")
-        if a.repeat > 1:
-            notes.append(f"every run was repeated {a.repeat} times in rounds; each row is the median over the repetitions")
+        notes += common.run_notes(a, load_before)
         notes += [
             f"world {a.dp * a.pp}: dp={a.dp} across emulated nodes x pp={a.pp} inside each; micro-batches per dp rank: "
             f"{a.microbatches or a.global_batch // a.dp}",
@@ -172,24 +154,9 @@ def _main(argv: list[str]) -> int:
             "torch anchors: torch.distributed.pipelining schedules + a flat all-reduce of each stage's gradients over the "
             "dp group after the schedule (DDP-style, after the flush)",
         ]
-        print()
-        print(text_table(PIPE_HEADERS, rows))
-        print()
-        print("Ratios (same invocation):")
-        for r in ratios:
-            print("  " + r.line())
-        if not ratios:
-            print("  (none computable from these runs)")
-        for n in notes:
-            print("note: " + n)
-        if a.out:
-            save_results(results, ws.root / "results.json")
-            print(f"runs, gantt_*.png and results.json in {ws.root}")
-        else:
-            print("pass --out DIR to keep the runs and each foldtrain run's gantt.png")
-        if a.report:
-            Path(a.report).write_text(report_markdown("foldtrain bench pipeline", PIPE_HEADERS, rows, ratios, notes))
-            print(f"wrote {a.report}")
+        common.print_results("foldtrain bench pipeline", PIPE_HEADERS, rows, ratios, notes, results, a, ws,
+                             kept="runs, gantt_*.png and results.json",
+                             without_out="pass --out DIR to keep the runs and each foldtrain run's gantt.png")
         return 0
     finally:
         ws.close()

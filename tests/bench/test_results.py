@@ -250,8 +250,7 @@ def test_dp_plan_shapes_the_study():
 
 
 def test_quick_keeps_explicit_options():
-    a = dp.parser().parse_args(["--quick", "--networks", "loopback", "--steps", "4"])
-    dp.apply_quick(a)
+    a = common.parse_args(dp.parser(), ["--quick", "--networks", "loopback", "--steps", "4"], dp.QUICK)
     assert a.networks == "loopback" and a.steps == 4 and a.global_batch == dp.QUICK["global_batch"]
 
 

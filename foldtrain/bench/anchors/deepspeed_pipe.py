@@ -16,23 +16,15 @@ or 1 row) and all-reduces gradients after the flush. Tied embeddings are untied 
 
 from __future__ import annotations
 
-import json
 import os
-import resource
 import sys
 import time
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from foldtrain.bench.anchors.common import Metrics, data_and_model, loss_fn, micro_batches, untie_head
 from foldtrain.config import build_config
-from foldtrain.data import SequenceSampler, TokenData, resolve_data
-from foldtrain.model import GPT, GPTShape
-
-
-def loss_fn(logits, targets):
-    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+from foldtrain.data import SequenceSampler
 
 
 def main(argv: list[str]) -> int:
@@ -49,11 +41,8 @@ def main(argv: list[str]) -> int:
     rows = t.global_batch // D
     M = par.microbatches or rows // (t.micro_batch or 1)
     micro = rows // M
-    data = TokenData.open(resolve_data(cfg.data))
-    torch.manual_seed(t.seed)
-    model = GPT(GPTShape.from_config(cfg.model))
-    head = model.parts[-1]
-    head.lm_head.weight = torch.nn.Parameter(head.lm_head.weight.detach().clone())
+    data, model = data_and_model(cfg)
+    untie_head(model.parts[-1])
     topo = ProcessTopology(axes=["data", "pipe"], dims=[D, P])
     net = PipelineModule(layers=list(model.parts), loss_fn=loss_fn, topology=topo, partition_method="parameters")
     ds_config = {
@@ -72,25 +61,15 @@ def main(argv: list[str]) -> int:
                                            config=ds_config)
     d = rank // P
     sampler = SequenceSampler(data.split("train"), t.seq_len, t.seed)
-    out = Path(cfg.out)
-    metrics = None
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        metrics = open(out / "metrics.jsonl", "w")
+    metrics = Metrics(cfg, rank, torch.device("cuda" if use_cuda else "cpu"))  # "cuda": the current GPU's peak memory
     for step in range(t.steps):
         t0 = time.perf_counter()
         x, y = sampler.rank_batch(step, t.global_batch, d, D)
-        it = iter([(x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]) for i in range(M)])
+        it = iter(micro_batches(x, y, M, micro))
         loss = engine.train_batch(data_iter=it)
         dt = time.perf_counter() - t0
-        if metrics is not None:
-            mem = torch.cuda.max_memory_allocated() / 2**20 if use_cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            rec = {"step": step + 1, "loss": float(loss), "tokens_per_s": t.global_batch * t.seq_len / dt, "step_time_s": dt,
-                   "peak_mem_mb": mem}
-            metrics.write(json.dumps(rec) + "\n")
-            metrics.flush()
-    if metrics is not None:
-        metrics.close()
+        metrics.write(step, dt, loss)
+    metrics.close()
     return 0
 
 

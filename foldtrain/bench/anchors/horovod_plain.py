@@ -12,20 +12,16 @@ accumulation micro-batches; ``HOROVOD_FUSION_THRESHOLD`` is taken from ``--dp.fu
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from foldtrain.bench.anchors.ddp_plain import lr_at, peak_mem_mb
+from foldtrain.bench.anchors.common import (HALF, Metrics, adamw, autocast_for, data_and_model, loss_fn, lr_at,
+                                            micro_batches, set_lr, setup_device)
 from foldtrain.config import build_config
-from foldtrain.data import SequenceSampler, TokenData, resolve_data
-from foldtrain.model import GPT, GPTShape
+from foldtrain.data import SequenceSampler
 
 
 def main(argv: list[str]) -> int:
@@ -36,17 +32,10 @@ def main(argv: list[str]) -> int:
 
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
-    use_cuda = torch.cuda.is_available() and t.device != "cpu"
-    device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    data = TokenData.open(resolve_data(cfg.data))
-    torch.manual_seed(t.seed)
-    model = GPT(GPTShape.from_config(cfg.model)).to(device)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    device = setup_device(t, hvd.local_rank())
+    data, model = data_and_model(cfg)
+    model = model.to(device)
+    opt = adamw(model.parameters(), o, foreach=None)
     rows = t.global_batch // world
     micro = t.micro_batch or rows
     n_micro = rows // micro
@@ -54,28 +43,21 @@ def main(argv: list[str]) -> int:
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression,
                                    backward_passes_per_step=n_micro)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    half = {"bf16": torch.bfloat16, "bf16-master": torch.bfloat16, "fp16": torch.float16, "fp16-master": torch.float16}.get(cfg.precision)
-    autocast = (lambda: torch.autocast(device.type, dtype=half)) if half is not None else contextlib.nullcontext
+    half = HALF.get(cfg.precision)
+    autocast = autocast_for(device, half)
     scaler = torch.amp.GradScaler(device.type, enabled=half is torch.float16)
     sampler = SequenceSampler(data.split("train"), t.seq_len, t.seed)
-    out = Path(cfg.out)
-    metrics = None
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        metrics = open(out / "metrics.jsonl", "w")
+    metrics = Metrics(cfg, rank, device)
     for step in range(t.steps):
         t0 = time.perf_counter()
-        lr = lr_at(step, o, t.steps)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        lr = set_lr(opt, lr_at(step, o, t.steps))
         x, y = sampler.rank_batch(step, t.global_batch, rank, world)
         x, y = x.to(device), y.to(device)
         total = 0.0
-        for i in range(n_micro):
-            xm, ym = x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]
+        for xm, ym in micro_batches(x, y, n_micro, micro):
             with autocast():
                 logits = model(xm)
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), ym.reshape(-1)) / n_micro
+            loss = loss_fn(logits, ym) / n_micro
             scaler.scale(loss).backward()
             total += loss.item()
         opt.synchronize()
@@ -86,13 +68,8 @@ def main(argv: list[str]) -> int:
         scaler.update()
         opt.zero_grad()
         dt = time.perf_counter() - t0
-        if metrics is not None:
-            rec = {"step": step + 1, "loss": total, "lr": lr, "tokens_per_s": t.global_batch * t.seq_len / dt,
-                   "step_time_s": dt, "grad_norm": float(norm), "peak_mem_mb": peak_mem_mb(device)}
-            metrics.write(json.dumps(rec) + "\n")
-            metrics.flush()
-    if metrics is not None:
-        metrics.close()
+        metrics.write(step, dt, total, lr=lr, grad_norm=norm)
+    metrics.close()
     return 0
 
 

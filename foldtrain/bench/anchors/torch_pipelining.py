@@ -28,24 +28,20 @@ foldtrain), ``lr``, ``step_time_s``, ``tokens_per_s``, ``peak_mem_mb``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
-import resource
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from foldtrain.bench.anchors.common import (Metrics, adamw, autocast_for, data_and_model, loss_fn, lr_at, set_lr, setup_device,
+                                            untie_head)
 from foldtrain.config import build_config
-from foldtrain.data import SequenceSampler, TokenData, resolve_data
-from foldtrain.model import GPT, GPTShape
+from foldtrain.data import SequenceSampler
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")
 
@@ -76,25 +72,6 @@ def split_layers(n_layer: int, segments: int) -> list[list[int]]:
     return out
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def peak_mem_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def lr_at(step: int, o, total: int) -> float:
-    import math
-
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    t = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
-    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * t))
-
-
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="torch_pipelining", add_help=True)
     ap.add_argument("--schedule", choices=SCHEDULES, default="looped-bfs")
@@ -110,11 +87,8 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"--parallel.dp {D} x --parallel.pp {P} = {P * D} but {world} processes were launched")
     if ns.schedule in ("gpipe", "1f1b") and V != 1:
         raise SystemExit(f"--schedule {ns.schedule} runs one stage per rank; use --parallel.virtual 1")
-    use_cuda = torch.cuda.is_available() and t.device != "cpu"
-    device = torch.device("cuda", local % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.dp.timeout_s))
+    device = setup_device(t, local)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=cfg.dp.timeout_s))
     d, p = divmod(rank, P)
     # every rank creates every group, in the same order
     pp_groups = [dist.new_group([dd * P + pp for pp in range(P)]) for dd in range(D)]
@@ -123,9 +97,7 @@ def main(argv: list[str]) -> int:
     pp_group, dp_group = pp_groups[d], dp_groups[p]
 
     # ---- model, cut into S = P*V segments; this rank keeps segments p, p+P, ...
-    data = TokenData.open(resolve_data(cfg.data))
-    torch.manual_seed(t.seed)
-    model = GPT(GPTShape.from_config(cfg.model))
+    data, model = data_and_model(cfg)
     S = P * V
     layers = split_layers(cfg.model.n_layer, S)
     parts = list(model.parts)
@@ -135,8 +107,7 @@ def main(argv: list[str]) -> int:
         seg_parts = ([parts[0]] if s == 0 else []) + [parts[1 + i] for i in layers[s]] + ([parts[-1]] if s == S - 1 else [])
         mods[s] = Segment(seg_parts)
     if P > 1 and (S - 1) in mods:  # the last stage's own copy of the tied output projection
-        head = mods[S - 1].parts[-1]
-        head.lm_head.weight = nn.Parameter(head.lm_head.weight.detach().clone())
+        untie_head(mods[S - 1].parts[-1])
     del model, parts
     for m in mods.values():
         m.to(device)
@@ -166,27 +137,17 @@ def main(argv: list[str]) -> int:
         stage_params[s] = [q for q in m.parameters() if id(q) not in seen]
         seen.update(id(q) for q in stage_params[s])
     params = [q for s in mods for q in stage_params[s]]
-    decay = [q for q in params if q.dim() >= 2]
-    no_decay = [q for q in params if q.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+    opt = adamw(params, o)
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
-    autocast = (lambda: torch.autocast(device.type, dtype=half)) if half is not None else contextlib.nullcontext
+    autocast = autocast_for(device, half)
     first, last = 0 in mods, (S - 1) in mods
     tied_here = mods[0].parts[0].wte.weight if first else (mods[S - 1].parts[-1].lm_head.weight if last else None)
 
     sampler = SequenceSampler(data.split("train"), t.seq_len, t.seed)
-    out = Path(cfg.out)
-    metrics = None
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        metrics = open(out / "metrics.jsonl", "w")
-    tokens_per_step = t.global_batch * t.seq_len
+    metrics = Metrics(cfg, rank, device)
     for step in range(t.steps):
         t0 = time.perf_counter()
-        lr = lr_at(step, o, t.steps)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        lr = set_lr(opt, lr_at(step, o, t.steps))
         x, y = sampler.rank_batch(step, t.global_batch, d, D)
         x, y = x.to(device), y.to(device)
         losses: list[torch.Tensor] = []
@@ -234,13 +195,8 @@ def main(argv: list[str]) -> int:
             lt += torch.stack([l.detach().float() for l in losses]).mean() / D
         dist.all_reduce(lt)
         dt = time.perf_counter() - t0
-        if metrics is not None:
-            rec = {"step": step + 1, "loss": float(lt[0]), "lr": lr, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                   "grad_norm": float(norm[0]), "peak_mem_mb": peak_mem_mb(device)}
-            metrics.write(json.dumps(rec) + "\n")
-            metrics.flush()
-    if metrics is not None:
-        metrics.close()
+        metrics.write(step, dt, lt, lr=lr, grad_norm=norm)
+    metrics.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -68,6 +68,7 @@ class TrainConfig:
     eval_every: int = 100  # 0: only at the end
     eval_batches: int = 8
     sample_tokens: int = 200  # tokens of generated text printed at the end; 0: none
+    sample_prompt: str = ""  # text the final sample continues; empty: the start of a document
     device: str = "auto"
     progress: bool = True
 

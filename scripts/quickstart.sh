@@ -7,5 +7,5 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh plots,tensorboard
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 out="${OUT:-runs/quickstart-$(date +%Y%m%d-%H%M%S)}"
-.venv/bin/foldtrain train --out "$out" "$@"
+.venv/bin/foldtrain train --out "$out" --train.sample_prompt "def " "$@"
 echo "run written to $out  (try: .venv/bin/foldtrain generate --out $out --prompt 'def ')"

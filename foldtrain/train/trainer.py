@@ -127,7 +127,7 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, ckpt: CheckpointManager) 
         if cfg.checkpoint.safetensors and full is not None:
             export_safetensors(full, out / "model.safetensors", GPTShape.from_config(cfg.model).__dict__)
         if t.sample_tokens and full is not None:
-            text = generate_text(full, data, cfg, prompt="", max_new_tokens=t.sample_tokens, device=env.device)
+            text = generate_text(full, data, cfg, prompt=t.sample_prompt, max_new_tokens=t.sample_tokens, device=env.device)
             print(f"\n----- sample after {t.steps} steps -----\n{text}\n-----", flush=True)
     else:
         engine.eval_model()  # collective on some layouts (gathering a sharded model)

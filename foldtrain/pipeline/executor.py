@@ -63,6 +63,15 @@ def _first_line(e: BaseException) -> str:
     return type(e).__name__
 
 
+def bounded_wait(work, timeout_s: float, bounded: bool, problem) -> None:
+    """Wait for ``work`` at most ``timeout_s`` (where the backend supports a bounded wait); on a
+    timeout or a broken connection raise one DistributedError line, ``problem(cause)``."""
+    try:
+        work.wait(timedelta(seconds=timeout_s)) if bounded else work.wait()
+    except Exception as e:  # gloo: RuntimeError / DistBackendError on timeout or a closed connection
+        raise DistributedError(problem(_first_line(e))) from None
+
+
 class P2P:
     """Point-to-point transfers of one pipeline (see the module docstring)."""
 
@@ -87,26 +96,15 @@ class P2P:
 
     def wait_collective(self, work, what: str) -> None:
         """Wait for a collective of this rank's pipeline group, bounded by ``--dp.timeout_s``."""
-        try:
-            work.wait(timedelta(seconds=self.timeout_s)) if self.cpu_timeout else work.wait()
-        except Exception as e:
-            raise DistributedError(
-                f"pipeline rank {self.p} (global rank {self.topo.rank}) waited up to {self.timeout_s:g} s for the {what}; "
-                f"another pipeline rank stalled or died ({_first_line(e)}); check the other ranks' logs"
-            ) from None
+        bounded_wait(work, self.timeout_s, self.cpu_timeout, lambda cause: (
+            f"pipeline rank {self.p} (global rank {self.topo.rank}) waited up to {self.timeout_s:g} s for the {what}; "
+            f"another pipeline rank stalled or died ({cause}); check the other ranks' logs"))
 
     def wait(self, work, what: str, peer_p: int) -> None:
-        try:
-            if self.cpu_timeout:
-                work.wait(timedelta(seconds=self.timeout_s))
-            else:
-                work.wait()
-        except Exception as e:  # gloo: RuntimeError / DistBackendError on timeout or a closed connection
-            raise DistributedError(
-                f"pipeline rank {self.p} (global rank {self.topo.rank}) waited up to {self.timeout_s:g} s for {what} "
-                f"from pipeline rank {peer_p} (global rank {self.topo.pipeline_peer(peer_p)}); that rank stalled or died "
-                f"({_first_line(e)}); check its log, or raise --dp.timeout_s if it is just slow"
-            ) from None
+        bounded_wait(work, self.timeout_s, self.cpu_timeout, lambda cause: (
+            f"pipeline rank {self.p} (global rank {self.topo.rank}) waited up to {self.timeout_s:g} s for {what} "
+            f"from pipeline rank {peer_p} (global rank {self.topo.pipeline_peer(peer_p)}); that rank stalled or died "
+            f"({cause}); check its log, or raise --dp.timeout_s if it is just slow"))
 
 
 class ChunkReducer:
@@ -161,13 +159,9 @@ class ChunkReducer:
         self.pending = True
 
     def _wait(self, work, what: str) -> None:
-        try:
-            work.wait(timedelta(seconds=self.timeout_s)) if self.cpu_timeout else work.wait()
-        except Exception as e:
-            raise DistributedError(
-                f"global rank {self.topo.rank} waited up to {self.timeout_s:g} s for the {what} of segment {self.segment}; "
-                f"a rank of that group stalled or died ({_first_line(e)}); check the other ranks' logs"
-            ) from None
+        bounded_wait(work, self.timeout_s, self.cpu_timeout, lambda cause: (
+            f"global rank {self.topo.rank} waited up to {self.timeout_s:g} s for the {what} of segment {self.segment}; "
+            f"a rank of that group stalled or died ({cause}); check the other ranks' logs"))
 
     def wait(self) -> None:
         if not self.pending:

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from foldtrain.errors import DistributedError
+from foldtrain.parallel.dp.base import flatten, unflatten_into
 from foldtrain.pipeline.schedules import Op, Schedule
 
 ACT, GRAD, EVAL_ACT = 0, 1, 2
@@ -149,7 +150,7 @@ class ChunkReducer:
     def launch(self) -> None:
         if self.dp > 1:
             grads = self._grads(self.params)
-            self.flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.dp)
+            self.flat = flatten(grads, grads[0].dtype).div_(self.dp)
             self.work = dist.all_reduce(self.flat, group=self.topo.dp_group, async_op=True)
         if self.tied is not None:
             (g,) = self._grads([self.tied])
@@ -168,11 +169,7 @@ class ChunkReducer:
             return
         if self.work is not None:
             self._wait(self.work, "data-parallel gradient all-reduce")
-            off = 0
-            for g in self._grads(self.params):
-                n = g.numel()
-                g.copy_(self.flat[off : off + n].view_as(g))
-                off += n
+            unflatten_into(self.flat, self._grads(self.params))
             self.work, self.flat = None, None
         if self.tie_work is not None:
             self._wait(self.tie_work, "tied-embedding gradient all-reduce")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import resource
 from pathlib import Path
 
 import torch
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 
 from foldtrain.data import TokenData, resolve_data
 from foldtrain.model import GPT, GPTShape
+from foldtrain.train.metrics import peak_memory_mb  # measured exactly as foldtrain's runs are
 
 # --precision -> autocast dtype; the ``*-master`` precisions map to autocast too (which keeps fp32
 # weights: the AMP-O1 way a plain PyTorch user gets mixed precision)
@@ -81,12 +81,6 @@ def micro_batches(x: torch.Tensor, y: torch.Tensor, n: int, rows: int) -> list[t
     return [(x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows]) for i in range(n)]
 
 
-def peak_mem_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 class Metrics:
     """Rank 0's ``metrics.jsonl`` in ``--out``, one line per step with the fields the benchmark reads
     (``step``, ``loss``, ``lr``, ``tokens_per_s``, ``step_time_s``, ``grad_norm``, ``peak_mem_mb``);
@@ -111,7 +105,7 @@ class Metrics:
         rec.update(tokens_per_s=self.tokens_per_step / dt, step_time_s=dt)
         if grad_norm is not None:
             rec["grad_norm"] = float(grad_norm)
-        rec["peak_mem_mb"] = peak_mem_mb(self.device)
+        rec["peak_mem_mb"] = peak_memory_mb(self.device)
         self.f.write(json.dumps(rec) + "\n")
         self.f.flush()
 

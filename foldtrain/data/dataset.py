@@ -23,16 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from foldtrain.data.sources import one_line
 from foldtrain.errors import DataError
 
 FORMAT = "foldtrain-tokens-v1"
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 VERIFY_AUTO_BYTES = 1 << 30
 _FIX = "re-run foldtrain prepare"
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
 
 
 def _sha256_file(path: Path) -> str:
@@ -52,7 +49,7 @@ def _read_meta(root: Path) -> dict[str, Any]:
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{meta_path} is unreadable ({_one_line(e)}); {_FIX}") from None
+        raise DataError(f"{meta_path} is unreadable ({one_line(e)}); {_FIX}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise DataError(f"{meta_path} has format {found!r}, expected {FORMAT!r}; {_FIX}")
@@ -69,7 +66,7 @@ def _read_meta(root: Path) -> dict[str, Any]:
         if not isinstance(meta["tokenizer"], str):
             raise DataError(f"{meta_path} has an invalid tokenizer entry; {_FIX}")
     except (KeyError, TypeError) as e:
-        raise DataError(f"{meta_path} lacks or garbles an entry ({type(e).__name__}: {_one_line(e)}); {_FIX}") from None
+        raise DataError(f"{meta_path} lacks or garbles an entry ({type(e).__name__}: {one_line(e)}); {_FIX}") from None
     return meta
 
 

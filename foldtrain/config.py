@@ -364,7 +364,7 @@ def validate_world(cfg: Config, world_size: int) -> None:
         raise ConfigError("--dp.ps_servers only applies to --dp.strategy ps; remove it or choose ps")
     if d.ps_servers >= world_size and d.strategy == "ps":
         raise ConfigError(f"--dp.ps_servers {d.ps_servers} leaves no worker among {world_size} ranks; use fewer servers or launch more ranks")
-    from foldtrain.parallel.layout import uses_3d_engine, validate_layout
+    from foldtrain.schedules.layout import uses_3d_engine, validate_layout
 
     if uses_3d_engine(cfg):  # mesh sizes, schedule, chunk split, tensor-parallel divisibility
         validate_layout(cfg, world_size)

@@ -12,7 +12,7 @@ def build_engine(cfg, model: nn.Module, env, micro_batch: int):
     from foldtrain.train.engine import Engine
 
     # --- 3D engine (data x pipeline x tensor parallel): any --parallel.dp/pp/tp above 1
-    from foldtrain.parallel.layout import uses_3d_engine
+    from foldtrain.schedules.layout import uses_3d_engine
 
     if uses_3d_engine(cfg):
         from foldtrain.pipeline.engine import PipelineEngine

@@ -60,30 +60,12 @@ from __future__ import annotations
 from typing import Iterable
 
 from foldtrain.errors import ConfigError
+from foldtrain.schedules.layout import check_tp
 
 __all__ = ["apply_tensor_parallel", "check_tp", "tp_loss", "grad_norm", "clip_grad_norm_", "grads_finite", "is_tensor_parallel"]
 
 
 # --------------------------------------------------------------------------- validation (torch-free)
-def check_tp(n_head: int, d_model: int, vocab_size: int, tp: int) -> None:
-    """Raise ``ConfigError`` (one line: problem and fix) unless the model shape splits over ``tp`` ranks."""
-    if tp < 1:
-        raise ConfigError(f"--parallel.tp must be >= 1, got {tp}; give a positive tensor-parallel size")
-    if tp == 1:
-        return
-    if n_head % tp:
-        raise ConfigError(f"--model.n_head {n_head} is not divisible by --parallel.tp {tp}; "
-                          f"tensor parallelism gives each rank whole attention heads, so pick n_head a multiple of tp or a tp dividing n_head")
-    if d_model % tp:
-        raise ConfigError(f"--model.d_model {d_model} is not divisible by --parallel.tp {tp}; pick d_model a multiple of tp")
-    if (4 * d_model) % tp:  # implied by d_model % tp == 0; kept for the MLP width's sake
-        raise ConfigError(f"the MLP width 4*d_model = {4 * d_model} is not divisible by --parallel.tp {tp}; pick d_model a multiple of tp")
-    if vocab_size % tp:
-        up = -(-vocab_size // tp) * tp
-        raise ConfigError(f"--model.vocab_size {vocab_size} is not divisible by --parallel.tp {tp}; "
-                          f"the embedding and output layer are split over the vocabulary, so use a multiple of tp (e.g. --model.vocab_size {up})")
-
-
 def tp_loss(logits, targets):
     """Mean cross entropy, vocab-parallel on vocab-sharded DTensor logits (see ``foldtrain.parallel.tp_loss``)."""
     from foldtrain.parallel.tp_loss import tp_loss as _tp_loss

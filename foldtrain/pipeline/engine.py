@@ -2,14 +2,14 @@
 
 ``PipelineEngine`` is the ``Engine`` for every run with ``--parallel.dp/pp/tp`` above 1:
 
-* layout: :func:`foldtrain.parallel.layout.validate_layout` (micro-batches, layer split) and the
+* layout: :func:`foldtrain.schedules.layout.validate_layout` (micro-batches, layer split) and the
   ``(dp, pp, tp)`` mesh of :mod:`foldtrain.parallel.mesh` (TP innermost, Megatron placement);
 * model: this pipeline rank's ``V`` chunks (:mod:`.stage`), full-model parameter names, Megatron
   tensor parallelism inside each chunk when ``tp > 1`` (``foldtrain.parallel.tensor``), optional
   activation recomputation (``--ac full``);
 * one AdamW and one LR schedule per local chunk, so a chunk can step as soon as its own gradients
   are reduced (Fold3D's per-chunk reduction, and the deferred steps of ``--fold.defer_reduce``);
-* the schedule (:func:`foldtrain.pipeline.schedules.build_schedule`) run by the single
+* the schedule (:func:`foldtrain.schedules.build_schedule`) run by the single
   :class:`~.executor.Executor`.
 
 Numerics: a step is the single-process step on the same global batch with the same micro-batch
@@ -36,10 +36,10 @@ import torch.nn as nn
 
 from foldtrain.errors import ConfigError
 from foldtrain.model.gpt import GPT, GPTShape
-from foldtrain.parallel.layout import validate_layout
+from foldtrain.schedules.layout import validate_layout
 from foldtrain.parallel.mesh import get_topology
 from foldtrain.pipeline.executor import ChunkReducer, Executor, P2P, _local
-from foldtrain.pipeline.schedules import build_schedule
+from foldtrain.schedules import build_schedule
 from foldtrain.pipeline.stage import apply_activation_checkpointing, build_chunks
 from foldtrain.train.engine import Engine, build_optimizer
 from foldtrain.train.lr import WarmupCosine

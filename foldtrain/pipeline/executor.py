@@ -1,6 +1,6 @@
 """One executor for every pipeline schedule: it runs a rank's action list for one iteration.
 
-Schedules are data (:mod:`foldtrain.pipeline.schedules`); this module gives each action its meaning:
+Schedules are data (:mod:`foldtrain.schedules`); this module gives each action its meaning:
 
 * ``F(s, m)``  forward of local segment ``s`` on micro-batch ``m``. Segment 0 takes the tokens;
   any other segment the activation ``RA`` received, as a leaf with ``requires_grad`` (its ``.grad``
@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from foldtrain.errors import DistributedError
 from foldtrain.parallel.dp.base import flatten, unflatten_into
-from foldtrain.pipeline.schedules import Op, Schedule
+from foldtrain.schedules import Op, Schedule
 
 ACT, GRAD, EVAL_ACT = 0, 1, 2
 

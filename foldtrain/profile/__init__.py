@@ -3,7 +3,7 @@
 Torch-free except :func:`gather_timelines` (imports ``torch.distributed`` when called)
 and matplotlib-free except :func:`plot_gantt` (imports matplotlib when called).
 
->>> from foldtrain.pipeline.schedules import build_schedule, simulate_order
+>>> from foldtrain.schedules import build_schedule, simulate_order
 >>> from foldtrain.profile import events_from_simulation, summarize
 >>> sim = simulate_order(build_schedule("1f1b", 4, 1, 8))
 >>> s = summarize(events_from_simulation(sim))[-1]

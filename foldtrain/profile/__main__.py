@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     steps = None
     if args.cmd == "sim":
-        from foldtrain.pipeline.schedules import build_schedule, simulate_order
+        from foldtrain.schedules import build_schedule, simulate_order
 
         v = 1 if args.schedule == "1f1b" else args.virtual
         sched = build_schedule(args.schedule, args.pp, v, args.microbatches, args.dp_sync, args.defer_reduce)

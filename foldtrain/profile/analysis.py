@@ -241,7 +241,7 @@ def events_from_simulation(
     step: int = 0,
     recv_waits: bool = True,
 ) -> list[list[dict[str, Any]]]:
-    """Turn :func:`~foldtrain.pipeline.schedules.simulate_order`'s output into per-rank events.
+    """Turn :func:`~foldtrain.schedules.simulate_order`'s output into per-rank events.
 
     Every ``(Action, start, end)`` becomes a ``compute`` event named ``"F c2 m1"``
     (``args``: ``op``, ``chunk`` = global segment, ``mb``). One simulator time

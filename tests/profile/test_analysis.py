@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from foldtrain.pipeline.schedules import build_schedule, simulate_order
+from foldtrain.schedules import build_schedule, simulate_order
 from foldtrain.profile import (
     Timeline,
     as_rank_lists,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from foldtrain.pipeline.schedules import build_schedule, simulate_order
+from foldtrain.schedules import build_schedule, simulate_order
 from foldtrain.profile import (
     Timeline,
     chrome_trace,

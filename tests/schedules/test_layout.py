@@ -6,7 +6,7 @@ import pytest
 
 from foldtrain.config import build_config
 from foldtrain.errors import ConfigError
-from foldtrain.parallel.layout import chunk_layers, resolve_microbatches, uses_3d_engine, validate_layout
+from foldtrain.schedules.layout import chunk_layers, resolve_microbatches, uses_3d_engine, validate_layout
 
 MODEL = ["--model.n_layer", "8", "--model.n_head", "4", "--model.d_model", "32", "--model.context", "32", "--model.vocab_size", "64", "--train.seq_len", "16"]
 

@@ -1,6 +1,6 @@
 """Pipeline schedules as data: per-rank action lists, torch-free.
 
->>> from foldtrain.pipeline.schedules import build_schedule, format_schedule
+>>> from foldtrain.schedules import build_schedule, format_schedule
 >>> print(format_schedule(build_schedule("fold", 2, 2, 2)))  # doctest: +NORMALIZE_WHITESPACE
 fold: pp=2 virtual=2 microbatches=2 dp_sync=after-flush
 rank 0: F(c0,m0) F(c0,m1) F(c2,m0) F(c2,m1) B(c2,m1) B(c2,m0) B(c0,m1) B(c0,m0)

@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from foldtrain.pipeline.schedules import (
+from foldtrain.schedules import (
     Action,
     Op,
     Schedule,

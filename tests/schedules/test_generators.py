@@ -5,10 +5,10 @@ import itertools
 
 import pytest
 
-import foldtrain.pipeline.schedules as schedules_pkg
+import foldtrain.schedules as schedules_pkg
 
 from foldtrain.errors import ConfigError
-from foldtrain.pipeline.schedules import (
+from foldtrain.schedules import (
     Action,
     Op,
     activations_peak,

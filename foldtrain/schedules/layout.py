@@ -29,8 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from foldtrain.errors import ConfigError
+from foldtrain.schedules.generators import build_schedule
 
-__all__ = ["Layout", "chunk_layers", "resolve_microbatches", "uses_3d_engine", "validate_layout"]
+__all__ = ["Layout", "check_tp", "chunk_layers", "resolve_microbatches", "uses_3d_engine", "validate_layout"]
 
 
 @dataclass(frozen=True)
@@ -136,16 +137,23 @@ def resolve_microbatches(cfg) -> tuple[int, int]:
     return 1, rows
 
 
-def _check_tp(n_head: int, d_model: int, vocab_size: int, tp: int) -> None:
-    try:
-        from foldtrain.parallel.tensor import check_tp
-    except ImportError:  # pragma: no cover - tensor parallelism module absent
-        if tp > 1 and n_head % tp:
-            raise ConfigError(f"--model.n_head {n_head} is not divisible by --parallel.tp {tp}; pick n_head a multiple of tp") from None
-        if tp > 1 and vocab_size % tp:
-            raise ConfigError(f"--model.vocab_size {vocab_size} is not divisible by --parallel.tp {tp}; use a multiple of tp") from None
+def check_tp(n_head: int, d_model: int, vocab_size: int, tp: int) -> None:
+    """Raise ``ConfigError`` (one line: problem and fix) unless the model shape splits over ``tp`` ranks."""
+    if tp < 1:
+        raise ConfigError(f"--parallel.tp must be >= 1, got {tp}; give a positive tensor-parallel size")
+    if tp == 1:
         return
-    check_tp(n_head, d_model, vocab_size, tp)
+    if n_head % tp:
+        raise ConfigError(f"--model.n_head {n_head} is not divisible by --parallel.tp {tp}; "
+                          f"tensor parallelism gives each rank whole attention heads, so pick n_head a multiple of tp or a tp dividing n_head")
+    if d_model % tp:
+        raise ConfigError(f"--model.d_model {d_model} is not divisible by --parallel.tp {tp}; pick d_model a multiple of tp")
+    if (4 * d_model) % tp:  # implied by d_model % tp == 0; kept for the MLP width's sake
+        raise ConfigError(f"the MLP width 4*d_model = {4 * d_model} is not divisible by --parallel.tp {tp}; pick d_model a multiple of tp")
+    if vocab_size % tp:
+        up = -(-vocab_size // tp) * tp
+        raise ConfigError(f"--model.vocab_size {vocab_size} is not divisible by --parallel.tp {tp}; "
+                          f"the embedding and output layer are split over the vocabulary, so use a multiple of tp (e.g. --model.vocab_size {up})")
 
 
 def validate_layout(cfg, world_size: int) -> Layout:
@@ -181,10 +189,9 @@ def validate_layout(cfg, world_size: int) -> Layout:
             f"use --precision bf16 or fp16 (autocast with fp32 weights) or fp32"
         )
     n_micro, micro = resolve_microbatches(cfg)
-    from foldtrain.pipeline.schedules import build_schedule  # torch-free
 
     build_schedule(p.schedule, pp, v, n_micro, p.dp_sync, cfg.fold.defer_reduce)
-    _check_tp(m.n_head, m.d_model, m.vocab_size, tp)
+    check_tp(m.n_head, m.d_model, m.vocab_size, tp)
     layers = chunk_layers(m.n_layer, pp * v, p.layers_per_chunk or None)
     if cfg.fold.defer_reduce:
         if cfg.optim.grad_clip > 0:

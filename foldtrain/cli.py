@@ -96,11 +96,11 @@ def cmd_eval(ns, rest) -> int:
     import math
 
     from foldtrain.data import val_batches
-    from foldtrain.train.engine import Engine
+    from foldtrain.engine import ReplicatedEngine
 
     cfg = _config(ns, rest, from_run=True)
     model, data, device, path = _load_run_model(ns, cfg)
-    engine = Engine(model, cfg, device, cfg.train.micro_batch or cfg.train.global_batch)
+    engine = ReplicatedEngine(model, cfg, device, cfg.train.micro_batch or cfg.train.global_batch)
     loss = engine.eval_loss(val_batches(data.split("val"), cfg.train.seq_len, engine.micro_batch, cfg.train.eval_batches))
     print(json.dumps({"checkpoint": str(path), "val_loss": round(loss, 6), "val_ppl": round(math.exp(min(loss, 50.0)), 4)}))
     return 0

@@ -5,11 +5,11 @@
 
 Every run is a real ``foldtrain train`` launched by torchrun (or an anchor script written with
 plain PyTorch), on loopback or on an emulated slow network of Linux network namespaces
-(:mod:`foldtrain.bench.netns`, needs root and iproute2). Results come from each run's
+(:mod:`foldtrain.netem`, needs root and iproute2). Results come from each run's
 ``metrics.jsonl`` (:mod:`foldtrain.bench.results`); a run that fails becomes a table row with its
 error and the benchmark goes on.
 
-Modules: ``netns`` (emulated cluster), ``netcheck`` (socket self-checks), ``runner`` (launching
+Modules: ``runner`` (launching
 one run), ``results`` (pure: medians, tables, ratios), ``dp`` and ``pipeline`` (the two
 benchmarks), ``anchors`` (the baselines). This package imports nothing heavy at import time.
 """
@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: foldtrain bench {dp,pipeline} [options]
+USAGE = """usage: foldtrain bench {dp,pipeline,overhead} [options]
 
 benchmarks:
   dp         data-parallel strategies x precisions x 1/2/4 ranks, loopback and an emulated slow network,
              against a plain-PyTorch DDP loop (and Horovod when installed)
   pipeline   pipeline schedules (gpipe, 1f1b, interleaved-1f1b, fold) with data parallelism across two
              emulated nodes, against torch.distributed.pipelining (and DeepSpeed when installed)
+  overhead   the single-process trainer against a minimal plain-PyTorch loop (tokens/s, same model and data)
 
 `foldtrain bench dp --help` / `foldtrain bench pipeline --help` list the options; --quick runs a tiny
 smoke configuration; --dry_run prints the runs without starting them. The emulated network needs root
@@ -46,5 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         from foldtrain.bench.pipeline import main as pipeline_main
 
         return pipeline_main(rest)
-    print(f"foldtrain bench: unknown benchmark '{cmd}'; choose dp or pipeline (see `foldtrain bench --help`)", file=sys.stderr)
+    if cmd == "overhead":
+        from foldtrain.bench.overhead import main as overhead_main
+
+        return overhead_main(rest)
+    print(f"foldtrain bench: unknown benchmark '{cmd}'; choose dp, pipeline or overhead (see `foldtrain bench --help`)", file=sys.stderr)
     return 2

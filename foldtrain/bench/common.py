@@ -237,7 +237,7 @@ def execute(jobs_by_network: dict[str, list], a, ws: Workspace, max_nodes: dict[
 
     A network that cannot be emulated (no root / iproute2) is reported once and its jobs are
     skipped; the runs of other networks go on."""
-    from foldtrain.bench.netns import EmulatedCluster, check_prerequisites
+    from foldtrain.netem.cluster import EmulatedCluster, check_prerequisites
     from foldtrain.bench.results import merge_repeats
     from foldtrain.bench.runner import run_job
 

@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from foldtrain.bench.netns import EmulatedCluster, kill_tree, wait_all
+from foldtrain.netem.cluster import EmulatedCluster
+from foldtrain.netem.procs import kill_tree, wait_all
 from foldtrain.bench.results import RunResult, error_line, read_metrics, summarize_records
 
 ANCHORS = Path(__file__).with_name("anchors")

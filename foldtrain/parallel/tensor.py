@@ -59,7 +59,6 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from foldtrain.errors import ConfigError
 from foldtrain.schedules.layout import check_tp
 
 __all__ = ["apply_tensor_parallel", "check_tp", "tp_loss", "grad_norm", "clip_grad_norm_", "grads_finite", "is_tensor_parallel"]

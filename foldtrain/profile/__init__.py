@@ -24,10 +24,12 @@ from .analysis import (
 )
 from .export import TRACE_ROWS, chrome_trace, load_events, plot_gantt, save_events, write_chrome_trace
 from .timeline import KINDS, NULL_SPAN, Timeline, gather_timelines, shifted_events
+from .recorder import StepProfiler
 
 __all__ = [
     "KINDS",
     "NULL_SPAN",
+    "StepProfiler",
     "TRACE_ROWS",
     "Timeline",
     "as_rank_lists",

@@ -18,9 +18,9 @@ from foldtrain.config import Config, dp_workers, to_toml, validate
 from foldtrain.data import SequenceSampler, TokenData, load_tokenizer, resolve_data, val_batches
 from foldtrain.distributed import DistEnv, init_distributed, launch_world_size, shutdown
 from foldtrain.errors import CheckpointError, ConfigError
-from foldtrain.generate import sample
+from foldtrain.model.generate import sample
 from foldtrain.model import GPT, GPTShape, analytic_param_count
-from foldtrain.parallel import build_engine
+from foldtrain.engine import build_engine
 from foldtrain.train.metrics import RunLogger, peak_memory_mb
 
 

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 from tests.conftest import TINY_ARGS
+from tests.support import torchrun
 
 
-def torchrun(n: int, module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), "-m", module, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=Path(__file__).resolve().parents[2])
+def run_anchor(n: int, module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return torchrun(n, "-m", module, *args, timeout=timeout)
 
 
 def common(data: Path, out: Path, steps: int = 2) -> list[str]:
@@ -29,7 +26,7 @@ def records(out: Path) -> list[dict]:
 def test_torch_pipelining_anchor_world2(small_data, tmp_path):
     """LoopedBFS with 2 chunks per rank (4 stages, the tied head split across ranks), 2 steps."""
     out = tmp_path / "bfs"
-    r = torchrun(2, "foldtrain.bench.anchors.torch_pipelining", "--schedule", "looped-bfs", *common(small_data, out),
+    r = run_anchor(2, "foldtrain.bench.anchors.torch_pipelining", "--schedule", "looped-bfs", *common(small_data, out),
                  "--model.n_layer", "4", "--parallel.pp", "2", "--parallel.virtual", "2", "--parallel.microbatches", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     rec = records(out)
@@ -42,7 +39,7 @@ def test_torch_pipelining_anchor_world2(small_data, tmp_path):
 
 def test_ddp_plain_anchor_world2(small_data, tmp_path):
     out = tmp_path / "ddp"
-    r = torchrun(2, "foldtrain.bench.anchors.ddp_plain", *common(small_data, out, steps=3), "--train.micro_batch", "1")
+    r = run_anchor(2, "foldtrain.bench.anchors.ddp_plain", *common(small_data, out, steps=3), "--train.micro_batch", "1")
     assert r.returncode == 0, r.stderr[-3000:]
     rec = records(out)
     assert [x["step"] for x in rec] == [1, 2, 3]

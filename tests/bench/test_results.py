@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from foldtrain.bench import common, dp, pipeline
-from foldtrain.bench.netns import format_rate, parse_rate, tbf_burst_bytes
+from foldtrain.netem.cluster import format_rate, parse_rate, tbf_burst_bytes
 from foldtrain.bench.results import (DP_HEADERS, PIPE_HEADERS, RunResult, bytes_per_step, dp_ratios, dp_rows, error_line,
                                      load_results, markdown_table, pipeline_ratios, pipeline_rows, read_metrics, report_markdown,
                                      save_results, summarize_records, text_table)
@@ -337,8 +337,8 @@ def test_merge_repeats(tmp_path):
 
 def test_execute_without_root_runs_the_loopback_part(tmp_path, monkeypatch):
     """No root: one clear line, the throttled runs are left out, the loopback runs still run."""
-    from foldtrain.bench import netns
-    from foldtrain.bench.netns import NEEDS_ROOT
+    from foldtrain.netem import cluster as netns
+    from foldtrain.netem.cluster import NEEDS_ROOT
 
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     a = dp.parser().parse_args(["--steps", "5", "--warmup", "2", "--device", "cpu", "--repeat", "2"])

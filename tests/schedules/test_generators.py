@@ -46,11 +46,6 @@ def test_fold_required_order():
     assert compute_str(s, 1) == "F(c1,m0) F(c1,m1) F(c3,m0) F(c3,m1) B(c3,m1) B(c3,m0) B(c1,m1) B(c1,m0)"
 
 
-def test_grid_covers_required_shapes():
-    assert ("interleaved-1f1b", 4, 2, 4) in GRID and ("fold", 4, 2, 4) in GRID
-    assert ("interleaved-1f1b", 2, 2, 2) in GRID and ("fold", 2, 2, 2) in GRID
-
-
 @pytest.mark.parametrize("name,pp,v,m", GRID)
 def test_every_schedule_validates(name, pp, v, m):
     for dp_sync, defer in VARIANTS:

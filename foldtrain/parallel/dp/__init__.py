@@ -1,7 +1,7 @@
-"""Data-parallel strategies (``--dp.strategy``), each an ``Engine`` overriding only the hooks it needs.
+"""Data-parallel strategies (``--dp.strategy``), each a :class:`Strategy` overriding only the hooks it needs.
 
 =============  ==============================================================================
-``none``       one process: the base ``Engine``
+``none``       one process: the base ``Strategy``
 ``ddp``        torch ``DistributedDataParallel``: bucketed all-reduce overlapped with backward
 ``allreduce``  Horovod-style: per-gradient hooks, tensor fusion, async ring all-reduce,
                optional fp16/bf16 wire compression
@@ -16,33 +16,34 @@
 All of them measure their traffic and blocked time per step with
 :class:`~foldtrain.parallel.dp.comm.CommStats` and turn a dead or stalled peer into a one-line
 :class:`~foldtrain.errors.DistributedError` naming it. With one process every strategy is the
-single-process ``Engine`` (there is nobody to communicate with).
+single-process ``Strategy`` (there is nobody to communicate with).
 """
 
 from __future__ import annotations
 
 from foldtrain.errors import ConfigError
+from foldtrain.parallel.dp.base import DataParallelStrategy, Strategy
+
+__all__ = ["DataParallelStrategy", "Strategy", "strategy_for"]
 
 
-def build_dp_engine(cfg, model, env, micro_batch: int):
-    """The engine of ``--dp.strategy`` for a launch of ``env.world_size`` processes."""
-    from foldtrain.train.engine import Engine
-
+def strategy_for(cfg, world_size: int) -> type[Strategy]:
+    """The strategy class of ``--dp.strategy`` for a launch of ``world_size`` processes."""
     strategy = cfg.dp.strategy
-    if env.world_size == 1 and strategy != "horovod":
-        return Engine(model, cfg, env.device, micro_batch)
+    if world_size == 1 and strategy != "horovod":
+        return Strategy
     if strategy == "ddp":
-        from foldtrain.parallel.dp.ddp import DDPEngine as cls
+        from foldtrain.parallel.dp.ddp import DDPStrategy as cls
     elif strategy == "allreduce":
-        from foldtrain.parallel.dp.allreduce import AllreduceEngine as cls
+        from foldtrain.parallel.dp.allreduce import AllreduceStrategy as cls
     elif strategy == "sharded-ps":
-        from foldtrain.parallel.dp.sharded_ps import ShardedPSEngine as cls
+        from foldtrain.parallel.dp.sharded_ps import ShardedPSStrategy as cls
     elif strategy == "ps" and cfg.dp.ps_staleness > 0:
-        from foldtrain.parallel.dp.ps_async import AsyncParameterServerEngine as cls
+        from foldtrain.parallel.dp.ps_async import AsyncParameterServerStrategy as cls
     elif strategy == "ps":
-        from foldtrain.parallel.dp.ps import ParameterServerEngine as cls
+        from foldtrain.parallel.dp.ps import ParameterServerStrategy as cls
     elif strategy == "horovod":
-        from foldtrain.parallel.dp.horovod import HorovodEngine as cls
+        from foldtrain.parallel.dp.horovod import HorovodStrategy as cls
     else:
-        raise ConfigError(f"--dp.strategy {strategy} cannot run {env.world_size} processes; choose ddp, allreduce, sharded-ps or ps")
-    return cls(model, cfg, env.device, micro_batch)
+        raise ConfigError(f"--dp.strategy {strategy} cannot run {world_size} processes; choose ddp, allreduce, sharded-ps or ps")
+    return cls

@@ -23,15 +23,16 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from foldtrain.parallel.dp.base import DataParallelEngine, flatten, unflatten_into
+from foldtrain.parallel.dp.base import DataParallelStrategy
 from foldtrain.parallel.dp.comm import nbytes
+from foldtrain.parallel.flat import flatten, unflatten_into
 
 WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class AllreduceEngine(DataParallelEngine):
-    def __init__(self, model, cfg, device, micro_batch):
-        super().__init__(model, cfg, device, micro_batch)
+class AllreduceStrategy(DataParallelStrategy):
+    def __init__(self, state, cfg):
+        super().__init__(state, cfg)
         self.fusion_bytes = cfg.dp.fusion_mb * 2**20
         self.wire_dtype = WIRE_DTYPES[cfg.dp.compression]
         self._accumulating = False  # inside no_sync: hooks do nothing

@@ -1,5 +1,18 @@
-"""What every data-parallel strategy shares: its place in the process group, the step's
-communication measurements, the mean of logged values over ranks, and failures named by rank."""
+"""What a data-parallel strategy is: the hooks a replicated engine calls around its step.
+
+A strategy is composed with a :class:`~foldtrain.optim.TrainState` (the replica's model,
+optimizer, LR schedule and precision) and decides how gradients become global and how the
+update is applied. :class:`Strategy` itself is the single-process behaviour (``--dp.strategy
+none``): no communication. :class:`DataParallelStrategy` adds what every communicating strategy
+shares: its place in the process group, the step's communication measurements, the mean of
+logged values over ranks, and failures named by rank.
+
+Hooks, in the order the engine's step calls them: ``forward`` (the model call, e.g. DDP's
+wrapper), ``no_sync`` (accumulation micro-batches), ``sync_grads``, ``global_finite`` (one
+loss-scaler verdict for ranks holding different gradient shards), ``apply_update`` (clip, step,
+LR schedule), ``reduce_scalar`` (the logged loss), ``zero_grad``. Checkpoint and export:
+``model_optim_state`` / ``load_model_optim_state`` / ``eval_model``.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +22,111 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from foldtrain.parallel.dp.comm import CommStats, is_comm_failure
-from foldtrain.train.engine import Engine
+from foldtrain.optim import TrainState
+from foldtrain.parallel.dp.comm import CommStats
+from foldtrain.parallel.failures import is_comm_failure
 
 
-class DataParallelEngine(Engine):
-    """``Engine`` over the whole launch's process group; subclasses override the step's hooks."""
+class Strategy:
+    """The single-process strategy; subclasses override the hooks they need."""
 
-    def __init__(self, model: nn.Module, cfg, device: torch.device, micro_batch: int):
-        super().__init__(model, cfg, device, micro_batch)
+    def __init__(self, state: TrainState, cfg):
+        self.state = state
+        self.cfg = cfg
+        self.device = state.device
+        self.last_grad_norm = 0.0
+        self.dp_rank, self.dp_world = 0, 1  # which rows of the global batch this rank computes
+
+    # the replica's pieces, by name (the state owns them)
+    model = property(lambda self: self.state.model)
+    named_params = property(lambda self: self.state.named_params)
+    precision = property(lambda self: self.state.precision)
+    optimizer = property(lambda self: self.state.optimizer)
+    lr_scheduler = property(lambda self: self.state.lr_scheduler)
+    schedule = property(lambda self: self.state.schedule)
+    master = property(lambda self: self.state.master)
+
+    @property
+    def lr(self) -> float:
+        return self.state.lr
+
+    def batch(self, sampler, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the global batch of ``step`` (the data position is just the step)."""
+        return sampler.rank_batch(step, self.cfg.train.global_batch, self.dp_rank, self.dp_world)
+
+    def stats(self) -> dict[str, float]:
+        """Per-step measurements logged to metrics.jsonl (communication bytes, wait time...)."""
+        return {}
+
+    def step_context(self) -> contextlib.AbstractContextManager:
+        """Wraps one training step (measurements, failure naming)."""
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ the step's hooks
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Sees each training micro-batch's (detached) loss."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def sync_grads(self) -> None:
+        """Make every parameter's .grad the global sum-mean over data-parallel ranks."""
+
+    def global_finite(self, finite: bool) -> bool:
+        return finite
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        return self.state.optimizer_params()
+
+    def clip(self, params: list[torch.Tensor]) -> float:
+        clip = self.cfg.optim.grad_clip
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return 0.0
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=True)
+        return float(norm)
+
+    def apply_update(self, grads_finite: bool) -> None:
+        """Clip and step the optimizer on the (synchronised) gradients, unless they overflowed."""
+        if grads_finite:
+            self.last_grad_norm = self.clip(self.optimizer_params())
+            self.optimizer.step()
+            self.state.masters_to_model()
+        self.lr_scheduler.step()
+
+    def reduce_scalar(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def eval_loss(self, local_loss) -> float:
+        """The validation loss over ranks; ``local_loss()`` computes this rank's mean."""
+        return float(self.reduce_scalar(local_loss()))
+
+    def zero_grad(self) -> None:
+        self.state.zero_grad()
+
+    # ------------------------------------------------------------------ checkpoint and export
+    def model_optim_state(self) -> dict:
+        """The ``model`` and ``optim`` entries of a checkpoint; strategies that shard them override this pair."""
+        return self.state.model_optim_state()
+
+    def load_model_optim_state(self, sd: dict) -> None:
+        self.state.load_model_optim_state(sd)
+
+    def eval_model(self) -> nn.Module | None:
+        """The full model with current weights (fp32 masters if any), for sampling and export."""
+        return self.state.owner()
+
+
+class DataParallelStrategy(Strategy):
+    """A strategy over the whole launch's process group."""
+
+    def __init__(self, state: TrainState, cfg):
+        super().__init__(state, cfg)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_world = self.rank, self.world
         self.comm = CommStats(self.rank, self.world, cfg.dp.timeout_s)
@@ -36,17 +145,18 @@ class DataParallelEngine(Engine):
                 raise self.comm.failure(e, step) from e
             raise
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    @contextlib.contextmanager
+    def step_context(self):
         self.comm.start_step()
         try:
             with self.failures_named():
-                return super().train_step(x, y)
+                yield
         finally:
             self.comm.end_step()
 
-    def eval_loss(self, batches) -> float:
+    def eval_loss(self, local_loss) -> float:
         with self.failures_named():
-            return super().eval_loss(batches)
+            return super().eval_loss(local_loss)
 
     def reduce_scalar(self, value: torch.Tensor) -> torch.Tensor:
         """Mean of ``value`` over the ranks that computed one (all of them, unless overridden)."""
@@ -60,7 +170,7 @@ class DataParallelEngine(Engine):
         return t[0] / count
 
     def clip_by_global_norm(self, params: list[torch.Tensor], group=None, group_size: int | None = None) -> float:
-        """``Engine.clip`` for gradients spread over ranks: the squared norms of every rank's part summed
+        """``clip`` for gradients spread over ranks: the squared norms of every rank's part summed
         over ``group`` (default: all ranks)."""
         size = group_size or self.world
         sq = sum((p.grad.double().pow(2).sum() for p in params if p.grad is not None), torch.zeros((), dtype=torch.float64, device=self.device)).reshape(1)
@@ -80,41 +190,3 @@ class DataParallelEngine(Engine):
         with self.comm.blocked(phase):
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
-
-
-# ---------------------------------------------------------------------- helpers for flat buffers
-def flatten(tensors: list[torch.Tensor], dtype: torch.dtype, size: int | None = None) -> torch.Tensor:
-    """``tensors`` concatenated into one 1-D buffer of ``dtype``, zero-padded to ``size``."""
-    parts = [t.detach().reshape(-1).to(dtype) for t in tensors]
-    used = sum(p.numel() for p in parts)
-    if size is not None and size > used:
-        parts.append(torch.zeros(size - used, dtype=dtype, device=parts[0].device if parts else None))
-    return torch.cat(parts)
-
-
-@torch.no_grad()
-def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """Copy consecutive pieces of ``flat`` into ``tensors`` (casting to their dtype)."""
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n
-
-
-def adamw_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
-    """``p``'s AdamW state, created (zero moments, step 0) if the optimizer has not stepped yet, so a
-    checkpoint can be loaded into it in place."""
-    state = optimizer.state[p]
-    if not state:
-        state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-    return state
-
-
-@torch.no_grad()
-def load_adamw_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, saved: dict) -> None:
-    """Copy a saved AdamW state into ``p``'s (a no-op where DCP already loaded it in place)."""
-    state = adamw_state(optimizer, p)
-    for name, value in saved.items():
-        if value is not state[name]:
-            state[name].copy_(value)

@@ -15,14 +15,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from foldtrain.parallel.dp.base import DataParallelEngine
-from foldtrain.parallel.tp_loss import tp_loss
+from foldtrain.parallel.dp.base import DataParallelStrategy
 
 
-class DDPEngine(DataParallelEngine):
-    def __init__(self, model, cfg, device, micro_batch):
-        super().__init__(model, cfg, device, micro_batch)
-        ids = [device.index] if device.type == "cuda" else None
+class DDPStrategy(DataParallelStrategy):
+    def __init__(self, state, cfg):
+        super().__init__(state, cfg)
+        ids = [self.device.index] if self.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(self.model, device_ids=ids, bucket_cap_mb=cfg.dp.bucket_mb)
         self.ddp.register_comm_hook(None, self._allreduce_bucket)
         self._last_launch: float | None = None
@@ -35,9 +34,8 @@ class DDPEngine(DataParallelEngine):
         buf.div_(self.world)
         return dist.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
-    def forward_loss(self, x, y):
-        with self.precision.forward_context():
-            return tp_loss(self.ddp(x), y)
+    def forward(self, x):
+        return self.ddp(x)
 
     def no_sync(self):
         return self.ddp.no_sync()

@@ -16,21 +16,22 @@ from __future__ import annotations
 
 import math
 
-from foldtrain.train.engine import Engine
+from foldtrain.parallel.dp.base import Strategy
 
 
-class HorovodEngine(Engine):
-    def __init__(self, model, cfg, device, micro_batch):
+class HorovodStrategy(Strategy):
+    def __init__(self, state, cfg):
         import horovod.torch as hvd
 
         hvd.init()
-        super().__init__(model, cfg, device, micro_batch)
+        super().__init__(state, cfg)
         self.hvd = hvd
         self.dp_rank, self.dp_world = hvd.rank(), hvd.size()
         rows = cfg.train.global_batch // hvd.size()
         if self.master is None:
+            micro_batch = cfg.train.micro_batch
             passes = math.ceil(rows / (micro_batch or rows))
-            self.optimizer = hvd.DistributedOptimizer(self.optimizer, named_parameters=self.named_params, backward_passes_per_step=passes)
+            state.optimizer = hvd.DistributedOptimizer(self.optimizer, named_parameters=self.named_params, backward_passes_per_step=passes)
         hvd.broadcast_parameters(dict(self.named_params), root_rank=0)
 
     def sync_grads(self) -> None:

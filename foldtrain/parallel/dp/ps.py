@@ -40,15 +40,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from foldtrain.errors import ConfigError
-from foldtrain.parallel.dp.base import DataParallelEngine, adamw_state, flatten, load_adamw_state, unflatten_into
-from foldtrain.train.engine import build_optimizer
+from foldtrain.optim import adamw_state, load_adamw_state
+from foldtrain.parallel.dp.base import DataParallelStrategy
+from foldtrain.parallel.flat import flatten, unflatten_into
 
 GRAD_TAG, PARAM_TAG, HEADER_TAG, EXPORT_TAG = 11, 12, 13, 14
 
 
-class ParameterServerEngine(DataParallelEngine):
-    def __init__(self, model, cfg, device, micro_batch):
-        super().__init__(model, cfg, device, micro_batch)
+class ParameterServerStrategy(DataParallelStrategy):
+    def __init__(self, state, cfg):
+        super().__init__(state, cfg)
         k = cfg.dp.ps_servers
         self.servers = list(range(k)) if k else [0]
         self.workers = list(range(k, self.world))
@@ -58,14 +59,12 @@ class ParameterServerEngine(DataParallelEngine):
         self.served = assign_to_servers([p.numel() for p in self.params], self.servers)
         if any(not served for served in self.served.values()):
             raise ConfigError(f"--dp.ps_servers {k} is more than the model's {len(self.params)} parameter tensors; use fewer servers")
-        self.master_model, self.master = None, None
         if self.is_server:  # fp32 masters of the served tensors own the optimizer
             self.masters = {i: nn.Parameter(self.params[i].detach().float().clone()) for i in self.served[self.rank]}
             named = [(self.named_params[i][0], m) for i, m in self.masters.items()]
         else:  # a worker's optimizer never steps: it only keeps the LR schedule and zero_grad uniform
             self.masters, named = {}, self.named_params
-        self.optimizer = build_optimizer(named, self.server_optim_config(cfg))
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
+        state.set_optimizer(named, self.server_optim_config(cfg), masters=False)
         self.server_group = dist.new_group(self.servers) if len(self.servers) > 1 else None
 
     def server_optim_config(self, cfg):
@@ -161,15 +160,10 @@ class ParameterServerEngine(DataParallelEngine):
         super().zero_grad()
         self.model.zero_grad(set_to_none=True)
 
-    @torch.no_grad()
-    def eval_loss(self, batches) -> float:
+    def eval_loss(self, local_loss) -> float:
         """Mean over the workers' replicas (a dedicated server's replica is not current)."""
         with self.failures_named():
-            local = torch.zeros((), device=self.device)
-            if self.is_worker:
-                self.model.eval()
-                local = torch.stack([self.forward_loss(x.to(self.device), y.to(self.device)).float() for x, y in batches]).mean()
-                self.model.train()
+            local = local_loss() if self.is_worker else torch.zeros((), device=self.device)
             return float(self.mean_over(local, len(self.workers), self.is_worker))
 
     # ------------------------------------------------------------------ checkpoint and export

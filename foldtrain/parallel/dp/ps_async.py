@@ -39,14 +39,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from foldtrain.parallel.dp.base import flatten, unflatten_into
-from foldtrain.parallel.dp.comm import CommFailure
-from foldtrain.parallel.dp.ps import GRAD_TAG, HEADER_TAG, PARAM_TAG, ParameterServerEngine
+from foldtrain.parallel.flat import flatten, unflatten_into
+from foldtrain.parallel.failures import CommFailure
+from foldtrain.parallel.dp.ps import GRAD_TAG, HEADER_TAG, PARAM_TAG, ParameterServerStrategy
 
 
-class AsyncParameterServerEngine(ParameterServerEngine):
-    def __init__(self, model, cfg, device, micro_batch):
-        super().__init__(model, cfg, device, micro_batch)
+class AsyncParameterServerStrategy(ParameterServerStrategy):
+    def __init__(self, state, cfg):
+        super().__init__(state, cfg)
         self.staleness = cfg.dp.ps_staleness
         self.total_steps = cfg.train.steps
         self.clock: dict[int, int] = {}  # server: gradients received per worker (set at the first step)
@@ -73,11 +73,8 @@ class AsyncParameterServerEngine(ParameterServerEngine):
         return {**super().stats(), **extra}
 
     # ------------------------------------------------------------------ worker side
-    def forward_loss(self, x, y):
-        loss = super().forward_loss(x, y)
-        if torch.is_grad_enabled():
-            self._losses.append(loss.detach().float())
-        return loss
+    def record_loss(self, loss: torch.Tensor) -> None:
+        self._losses.append(loss.float())
 
     def sync_grads(self) -> None:
         """Nothing to average: each gradient is applied on its own (in ``apply_update``)."""

@@ -31,18 +31,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from foldtrain.parallel.dp.base import DataParallelEngine, adamw_state, flatten, load_adamw_state, unflatten_into
-from foldtrain.train.engine import build_optimizer
+from foldtrain.optim import adamw_state, load_adamw_state
+from foldtrain.parallel.dp.base import DataParallelStrategy
+from foldtrain.parallel.flat import flatten, unflatten_into
 
 # the names torch 2.12+ prefers (the *_tensor spellings warn as deprecated there)
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class ShardedPSEngine(DataParallelEngine):
-    def __init__(self, model, cfg, device, micro_batch):
-        super().__init__(model, cfg, device, micro_batch)
-        self.master_model, self.master = None, None  # the fp32 masters are this rank's shard only
+class ShardedPSStrategy(DataParallelStrategy):
+    def __init__(self, state, cfg):
+        super().__init__(state, cfg)
         self.flat_params = decay_first([p for _, p in self.named_params])
         n_decay = sum(p.numel() for p in self.flat_params if p.dim() >= 2)
         self.total = sum(p.numel() for p in self.flat_params)
@@ -55,8 +55,8 @@ class ShardedPSEngine(DataParallelEngine):
         self.decay_shard = nn.Parameter(full[lo:cut].reshape(1, -1).clone())
         self.plain_shard = nn.Parameter(full[cut:end].clone())
         self.shards = [self.decay_shard, self.plain_shard]
-        self.optimizer = build_optimizer([("decay", self.decay_shard), ("plain", self.plain_shard)], cfg.optim)
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
+        # the fp32 masters are this rank's shard only
+        state.set_optimizer([("decay", self.decay_shard), ("plain", self.plain_shard)], masters=False)
 
     # ------------------------------------------------------------------ the step's hooks
     def sync_grads(self) -> None:

@@ -21,39 +21,19 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from foldtrain.checkpoint import CheckpointManager
 from foldtrain.config import build_config, dp_workers, validate
 from foldtrain.distributed import DistEnv
 from foldtrain.errors import FoldtrainError
 from foldtrain.model import GPT, GPTShape
-from foldtrain.parallel import build_engine
+from foldtrain.engine import build_engine
+from tests.support import SyntheticSampler
 
-MODEL = ["--model.n_layer", "2", "--model.n_head", "2", "--model.d_model", "32", "--model.context", "32", "--model.vocab_size", "128"]
+HEADS, D_MODEL = 2, 32
+MODEL = ["--model.n_layer", "2", "--model.n_head", str(HEADS), "--model.d_model", str(D_MODEL), "--model.context", "32", "--model.vocab_size", "128"]
 BASE = [*MODEL, "--train.seq_len", "16", "--train.global_batch", "12", "--optim.warmup_steps", "2", "--train.device", "cpu"]
-
-
-class SyntheticSampler:
-    """Deterministic batches seeded by the step; rank r gets rows [r*G/W, (r+1)*G/W) like SequenceSampler.
-
-    ``toy``: learnable sequences (each token is the previous one plus 1), for the
-    asynchronous server's convergence check.
-    """
-
-    def __init__(self, vocab: int, seq_len: int, toy: bool = False):
-        self.vocab, self.seq_len, self.toy = vocab, seq_len, toy
-
-    def global_batch(self, step: int, rows: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(1000 + step)
-        if self.toy:
-            start = torch.randint(0, self.vocab, (rows, 1), generator=g)
-            return (start + torch.arange(self.seq_len + 1)) % self.vocab
-        return torch.randint(0, self.vocab, (rows, self.seq_len + 1), generator=g)
-
-    def rank_batch(self, step: int, global_batch: int, rank: int, world: int):
-        per = global_batch // world
-        seq = self.global_batch(step, global_batch)[rank * per : (rank + 1) * per]
-        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
 def make_engine(args: list[str], env: DistEnv):
@@ -71,21 +51,25 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def train(engine, cfg, sampler, start: int, stop: int, rank: int, case: dict, ckpt: CheckpointManager | None = None) -> dict:
     rec = {"losses": [], "grad_norms": [], "stats": []}
+    store = dist.distributed_c10d._get_default_store() if case.get("lag") else None
     for step in range(start, stop):
         die = case.get("die")
         if die and rank == die["rank"] and step == die["step"]:
             sys.stdout.flush()
             os._exit(1)
-        if rank in case.get("slow_ranks", []):
-            time.sleep(case.get("slow_s", 0.02))
+        lag = case.get("lag")  # {"rank": R, "steps": S, "peers": [...]}: rank R starts step t only once its peers finished t+S-1
+        if lag and rank == lag["rank"] and step + lag["steps"] - 1 < stop:
+            store.wait([f"{case['name']}/done/{peer}/{step + lag['steps'] - 1}" for peer in lag["peers"]])
         x, y = engine.batch(sampler, step)
         poison = case.get("poison")
         hook = None
         if poison and rank == poison["rank"] and step == poison["step"]:  # an overflowing gradient on one rank
-            hook = engine.named_params[0][1].register_hook(lambda g: torch.full_like(g, float("inf")))
+            hook = engine.state.named_params[0][1].register_hook(lambda g: torch.full_like(g, float("inf")))
         rec["losses"].append(engine.train_step(x, y))
         if hook is not None:
             hook.remove()
+        if lag and rank in lag["peers"]:
+            store.set(f"{case['name']}/done/{rank}/{step}", "1")
         rec["grad_norms"].append(engine.last_grad_norm)
         rec["stats"].append(engine.stats())
         if ckpt is not None and step + 1 == case.get("ckpt_at"):
@@ -104,7 +88,7 @@ def run_case(case: dict, env: DistEnv, tmp: Path | None = None) -> dict:
     out["replica"] = params_of(engine.model)
     out["params"] = params_of(engine.eval_model())  # collective for sharded / server layouts
     out["eval_loss"] = engine.eval_loss([sampler.rank_batch(999, cfg.train.global_batch, 0, 1)])  # every rank, the same batch
-    out["dp_rank"], out["dp_world"], out["engine"] = engine.dp_rank, engine.dp_world, type(engine).__name__
+    out["dp_rank"], out["dp_world"], out["engine"] = engine.dp_rank, engine.dp_world, type(engine.strategy).__name__
     out["batch_rows"] = int(engine.batch(sampler, 0)[0].shape[0])
     out["scale"] = engine.precision.scaler.scale
     if ckpt is not None:

@@ -8,15 +8,13 @@ writes JSON; each case is a test here. Plus one end-to-end ``foldtrain train`` r
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.parallel.pipeline.cases import CKPT_CASES, MICRO, PROFILE_CASES, equivalence_cases
+from tests.support import torchrun
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -25,10 +23,6 @@ FP32_TOL = 1e-5
 HALF_TOL = 1e-3  # bf16 / fp16 autocast: both sides autocast, rounding differs in the order of reductions
 
 
-def torchrun(n: int, *args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(ROOT))
 
 
 _RESULTS: dict[int, tuple[dict, str]] = {}
@@ -80,7 +74,7 @@ def test_checkpoint_resume_and_interchange(suite, case):
     from foldtrain.checkpoint import CheckpointManager
     from foldtrain.checkpoint.manager import load_model_weights
     from foldtrain.model.gpt import GPT, GPTShape
-    from foldtrain.train.engine import Engine
+    from foldtrain.engine import ReplicatedEngine as Engine
     from tests.parallel.pipeline import worker as W
 
     r = result(suite, 4, case["id"])
@@ -110,32 +104,24 @@ def test_checkpoint_resume_and_interchange(suite, case):
 
 
 @pytest.mark.parametrize("case", PROFILE_CASES, ids=[c["id"] for c in PROFILE_CASES])
-def test_profile_bubble_and_outputs(suite, case):
-    """With fixed-duration stand-in blocks (F = B), the measured per-rank bubble is the analytic
-    (P - 1) / (V*M + P - 1); timeline.json is a valid Chrome trace and gantt.png a PNG."""
+def test_profile_records_the_schedule(suite, case):
+    """--profile records, on every rank and for every kept step, exactly the schedule's forwards and
+    backwards in the schedule's order, never two at once on a rank; the idle figures are fractions;
+    timeline.json is a valid Chrome trace and gantt.png a PNG. (The bubble's size is checked
+    analytically on the simulator, which runs the same action lists: tests/profile, tests/sim.)"""
     r = result(suite, 2, case["id"])
-    _, pp, _, v = case["layout"]
-    m = 4
-    expected = (pp - 1) / (v * m + pp - 1)
-    # measured over the compute window of each step (first forward to last backward, all ranks):
-    # generous, since point-to-point latency and scheduling delays of a loaded machine sit on the
-    # critical path; the whole-step figure (with the optimizer and the end-of-step sync) only loosely
-    for b in r["compute_bubble"]:
-        assert expected - 0.03 <= b <= expected + 0.12, (r["compute_bubble"], expected)
-    for b in r["bubble"]:
-        assert expected - 0.03 <= b <= expected + 0.3, (r["bubble"], expected)
+    assert len(r["recorded"]) == 3
+    for step, per_rank in r["recorded"].items():
+        assert per_rank == r["expected"], (step, per_rank)
+    assert r["overlaps"] == 0
+    assert all(0.0 <= b < 1.0 for b in r["bubble"]) and 0.0 <= r["all_idle"] < 1.0
+    assert {"bubble_fraction", "all_rank_idle_fraction", "exposed_dp_comm_s"} <= set(r["stats"])
     out = Path(r["out"])
     trace = json.loads((out / "timeline.json").read_text())
     names = {e.get("name", "") for e in trace["traceEvents"]}
     assert any(n.startswith("F c0 m0") for n in names) and any(n.startswith("B c") for n in names)
     assert (out / "gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {"bubble_fraction", "all_rank_idle_fraction", "exposed_dp_comm_s"} <= r["stats"].keys()
-
-
-def test_fold_bubble_smaller_than_gpipe(suite):
-    data, _ = suite(2)
-    g, f = data["profile-gpipe-p2-m4"], data["profile-fold-p2-v2-m4"]
-    assert max(f["compute_bubble"]) < min(g["compute_bubble"]), (f["compute_bubble"], g["compute_bubble"])
 
 
 def test_stalled_rank_fails_fast(suite):

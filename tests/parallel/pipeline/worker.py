@@ -26,18 +26,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from foldtrain.config import build_config  # noqa: E402
 from foldtrain.model.gpt import GPT, GPTShape  # noqa: E402
+from tests import support  # noqa: E402
 from tests.parallel.pipeline.cases import CKPT_CASES, M, MICRO, PROFILE_CASES, STEPS, equivalence_cases  # noqa: E402
 
 VOCAB, SEQ, D, HEADS = 64, 8, 16, 2
 DEVICE = torch.device("cpu")
-PROFILE_DT, PROFILE_STEPS = 0.04, 3  # seconds per stand-in block forward (and backward); steps (first = warm-up)
+PROFILE_STEPS = 3  # steps (the timelines of all of them are kept)
 
 
 def make_cfg(c: dict, steps: int = STEPS, out: str = "", **over):
@@ -85,7 +85,7 @@ _REF: dict = {}
 
 def reference(cfg, steps: int = STEPS):
     """Single-process Engine losses, final weights and eval loss (rank 0; cached per setting)."""
-    from foldtrain.train.engine import Engine
+    from foldtrain.engine import ReplicatedEngine as Engine
 
     key = (cfg.model.n_layer, cfg.train.global_batch, cfg.optim.grad_clip, cfg.precision, steps)
     if key not in _REF:
@@ -101,15 +101,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def without_key_bias(name: str, t: torch.Tensor) -> torch.Tensor:
-    """``attn.qkv.bias`` without its key part: the loss does not depend on the key bias (softmax is
-    invariant to adding q.b_k to a whole row), so its gradient is pure rounding noise that AdamW
-    normalises into full-size random updates, different in any two implementations. It is
-    excluded from the comparison (every other parameter is held to the 1e-5 tolerance)."""
-    if not name.endswith("attn.qkv.bias"):
-        return t
-    hd = D // HEADS
-    keep = [i for i in range(t.numel()) if (i % (3 * hd)) // hd != 1]
-    return t[keep]
+    return support.without_key_bias(name, t, HEADS, D)
 
 
 def dp_rows(engine, x, y):
@@ -119,7 +111,7 @@ def dp_rows(engine, x, y):
 
 
 def run_engine(cfg, steps_range, engine=None, seed=None):
-    from foldtrain.pipeline.engine import PipelineEngine
+    from foldtrain.engine.pipeline import PipelineEngine
 
     if engine is None:
         engine = PipelineEngine(build_model(cfg, seed), cfg, DEVICE)
@@ -162,7 +154,7 @@ def checkpoint_case(case: dict, out: Path) -> dict | None:
     _, rest = run_engine(cfg, range(3, 6), engine)
     full_a = engine.eval_model()
     ckpt.save(6, engine.state_dict(), {"step": 6})
-    from foldtrain.pipeline.engine import PipelineEngine
+    from foldtrain.engine.pipeline import PipelineEngine
 
     engine_b = PipelineEngine(build_model(cfg, seed=12345), cfg, DEVICE)  # different weights: the load must restore all
     state = engine_b.state_dict()
@@ -182,65 +174,28 @@ def checkpoint_case(case: dict, out: Path) -> dict | None:
     }
 
 
-class _Sleep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, dt):
-        ctx.dt = dt
-        ctx.save_for_backward(w)
-        time.sleep(dt)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, g):
-        (w,) = ctx.saved_tensors
-        time.sleep(ctx.dt)
-        return g * w, g.sum().reshape(w.shape) * 0.0, None
-
-
-class SleepBlock(nn.Module):
-    """A stand-in transformer block: a fixed duration forward and backward."""
-
-    def __init__(self, dt: float):
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(1))
-        self.dt = dt
-
-    def forward(self, x):
-        return _Sleep.apply(x, self.w, self.dt)
-
-
 def profile_case(case: dict, out: Path) -> dict | None:
-    from foldtrain.pipeline.engine import PipelineEngine
+    from foldtrain.engine.pipeline import PipelineEngine
     from foldtrain.profile import summarize
 
     root = out / case["id"]
     cfg = make_cfg(case, steps=PROFILE_STEPS, out=str(root), profile=True)
-    model = build_model(cfg)
-    for i in range(1, len(model.parts) - 1):
-        model.parts[i] = SleepBlock(PROFILE_DT)
-    engine, losses = run_engine(cfg, range(PROFILE_STEPS), PipelineEngine(model, cfg, DEVICE))
+    engine, losses = run_engine(cfg, range(PROFILE_STEPS), PipelineEngine(build_model(cfg), cfg, DEVICE))
     if dist.get_rank() != 0:
         return None
     events = engine.profile_events()
-    summ = summarize(events)  # the kept steps, first one skipped as warm-up
-    mean = summ[-1]
-    return {"bubble": mean["bubble"], "bubble_mean": mean["bubble_mean"], "all_idle": mean["all_idle"],
-            "compute_bubble": compute_window_bubble(events), "stats": engine.stats(), "out": str(root), "losses": losses}
-
-
-def compute_window_bubble(events: list[list[dict]]) -> list[float]:
-    """Per-rank idle share of each step's compute window (earliest forward start to latest backward
-    end over all ranks), averaged over the steps after the first: the pipeline bubble proper,
-    without the optimizer and the end-of-step synchronisation."""
-    steps = sorted({ev["step"] for evs in events for ev in evs if ev["kind"] == "compute"})[1:]
-    out = [0.0] * len(events)
-    for st in steps:
-        comp = [[ev for ev in evs if ev["kind"] == "compute" and ev["step"] == st] for evs in events]
-        lo = min(ev["start"] for evs in comp for ev in evs)
-        hi = max(ev["end"] for evs in comp for ev in evs)
-        for r, evs in enumerate(comp):
-            out[r] += (1.0 - sum(ev["end"] - ev["start"] for ev in evs) / (hi - lo)) / len(steps)
-    return out
+    schedule = engine.pipeline_schedule
+    expected = [[a.op.value + f" c{a.chunk} m{a.mb}" for a in schedule.ranks[p] if a.op.value in ("F", "B")] for p in range(schedule.pp)]
+    steps = sorted({ev["step"] for evs in events for ev in evs if ev["kind"] == "compute"})
+    recorded = {st: [[ev["name"] for ev in sorted(evs, key=lambda e: e["start"]) if ev["kind"] == "compute" and ev["step"] == st]
+                     for evs in events] for st in steps}
+    overlaps = 0
+    for evs in events:
+        spans = sorted((ev["start"], ev["end"]) for ev in evs if ev["kind"] in ("compute", "optim"))
+        overlaps += sum(1 for (_, e0), (s1, _) in zip(spans, spans[1:]) if s1 < e0)
+    mean = summarize(events)[-1]
+    return {"expected": expected, "recorded": {str(k): v for k, v in recorded.items()}, "overlaps": overlaps,
+            "bubble": mean["bubble"], "all_idle": mean["all_idle"], "stats": engine.stats(), "out": str(root), "losses": losses}
 
 
 def stall_suite(out: Path) -> None:
@@ -248,7 +203,7 @@ def stall_suite(out: Path) -> None:
     DistributedError naming it, shut down cleanly, and exit. Never returns (it ends the launch)."""
     from foldtrain.distributed import shutdown
     from foldtrain.errors import DistributedError
-    from foldtrain.pipeline.engine import PipelineEngine
+    from foldtrain.engine.pipeline import PipelineEngine
 
     case = dict(layout=(1, 2, 1, 1), schedule="1f1b", n_layer=2)
     cfg = make_cfg(case, steps=6, **{"dp.timeout_s": 5})

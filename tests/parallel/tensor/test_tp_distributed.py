@@ -8,13 +8,12 @@ group), into a plain GPT.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
+
+from tests.support import failed, torchrun
 
 pytest.importorskip("torch")
 
@@ -26,11 +25,8 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory) -> tuple[list[dict], Path]:
     out = tmp_path_factory.mktemp("tp2")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "tp_worker.py"), str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    proc = torchrun(2, str(HERE / "tp_worker.py"), str(out), timeout=180)
+    assert proc.returncode == 0, failed(proc)
     results = [json.loads((out / f"result_rank{r}.json").read_text()) for r in range(2)]
     return results, out
 

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from foldtrain.model.gpt import GPT, GPTShape, lm_loss
 from foldtrain.parallel.tensor import apply_tensor_parallel, clip_grad_norm_, grad_norm, grads_finite, tp_loss
+from tests import support
 
 SHAPE = GPTShape(n_layer=2, n_head=4, d_model=32, context=16, vocab_size=64, dropout=0.0)
 B, T, STEPS, CLIP = 2, 8, 5, 1.0
@@ -56,7 +57,7 @@ def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def optimizer(model: nn.Module, lr: float) -> torch.optim.AdamW:
-    from foldtrain.train.engine import build_optimizer
+    from foldtrain.optim import build_optimizer
 
     cfg = SimpleNamespace(lr=lr, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
     return build_optimizer(list(model.named_parameters()), cfg)  # foreach=True, as the Engine does
@@ -121,11 +122,7 @@ def check_tp_loss_unit(res: dict, mesh) -> None:
 
 
 def key_bias_mask() -> torch.Tensor:
-    """Entries of attn.qkv.bias that are key biases (head-major layout [head][q|k|v][head_dim])."""
-    hd = SHAPE.d_model // SHAPE.n_head
-    m = torch.zeros(SHAPE.n_head, 3, hd, dtype=torch.bool)
-    m[:, 1] = True
-    return m.reshape(-1)
+    return support.key_bias_mask(SHAPE.n_head, SHAPE.d_model)
 
 
 def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -298,7 +295,7 @@ def check_chunks(res: dict, mesh) -> None:
 
 
 def check_engine_compat(res: dict, mesh) -> None:
-    """The calls foldtrain.train.engine.Engine makes on its model/gradients, on a TP model."""
+    """The calls foldtrain.engine.ReplicatedEngine makes on its model/gradients, on a TP model."""
     torch.manual_seed(0)
     ref = GPT(SHAPE)
     tp = apply_tensor_parallel(copy.deepcopy(ref), mesh).to(device="cpu", dtype=torch.float32)  # Engine: model.to(...)

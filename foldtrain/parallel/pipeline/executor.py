@@ -11,7 +11,7 @@ Schedules are data (:mod:`foldtrain.schedules`); this module gives each action i
 * ``B(s, m)``  backward of the stored output with the received (or fused-head) gradient.
 * ``SA`` / ``SG``  ``isend`` of the output / input gradient; NEVER waited on before the end of the
   iteration, so a send cannot block the executor (the interleaved and fold schedules deadlock
-  when sends rendezvous with receives: see ``schedules/validate.py``).
+  when sends rendezvous with receives: see ``foldtrain/schedules/validate.py``).
 * ``RA`` / ``RG``  ``irecv`` into a buffer of the known shape ``(rows, seq, d_model)``, then a
   wait bounded by ``--dp.timeout_s``: a peer that stalls or dies turns into a
   :class:`~foldtrain.errors.DistributedError` naming it and the transfer.
@@ -24,157 +24,19 @@ Schedules are data (:mod:`foldtrain.schedules`); this module gives each action i
   complete the reduction launched in the PREVIOUS iteration (skipped when none is pending);
   :meth:`Executor.flush` completes the pending ones (end of training, checkpoints, evaluation).
 
-Transport: every message between pipeline ranks ``a -> b`` goes over the topology's direction
-group for that pair (``p2p_up`` if ``a < b`` else ``p2p_down``) with a tag unique to
-(kind, producing segment, micro-batch). gloo matches by tag, and ``isend`` never blocks the CPU.
-With NCCL (no tags; one stream per communicator and pair, operations in posting order) each
-(group, pair) carries one direction only, so a send never sits in front of a receive, and the
-per-pair posting orders match because the schedules are validated for per-pair FIFO channels;
-receives are waited on without a CPU timeout there (stream-ordered; the NCCL watchdog enforces
-the process-group timeout instead). The NCCL path has NOT been run yet (the test machines have no
-multi-GPU host); in particular, if a PyTorch version routes the P2P of an eagerly initialised group
-through the group's single communicator instead of per-pair ones, sends and receives of different
-peers would share one stream again and interleaved / fold could stall: check there first.
+Transport (:mod:`.p2p`) and the per-chunk reductions (:mod:`.reducer`) live beside this module.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
-from foldtrain.errors import DistributedError
-from foldtrain.parallel.dp.base import flatten, unflatten_into
+from foldtrain.parallel.pipeline.p2p import P2P
 from foldtrain.schedules import Op, Schedule
 
 ACT, GRAD, EVAL_ACT = 0, 1, 2
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (a view that in-place ops write through), else the tensor."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
-def _first_line(e: BaseException) -> str:
-    for line in str(e).splitlines():
-        if line.strip():
-            return line.strip()[:200]
-    return type(e).__name__
-
-
-def bounded_wait(work, timeout_s: float, bounded: bool, problem) -> None:
-    """Wait for ``work`` at most ``timeout_s`` (where the backend supports a bounded wait); on a
-    timeout or a broken connection raise one DistributedError line, ``problem(cause)``."""
-    try:
-        work.wait(timedelta(seconds=timeout_s)) if bounded else work.wait()
-    except Exception as e:  # gloo: RuntimeError / DistBackendError on timeout or a closed connection
-        raise DistributedError(problem(_first_line(e))) from None
-
-
-class P2P:
-    """Point-to-point transfers of one pipeline (see the module docstring)."""
-
-    def __init__(self, topo, timeout_s: float, device: torch.device):
-        self.topo = topo
-        self.timeout_s = float(timeout_s)
-        self.device = device
-        self.p = topo.pp_rank
-        self.cpu_timeout = device.type != "cuda"
-
-    def tag(self, kind: int, seg: int, mb: int, n_seg: int, n_mb: int) -> int:
-        return (kind * n_seg + seg) * n_mb + mb
-
-    def isend(self, t: torch.Tensor, dst_p: int, tag: int):
-        return dist.isend(t, group=self.topo.p2p_group(self.p, dst_p), group_dst=dst_p, tag=tag)
-
-    def recv(self, shape, dtype, src_p: int, tag: int, what: str) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        work = dist.irecv(buf, group=self.topo.p2p_group(src_p, self.p), group_src=src_p, tag=tag)
-        self.wait(work, what, src_p)
-        return buf
-
-    def wait_collective(self, work, what: str) -> None:
-        """Wait for a collective of this rank's pipeline group, bounded by ``--dp.timeout_s``."""
-        bounded_wait(work, self.timeout_s, self.cpu_timeout, lambda cause: (
-            f"pipeline rank {self.p} (global rank {self.topo.rank}) waited up to {self.timeout_s:g} s for the {what}; "
-            f"another pipeline rank stalled or died ({cause}); check the other ranks' logs"))
-
-    def wait(self, work, what: str, peer_p: int) -> None:
-        bounded_wait(work, self.timeout_s, self.cpu_timeout, lambda cause: (
-            f"pipeline rank {self.p} (global rank {self.topo.rank}) waited up to {self.timeout_s:g} s for {what} "
-            f"from pipeline rank {peer_p} (global rank {self.topo.pipeline_peer(peer_p)}); that rank stalled or died "
-            f"({cause}); check its log, or raise --dp.timeout_s if it is just slow"))
-
-
-class ChunkReducer:
-    """A chunk's data-parallel gradient all-reduce: one flat fused buffer, averaged over dp, async.
-
-    ``tied`` (the embedding / output-projection copy this chunk holds when the pipeline splits the
-    tie) is reduced separately over the tie group (both copies, all dp replicas: sum / dp).
-    """
-
-    def __init__(self, segment: int, params: list, tied, topo, timeout_s: float, cpu_timeout: bool):
-        self.segment = segment
-        self.params = [p for p in params if p is not tied]
-        self.tied = tied
-        self.topo = topo
-        self.dp = topo.dp
-        self.timeout_s = timeout_s
-        self.cpu_timeout = cpu_timeout
-        self.flat = None
-        self.work = None
-        self.tie_work = None
-        self.pending = False  # launched, not yet waited
-
-    def _grads(self, params) -> list[torch.Tensor]:
-        """Local gradient tensors, in the parameters' own layouts.
-
-        A DTensor parameter's gradient may come back in another layout (the vocab-parallel
-        embedding's weight gradient is ``Replicate`` while the weight is ``Shard(0)``): it is
-        redistributed to the parameter's placements first (Replicate -> Shard is a local slice), so
-        every replica and both tied copies reduce tensors of the same shape.
-        """
-        out = []
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            g = p.grad
-            if hasattr(g, "placements") and tuple(g.placements) != tuple(p.placements):
-                g = g.redistribute(p.device_mesh, p.placements)
-                p.grad = g
-            out.append(_local(g))
-        return out
-
-    def launch(self) -> None:
-        if self.dp > 1:
-            grads = self._grads(self.params)
-            self.flat = flatten(grads, grads[0].dtype).div_(self.dp)
-            self.work = dist.all_reduce(self.flat, group=self.topo.dp_group, async_op=True)
-        if self.tied is not None:
-            (g,) = self._grads([self.tied])
-            if self.dp > 1:
-                g.div_(self.dp)
-            self.tie_work = dist.all_reduce(g, group=self.topo.tie_group, async_op=True)
-        self.pending = True
-
-    def _wait(self, work, what: str) -> None:
-        bounded_wait(work, self.timeout_s, self.cpu_timeout, lambda cause: (
-            f"global rank {self.topo.rank} waited up to {self.timeout_s:g} s for the {what} of segment {self.segment}; "
-            f"a rank of that group stalled or died ({cause}); check the other ranks' logs"))
-
-    def wait(self) -> None:
-        if not self.pending:
-            return
-        if self.work is not None:
-            self._wait(self.work, "data-parallel gradient all-reduce")
-            unflatten_into(self.flat, self._grads(self.params))
-            self.work, self.flat = None, None
-        if self.tie_work is not None:
-            self._wait(self.tie_work, "tied-embedding gradient all-reduce")
-            self.tie_work = None
-        self.pending = False
 
 
 class Executor:
@@ -323,6 +185,12 @@ class Executor:
         if inputs or outputs or acts_in or grads_in or in_grads:  # pragma: no cover - validated schedules
             raise RuntimeError(f"pipeline rank {self.p}: schedule left unfinished work {list(inputs)[:4]}")
         return loss_sum
+
+    def reset(self) -> None:
+        """Drop every pending deferred reduction and step (before loading a checkpoint)."""
+        self.step_pending.clear()
+        for r in self.reducers.values():
+            r.reset()
 
     def flush(self) -> None:
         """Complete every deferred reduction and optimizer step (before reading or saving weights)."""

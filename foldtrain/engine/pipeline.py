@@ -4,18 +4,19 @@
 
 * layout: :func:`foldtrain.schedules.layout.validate_layout` (micro-batches, layer split) and the
   ``(dp, pp, tp)`` mesh of :mod:`foldtrain.parallel.mesh` (TP innermost, Megatron placement);
-* model: this pipeline rank's ``V`` chunks (:mod:`.stage`), full-model parameter names, Megatron
+* model: this pipeline rank's ``V`` chunks (:mod:`foldtrain.parallel.pipeline.stage`), full-model parameter names, Megatron
   tensor parallelism inside each chunk when ``tp > 1`` (``foldtrain.parallel.tensor``), optional
   activation recomputation (``--ac full``);
 * one AdamW and one LR schedule per local chunk, so a chunk can step as soon as its own gradients
   are reduced (Fold3D's per-chunk reduction, and the deferred steps of ``--fold.defer_reduce``);
 * the schedule (:func:`foldtrain.schedules.build_schedule`) run by the single
-  :class:`~.executor.Executor`.
+  :class:`~foldtrain.parallel.pipeline.executor.Executor`;
+* checkpoint keys and the full model under the single-process names: :mod:`.pipeline_state`.
 
 Numerics: a step is the single-process step on the same global batch with the same micro-batch
 size: every micro-batch loss is divided by the micro-batch count ``M``, gradients averaged over
 data-parallel ranks, the tied embedding / output-projection gradients summed over their two
-copies, then one global-norm clip and AdamW. In fp32 it matches ``Engine`` to rounding.
+copies, then one global-norm clip and AdamW. In fp32 it matches the single-process ``ReplicatedEngine`` to rounding.
 ``bf16`` / ``fp16`` autocast work (fp16 with the dynamic ``LossScaler``: one overflow decision over
 all ranks, every chunk skips together); the ``*-master`` modes are refused by the layout check.
 
@@ -34,26 +35,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from foldtrain.engine.pipeline_state import ChunkStates
 from foldtrain.errors import ConfigError
 from foldtrain.model.gpt import GPT, GPTShape
-from foldtrain.schedules.layout import validate_layout
+from foldtrain.optim import Precision, WarmupCosine, build_optimizer
 from foldtrain.parallel.mesh import get_topology
-from foldtrain.pipeline.executor import ChunkReducer, Executor, P2P, _local
+from foldtrain.parallel.pipeline.executor import Executor
+from foldtrain.parallel.pipeline.p2p import P2P, local_part
+from foldtrain.parallel.pipeline.reducer import ChunkReducer
+from foldtrain.parallel.pipeline.stage import apply_activation_checkpointing, build_chunks
+from foldtrain.profile import StepProfiler, Timeline
 from foldtrain.schedules import build_schedule
-from foldtrain.pipeline.stage import apply_activation_checkpointing, build_chunks
-from foldtrain.train.engine import Engine, build_optimizer
-from foldtrain.train.lr import WarmupCosine
-from foldtrain.train.precision import Precision
-
-PROFILE_KEEP_STEPS = 3  # steps kept for timeline.json / gantt.png
+from foldtrain.schedules.layout import validate_layout
 
 
-def _is_dtensor(t) -> bool:
-    return hasattr(t, "_local_tensor") and hasattr(t, "device_mesh")
-
-
-class PipelineEngine(Engine):
-    """One rank of a 3D-parallel run (see the module docstring)."""
+class PipelineEngine:
+    """One rank of a 3D-parallel run (see the module docstring; implements :class:`foldtrain.engine.Engine`)."""
 
     def __init__(self, model: GPT, cfg, device: torch.device, micro_batch: int | None = None):
         if not dist.is_initialized():
@@ -69,12 +66,8 @@ class PipelineEngine(Engine):
         self.dp_rank, self.dp_world = topo.dp_rank, lay.dp
         self.shape: GPTShape = model.shape
         self.n_parts = len(model.parts)
-        # full-model parameter order and names (tied weight once), for the checkpoint's param_groups
-        full_named = list(model.named_parameters())
-        self._full_decay = [n for n, p in full_named if p.dim() >= 2]
-        self._full_no_decay = [n for n, p in full_named if p.dim() < 2]
-        self.emb_fqn = "parts.0.wte.weight"
-        self.head_fqn = f"parts.{self.n_parts - 1}.lm_head.weight"
+        # the full model's parameter names (tied weight once) before the split unties it: checkpoint param_groups
+        full_params = [(n, p.dim()) for n, p in model.named_parameters()]
 
         # ---- model chunks
         chunks = build_chunks(model, lay.layers, lay.pp, topo.pp_rank)
@@ -105,9 +98,6 @@ class PipelineEngine(Engine):
         self.schedule = WarmupCosine(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.steps)
         self.optimizers = {s: build_optimizer(list(c.named_parameters()), cfg.optim) for s, c in self.chunks.items()}
         self.lr_schedulers = {s: torch.optim.lr_scheduler.LambdaLR(o, self.schedule) for s, o in self.optimizers.items()}
-        self.optimizer = self.optimizers[min(self.optimizers)]
-        self.lr_scheduler = self.lr_schedulers[min(self.lr_schedulers)]
-        self.master_model, self.master = None, None
         self.iteration = 0
         self.last_grad_norm = 0.0
         self._step_ok = True
@@ -126,16 +116,16 @@ class PipelineEngine(Engine):
             from foldtrain.parallel.tensor import tp_loss as loss_fn
         else:
             from foldtrain.model.gpt import lm_loss as loss_fn
-        from foldtrain.profile import Timeline
-
         self.timeline = Timeline(self.rank, enabled=bool(cfg.profile))
+        self.profiler = StepProfiler(self.timeline)
         sync = torch.cuda.synchronize if (cfg.profile and device.type == "cuda") else None
         self.executor = Executor(
             self.chunks, lay.segments, topo, self.p2p, reducers, self._step_chunk, self._before_steps,
             self.precision, loss_fn, torch.float32, self.shape.d_model, self.timeline, sync,
         )
-        self._profile_events: list[list[list[dict]]] = []  # gathered per step (rank 0)
-        self._stats: dict[str, float] = {}
+        # checkpoint keys and the full model: the single-process names, whatever the layout
+        self.states = ChunkStates(full_params, self.n_parts, self.chunks, self.optimizers, self.lr_schedulers, self.schedule, self.precision,
+                                  self.topo, self.split_tie, self.executor)
 
     # ------------------------------------------------------------------ optimizer side
     def _chunk_grads_params(self, segs) -> list:
@@ -148,7 +138,7 @@ class PipelineEngine(Engine):
         params = self._chunk_grads_params(segs)
         scaler = self.precision.scaler
         if scaler.enabled:
-            finite = scaler.unscale_and_check([_local(p.grad) for p in params if p.grad is not None])
+            finite = scaler.unscale_and_check([local_part(p.grad) for p in params if p.grad is not None])
             flag = torch.tensor([1.0 if finite else 0.0], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             self._step_ok = bool(flag.item() > 0)
@@ -179,7 +169,7 @@ class PipelineEngine(Engine):
             with torch.no_grad():
                 for p in params:
                     if p.grad is not None:
-                        g = _local(p.grad)
+                        g = local_part(p.grad)
                         g.mul_(coef.to(g.device, g.dtype))
         self.last_grad_norm = float(norm)
 
@@ -190,6 +180,10 @@ class PipelineEngine(Engine):
         self.optimizers[s].zero_grad(set_to_none=True)
 
     # ------------------------------------------------------------------ the step
+    def batch(self, sampler, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This data-parallel replica's rows of the global batch of ``step``."""
+        return sampler.rank_batch(step, self.cfg.train.global_batch, self.dp_rank, self.dp_world)
+
     @property
     def lr(self) -> float:
         return self.cfg.optim.lr * self.schedule(self.iteration)
@@ -253,136 +247,37 @@ class PipelineEngine(Engine):
 
     # ------------------------------------------------------------------ profiling
     def _profile_step(self) -> None:
-        from foldtrain.profile import gather_timelines, summarize
-
-        gathered = gather_timelines(self.timeline)
-        self.timeline.clear()
-        if gathered is None:
-            return
-        self._profile_events.append(gathered)
-        self._profile_events = self._profile_events[-PROFILE_KEEP_STEPS:]
-        s = [x for x in summarize(gathered, skip_first=False) if x.get("step") != "mean"]
-        if s:
-            s = s[-1]
-            self._stats = {
-                "bubble_fraction": s["bubble_mean"],
-                "bubble_fraction_max": s["bubble_max"],
-                "all_rank_idle_fraction": s["all_idle"],
-                "exposed_dp_comm_s": s["reduce_wait_max"],
-            }
+        self.profiler.after_step()
         end = min(self.cfg.train.steps, self.cfg.train.stop_at) if self.cfg.train.stop_at else self.cfg.train.steps
         if self.iteration == end:
             self.write_profile(Path(self.cfg.out))
 
     def profile_events(self) -> list[list[dict]]:
         """The kept steps' events per global rank (rank 0 only; empty elsewhere)."""
-        if not self._profile_events:
-            return []
-        n = len(self._profile_events[0])
-        return [[ev for g in self._profile_events for ev in g[r]] for r in range(n)]
+        return self.profiler.events()
 
     def write_profile(self, out: Path) -> dict:
         """Rank 0: write ``timeline.json`` and ``gantt.png`` of the kept steps and print the per-step table."""
-        from foldtrain.profile import format_summary, plot_gantt, summarize, write_chrome_trace
-
-        events = self.profile_events()
-        if not events:
-            return {}
-        out.mkdir(parents=True, exist_ok=True)
         lay = self.layout
-        write_chrome_trace(out / "timeline.json", events)
         title = (f"{self.cfg.parallel.schedule} dp={lay.dp} pp={lay.pp} tp={lay.tp} V={lay.virtual} M={lay.microbatches} "
                  f"dp_sync={self.cfg.parallel.dp_sync}" + (" defer_reduce" if self.cfg.fold.defer_reduce else ""))
-        plot_gantt(out / "gantt.png", events, title)
-        summaries = summarize(events)
-        print(f"pipeline profile ({title}); timeline.json and gantt.png in {out}\n{format_summary(summaries)}", flush=True)
-        return summaries[-1] if summaries else {}
+        return self.profiler.write(out, title)
 
     def stats(self) -> dict[str, float]:
-        return dict(self._stats)
+        return dict(self.profiler.last)
 
-    # ------------------------------------------------------------------ checkpoint state
-    def _save_fqn(self, fqn: str) -> str:
-        """The checkpoint key of a chunk parameter's optimizer state: the last rank's copy of the tied
-        weight shares the embedding's key (their states are identical), as in a single-process run."""
-        return self.emb_fqn if (self.split_tie and fqn == self.head_fqn) else fqn
-
-    def _full_param_groups(self) -> list[dict]:
-        """The optimizer's param_groups as the single-process ``Engine`` saves them (full-model names),
-        identical on every rank."""
-        groups = []
-        for g in self.optimizer.param_groups:
-            decay = g["weight_decay"] > 0
-            hyper = {k: v for k, v in g.items() if k != "params"}
-            groups.append({**hyper, "params": list(self._full_decay if decay else self._full_no_decay)})
-        return groups
-
+    # ------------------------------------------------------------------ checkpoint state and the full model
     def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
         self.flush()
-        model_sd, optim_state = {}, {}
-        for s, c in self.chunks.items():
-            model_sd.update(get_model_state_dict(c))
-            osd = get_optimizer_state_dict(c, self.optimizers[s])
-            for fqn, st in osd["state"].items():
-                optim_state[self._save_fqn(fqn)] = st
-        return {
-            "model": model_sd,
-            "optim": {"state": optim_state, "param_groups": self._full_param_groups()},
-            "lr_scheduler": {"last_epoch": self.iteration},
-            "scaler": self.precision.scaler.state_dict(),
-        }
+        return self.states.state_dict(self.iteration)
 
     def load_state_dict(self, sd: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+        self.iteration = self.states.load_state_dict(sd)
 
-        self.executor.step_pending.clear()
-        for r in self.executor.reducers.values():
-            r.pending, r.work, r.tie_work, r.flat = False, None, None, None
-        for s, c in self.chunks.items():
-            keys = set(c.state_dict().keys())
-            set_model_state_dict(c, {k: v for k, v in sd["model"].items() if k in keys})
-            osd = get_optimizer_state_dict(c, self.optimizers[s])
-            osd["state"] = {fqn: sd["optim"]["state"][self._save_fqn(fqn)] for fqn in osd["state"]}
-            set_optimizer_state_dict(c, self.optimizers[s], osd)
-        self.iteration = int(sd["lr_scheduler"]["last_epoch"])
-        for o, sch in zip(self.optimizers.values(), self.lr_schedulers.values()):
-            sch.last_epoch = self.iteration
-            for g in o.param_groups:
-                g["lr"] = g["initial_lr"] * self.schedule(self.iteration)
-            sch._last_lr = [g["lr"] for g in o.param_groups]
-        self.precision.scaler.load_state_dict(sd["scaler"])
+    def extra_state(self) -> dict:
+        return {}
 
-    # ------------------------------------------------------------------ the full model
     def eval_model(self) -> nn.Module | None:
-        """Collective: the full fp32 model with the current weights on global rank 0, None elsewhere.
-
-        Every rank turns its chunks' weights into full tensors (DTensors gathered over TP), the ranks
-        of data-parallel replica 0 and TP rank 0 send theirs to rank 0, which loads them into a fresh GPT.
-        """
+        """Collective: the full fp32 model with the current weights on global rank 0, None elsewhere."""
         self.flush()
-        sd = {}
-        for c in self.chunks.values():
-            for k, v in c.state_dict().items():
-                if _is_dtensor(v):
-                    v = v.full_tensor()
-                sd[k] = v.detach().float().cpu()
-        contributes = self.topo.dp_rank == 0 and self.topo.tp_rank == 0
-        gathered = [None] * dist.get_world_size() if self.rank == 0 else None
-        dist.gather_object(sd if contributes else None, gathered, dst=0)
-        if self.rank != 0:
-            return None
-        merged = {}
-        for part in gathered:
-            if part:
-                merged.update(part)
-        if self.split_tie:
-            merged.pop(self.head_fqn, None)  # the copy equals the embedding; the full model ties them
-        with torch.random.fork_rng(devices=[]):  # building a model must not move rank 0's RNG stream
-            full = GPT(self.shape)
-        missing, unexpected = full.load_state_dict(merged, strict=False)
-        missing = [k for k in missing if k != self.head_fqn]
-        if missing or unexpected:  # pragma: no cover - a bug in the split
-            raise RuntimeError(f"eval_model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        return full.to(self.device)
+        return self.states.full_model(self.shape, self.device)

@@ -6,7 +6,7 @@ same AdamW, LR schedule and clipping, for the same number of steps. The trainer 
 metrics.jsonl, the plain loop times itself the same way. Repetitions alternate A/B so machine
 noise hits both; the median step time over all repetitions (after warm-up) gives tokens/s.
 
-    python benchmarks/trainer_overhead.py [--reps 3] [--steps 40] [--warmup 5] [--preset tiny]
+    foldtrain bench overhead [--reps 3] [--steps 40] [--warmup 5] [--preset tiny]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from foldtrain.config import build_config
 from foldtrain.data import SequenceSampler, TokenData, resolve_data
 from foldtrain.model import GPT, GPTShape
-from foldtrain.train.lr import WarmupCosine
+from foldtrain.optim import WarmupCosine
 from foldtrain.train.trainer import train
 
 
@@ -64,15 +64,15 @@ def foldtrain_loop(args, steps: int, out: Path) -> list[float]:
     return [json.loads(line)["step_time_s"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="foldtrain bench overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq_len", type=int, default=128)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cfg = build_config(["--model.preset", args.preset, "--train.steps", str(args.steps), "--train.global_batch", str(args.batch), "--train.seq_len", str(args.seq_len)])
     data = TokenData.open(resolve_data(cfg.data))
     tokens = args.batch * args.seq_len
@@ -92,7 +92,4 @@ def main() -> None:
     print(f"plain PyTorch loop : {tp:9.0f} tokens/s")
     print(f"foldtrain trainer  : {tf:9.0f} tokens/s")
     print(f"ratio foldtrain/plain = {tf / tp:.3f}  (overhead {100 * (1 - tf / tp):+.1f}%, target <= 3%)")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -21,3 +21,12 @@ class WarmupCosine:
 
     def __call__(self, step: int) -> float:
         return self.lr_at(step) / self.lr
+
+
+def restore_lr(optimizer, lr_scheduler, schedule: WarmupCosine, step: int) -> None:
+    """Put a ``LambdaLR(optimizer, schedule)`` at ``step`` (after loading a checkpoint), learning
+    rates included, without stepping it."""
+    lr_scheduler.last_epoch = step
+    for g in optimizer.param_groups:
+        g["lr"] = g["initial_lr"] * schedule(step)
+    lr_scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]

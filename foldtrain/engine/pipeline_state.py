@@ -1,0 +1,114 @@
+"""A pipeline rank's checkpoint state under the single-process names, and the full model for export.
+
+The chunks keep the full model's parameter names (``parts.3.attn.qkv.weight``), so the DCP
+checkpoint of any 3D layout holds exactly the keys of a single-process one and loads either way
+(DCP reshards). Two mappings make the optimizer state match too: the last rank's copy of the
+tied weight saves its moments under the embedding's key (the two copies' states are identical),
+and ``param_groups`` list the full model's names as the single-process engine saves them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from foldtrain.model.gpt import GPT, GPTShape
+from foldtrain.optim import restore_lr
+
+
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "_local_tensor") and hasattr(t, "device_mesh")
+
+
+class ChunkStates:
+    def __init__(self, full_params: list[tuple[str, int]], n_parts: int, chunks: dict, optimizers: dict, lr_schedulers: dict,
+                 schedule, precision, topo, split_tie: bool, executor):
+        """``full_params``: (name, ndim) of the full model's parameters in order, the tied weight once
+        (taken before the pipeline split unties it)."""
+        self.chunks, self.optimizers, self.lr_schedulers = chunks, optimizers, lr_schedulers
+        self.schedule, self.precision, self.topo, self.split_tie, self.executor = schedule, precision, topo, split_tie, executor
+        self.full_decay = [n for n, dim in full_params if dim >= 2]
+        self.full_no_decay = [n for n, dim in full_params if dim < 2]
+        self.emb_fqn = "parts.0.wte.weight"
+        self.head_fqn = f"parts.{n_parts - 1}.lm_head.weight"
+
+    def _save_fqn(self, fqn: str) -> str:
+        """The checkpoint key of a chunk parameter's optimizer state: the last rank's copy of the tied
+        weight shares the embedding's key (their states are identical), as in a single-process run."""
+        return self.emb_fqn if (self.split_tie and fqn == self.head_fqn) else fqn
+
+    def _full_param_groups(self) -> list[dict]:
+        """The optimizer's param_groups as the single-process engine saves them (full-model names),
+        identical on every rank."""
+        groups = []
+        for g in self.optimizers[min(self.optimizers)].param_groups:
+            decay = g["weight_decay"] > 0
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            groups.append({**hyper, "params": list(self.full_decay if decay else self.full_no_decay)})
+        return groups
+
+    def state_dict(self, iteration: int) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        model_sd, optim_state = {}, {}
+        for s, c in self.chunks.items():
+            model_sd.update(get_model_state_dict(c))
+            osd = get_optimizer_state_dict(c, self.optimizers[s])
+            for fqn, st in osd["state"].items():
+                optim_state[self._save_fqn(fqn)] = st
+        return {
+            "model": model_sd,
+            "optim": {"state": optim_state, "param_groups": self._full_param_groups()},
+            "lr_scheduler": {"last_epoch": iteration},
+            "scaler": self.precision.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, sd: dict) -> int:
+        """Load ``sd`` into the chunks, their optimizers and schedules; returns the iteration."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+
+        self.executor.reset()
+        for s, c in self.chunks.items():
+            keys = set(c.state_dict().keys())
+            set_model_state_dict(c, {k: v for k, v in sd["model"].items() if k in keys})
+            osd = get_optimizer_state_dict(c, self.optimizers[s])
+            osd["state"] = {fqn: sd["optim"]["state"][self._save_fqn(fqn)] for fqn in osd["state"]}
+            set_optimizer_state_dict(c, self.optimizers[s], osd)
+        iteration = int(sd["lr_scheduler"]["last_epoch"])
+        for o, sch in zip(self.optimizers.values(), self.lr_schedulers.values()):
+            restore_lr(o, sch, self.schedule, iteration)
+        self.precision.scaler.load_state_dict(sd["scaler"])
+        return iteration
+
+    def full_model(self, shape: GPTShape, device: torch.device) -> nn.Module | None:
+        """Collective: the full fp32 model with the current weights on global rank 0, None elsewhere.
+
+        Every rank turns its chunks' weights into full tensors (DTensors gathered over TP), the ranks
+        of data-parallel replica 0 and TP rank 0 send theirs to rank 0, which loads them into a fresh GPT.
+        """
+        sd = {}
+        for c in self.chunks.values():
+            for k, v in c.state_dict().items():
+                if _is_dtensor(v):
+                    v = v.full_tensor()
+                sd[k] = v.detach().float().cpu()
+        contributes = self.topo.dp_rank == 0 and self.topo.tp_rank == 0
+        rank = self.topo.rank
+        gathered = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(sd if contributes else None, gathered, dst=0)
+        if rank != 0:
+            return None
+        merged = {}
+        for part in gathered:
+            if part:
+                merged.update(part)
+        if self.split_tie:
+            merged.pop(self.head_fqn, None)  # the copy equals the embedding; the full model ties them
+        with torch.random.fork_rng(devices=[]):  # building a model must not move rank 0's RNG stream
+            full = GPT(shape)
+        missing, unexpected = full.load_state_dict(merged, strict=False)
+        missing = [k for k in missing if k != self.head_fqn]
+        if missing or unexpected:  # pragma: no cover - a bug in the split
+            raise RuntimeError(f"eval_model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        return full.to(device)

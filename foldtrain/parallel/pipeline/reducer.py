@@ -1,0 +1,82 @@
+"""A chunk's data-parallel gradient reduction (``LR`` launches it, ``WR`` waits for it)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from foldtrain.parallel.flat import flatten, unflatten_into
+from foldtrain.parallel.pipeline.p2p import bounded_wait, local_part
+
+
+class ChunkReducer:
+    """A chunk's data-parallel gradient all-reduce: one flat fused buffer, averaged over dp, async.
+
+    ``tied`` (the embedding / output-projection copy this chunk holds when the pipeline splits the
+    tie) is reduced separately over the tie group (both copies, all dp replicas: sum / dp).
+    """
+
+    def __init__(self, segment: int, params: list, tied, topo, timeout_s: float, cpu_timeout: bool):
+        self.segment = segment
+        self.params = [p for p in params if p is not tied]
+        self.tied = tied
+        self.topo = topo
+        self.dp = topo.dp
+        self.timeout_s = timeout_s
+        self.cpu_timeout = cpu_timeout
+        self.flat = None
+        self.work = None
+        self.tie_work = None
+        self.pending = False  # launched, not yet waited
+
+    def _grads(self, params) -> list[torch.Tensor]:
+        """Local gradient tensors, in the parameters' own layouts.
+
+        A DTensor parameter's gradient may come back in another layout (the vocab-parallel
+        embedding's weight gradient is ``Replicate`` while the weight is ``Shard(0)``): it is
+        redistributed to the parameter's placements first (Replicate -> Shard is a local slice), so
+        every replica and both tied copies reduce tensors of the same shape.
+        """
+        out = []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            g = p.grad
+            if hasattr(g, "placements") and tuple(g.placements) != tuple(p.placements):
+                g = g.redistribute(p.device_mesh, p.placements)
+                p.grad = g
+            out.append(local_part(g))
+        return out
+
+    def reset(self) -> None:
+        """Forget a launched reduction (before loading a checkpoint)."""
+        self.pending, self.work, self.tie_work, self.flat = False, None, None, None
+
+    def launch(self) -> None:
+        if self.dp > 1:
+            grads = self._grads(self.params)
+            self.flat = flatten(grads, grads[0].dtype).div_(self.dp)
+            self.work = dist.all_reduce(self.flat, group=self.topo.dp_group, async_op=True)
+        if self.tied is not None:
+            (g,) = self._grads([self.tied])
+            if self.dp > 1:
+                g.div_(self.dp)
+            self.tie_work = dist.all_reduce(g, group=self.topo.tie_group, async_op=True)
+        self.pending = True
+
+    def _wait(self, work, what: str) -> None:
+        bounded_wait(work, self.timeout_s, self.cpu_timeout, lambda cause: (
+            f"global rank {self.topo.rank} waited up to {self.timeout_s:g} s for the {what} of segment {self.segment}; "
+            f"a rank of that group stalled or died ({cause}); check the other ranks' logs"))
+
+    def wait(self) -> None:
+        if not self.pending:
+            return
+        if self.work is not None:
+            self._wait(self.work, "data-parallel gradient all-reduce")
+            unflatten_into(self.flat, self._grads(self.params))
+            self.work, self.flat = None, None
+        if self.tie_work is not None:
+            self._wait(self.tie_work, "tied-embedding gradient all-reduce")
+            self.tie_work = None
+        self.pending = False

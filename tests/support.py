@@ -1,0 +1,70 @@
+"""What the multi-rank tests share: one torchrun launcher, synthetic batches, and the one tensor
+slice that equivalence tests leave out (the attention key biases)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(n: int, *args: str, timeout: float, monitor_s: float | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node n ARGS`` from the repository root, one OpenMP thread per
+    rank, this checkout first on the path; output captured."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
+    if monitor_s is not None:
+        cmd += ["--monitor-interval", str(monitor_s)]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(ROOT))
+
+
+def failed(proc: subprocess.CompletedProcess) -> str:
+    """The tail of a failed launch's output, for an assertion message."""
+    return f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+
+
+class SyntheticSampler:
+    """Deterministic batches seeded by the step; rank r gets rows [r*G/W, (r+1)*G/W) like SequenceSampler.
+
+    ``toy``: learnable sequences (each token is the previous one plus 1), for convergence checks.
+    """
+
+    def __init__(self, vocab: int, seq_len: int, toy: bool = False):
+        self.vocab, self.seq_len, self.toy = vocab, seq_len, toy
+
+    def global_batch(self, step: int, rows: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 + step)
+        if self.toy:
+            start = torch.randint(0, self.vocab, (rows, 1), generator=g)
+            return (start + torch.arange(self.seq_len + 1)) % self.vocab
+        return torch.randint(0, self.vocab, (rows, self.seq_len + 1), generator=g)
+
+    def rank_batch(self, step: int, global_batch: int, rank: int, world: int):
+        per = global_batch // world
+        seq = self.global_batch(step, global_batch)[rank * per : (rank + 1) * per]
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def key_bias_mask(n_head: int, d_model: int) -> torch.Tensor:
+    """Entries of ``attn.qkv.bias`` that are key biases (head-major layout [head][q|k|v][head_dim]).
+
+    The loss does not depend on them (softmax is invariant to adding q·b_k to a whole row), so
+    their gradient is pure rounding noise that AdamW normalises into full-size steps of random
+    sign, different in any two summation orders. Equivalence tests compare every other entry to
+    their tolerance and check these only in float64.
+    """
+    m = torch.zeros(n_head, 3, d_model // n_head, dtype=torch.bool)
+    m[:, 1] = True
+    return m.reshape(-1)
+
+
+def without_key_bias(name: str, t: torch.Tensor, n_head: int, d_model: int) -> torch.Tensor:
+    """``t`` without its key-bias entries if ``name`` is an ``attn.qkv.bias``, else ``t``."""
+    if not name.endswith("attn.qkv.bias"):
+        return t
+    return t.reshape(-1)[~key_bias_mask(n_head, d_model).to(t.device)]

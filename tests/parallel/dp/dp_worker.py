@@ -49,10 +49,14 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
+STEP_START = [0.0]  # when the current step began (the dead-rank case reports how long its error took)
+
+
 def train(engine, cfg, sampler, start: int, stop: int, rank: int, case: dict, ckpt: CheckpointManager | None = None) -> dict:
     rec = {"losses": [], "grad_norms": [], "stats": []}
     store = dist.distributed_c10d._get_default_store() if case.get("lag") else None
     for step in range(start, stop):
+        STEP_START[0] = time.perf_counter()
         die = case.get("die")
         if die and rank == die["rank"] and step == die["step"]:
             sys.stdout.flush()
@@ -126,6 +130,7 @@ def main() -> int:
             except FoldtrainError as e:
                 if case.get("die"):
                     print(f"foldtrain: error: {e}", file=sys.stderr, flush=True)
+                    print(f"error after {time.perf_counter() - STEP_START[0]:.3f} s of the step", file=sys.stderr, flush=True)
                     return 2
                 results[case["name"]] = {"error": f"{type(e).__name__}: {e}"}
             except Exception as e:  # noqa: BLE001 - recorded for the test to show

@@ -19,7 +19,6 @@ import json
 import math
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -297,14 +296,13 @@ def test_a_dead_rank_is_named(tmp_path):
     torchrun's own report names the failed rank too ("Root Cause ... rank: 1").
     """
     case = s("die", ["--dp.strategy", "allreduce", "--dp.timeout_s", "10"], 6, timeout_s=10, die={"rank": 1, "step": 2})
-    t0 = time.perf_counter()
-    proc = launch(2, [case], tmp_path, monitor_s=2, timeout=60)
-    elapsed = time.perf_counter() - t0
+    proc = launch(2, [case], tmp_path, monitor_s=2, timeout=120)  # a hang would end here
     assert proc.returncode != 0
     line = re.search(r"foldtrain: error: (.*)", proc.stderr)
     assert line, proc.stderr[:3000]
     assert re.fullmatch(r"rank 1 stopped responding during all-reduce at step 3 \(timeout 10 s\); check that rank's log", line.group(1)), line.group(1)
-    assert elapsed < 30
+    took = float(re.search(r"error after ([0-9.]+) s of the step", proc.stderr).group(1))
+    assert took < 10 + 5, took  # within the timeout (plus the naming grace), measured on the survivor's own clock
 
 
 # ---------------------------------------------------------------------- no process group needed

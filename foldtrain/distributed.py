@@ -47,6 +47,10 @@ def init_distributed(device_request: str = "auto", timeout_s: float = 120.0) -> 
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "nccl":
+            # waits block the CPU and raise once the group's timeout (--dp.timeout_s) passes, so a stalled
+            # peer becomes the same one-line DistributedError as on gloo instead of a watchdog abort
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return DistEnv(rank, world, local_rank, device)

@@ -32,7 +32,7 @@ from foldtrain.train.trainer import train
 def plain_loop(cfg, data: TokenData, steps: int) -> list[float]:
     """The minimal loop anyone would write: no logging, no checkpoints, no abstractions."""
     torch.manual_seed(cfg.train.seed)
-    model = GPT(GPTShape.from_config(cfg.model))
+    model = GPT(GPTShape.from_config(cfg.model), cfg.train.seed)
     o = cfg.optim
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]

@@ -43,7 +43,7 @@ from foldtrain.parallel.mesh import get_topology
 from foldtrain.parallel.pipeline.executor import Executor
 from foldtrain.parallel.pipeline.p2p import P2P, local_part
 from foldtrain.parallel.pipeline.reducer import ChunkReducer
-from foldtrain.parallel.pipeline.stage import apply_activation_checkpointing, build_chunks
+from foldtrain.parallel.pipeline.stage import apply_activation_checkpointing, build_chunks, materialize
 from foldtrain.profile import StepProfiler, Timeline
 from foldtrain.schedules import build_schedule
 from foldtrain.schedules.layout import validate_layout
@@ -71,7 +71,8 @@ class PipelineEngine:
 
         # ---- model chunks
         chunks = build_chunks(model, lay.layers, lay.pp, topo.pp_rank)
-        for c in chunks:
+        for c in chunks:  # a model built on the meta device is materialised here, this rank's chunks only
+            materialize(c, device, model.init_seed, self.shape.n_layer)
             c.to(device=device, dtype=self.precision.param_dtype)
         if lay.tp > 1:
             from foldtrain.parallel.tensor import apply_tensor_parallel
@@ -280,4 +281,4 @@ class PipelineEngine:
     def eval_model(self) -> nn.Module | None:
         """Collective: the full fp32 model with the current weights on global rank 0, None elsewhere."""
         self.flush()
-        return self.states.full_model(self.shape, self.device)
+        return self.states.full_model(self.shape, self.device, self.layout.layers)

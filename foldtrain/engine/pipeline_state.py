@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from foldtrain.model.gpt import GPT, GPTShape
 from foldtrain.optim import restore_lr
+from foldtrain.parallel.pipeline.stage import Chunk, part_ranges
 
 
 def _is_dtensor(t) -> bool:
@@ -81,34 +82,44 @@ class ChunkStates:
         self.precision.scaler.load_state_dict(sd["scaler"])
         return iteration
 
-    def full_model(self, shape: GPTShape, device: torch.device) -> nn.Module | None:
+    def full_model(self, shape: GPTShape, device: torch.device, layers) -> nn.Module | None:
         """Collective: the full fp32 model with the current weights on global rank 0, None elsewhere.
 
-        Every rank turns its chunks' weights into full tensors (DTensors gathered over TP), the ranks
-        of data-parallel replica 0 and TP rank 0 send theirs to rank 0, which loads them into a fresh GPT.
+        Streamed tensor by tensor, nothing pickled: every rank turns its chunks' weights into full
+        tensors (DTensors gathered over TP), and the ranks of data-parallel replica 0 and TP rank 0
+        send theirs to rank 0 in chunk order; rank 0 knows every pipeline rank's keys in that order
+        from the layout and receives straight into a fresh GPT. A closing barrier keeps every sender
+        alive until rank 0 holds everything.
         """
-        sd = {}
-        for c in self.chunks.values():
+        mine = []
+        for _, c in sorted(self.chunks.items()):
             for k, v in c.state_dict().items():
-                if _is_dtensor(v):
-                    v = v.full_tensor()
-                sd[k] = v.detach().float().cpu()
-        contributes = self.topo.dp_rank == 0 and self.topo.tp_rank == 0
-        rank = self.topo.rank
-        gathered = [None] * dist.get_world_size() if rank == 0 else None
-        dist.gather_object(sd if contributes else None, gathered, dst=0)
-        if rank != 0:
+                if self.split_tie and k == self.head_fqn:
+                    continue  # the last rank's copy of the tied weight: the embedding's value
+                mine.append((k, v.full_tensor() if _is_dtensor(v) else v))
+        topo = self.topo
+        if topo.rank != 0:
+            if topo.dp_rank == 0 and topo.tp_rank == 0:
+                for _, v in mine:
+                    dist.send(v.detach().float().to(device).contiguous(), dst=0)
+            dist.barrier()
             return None
-        merged = {}
-        for part in gathered:
-            if part:
-                merged.update(part)
-        if self.split_tie:
-            merged.pop(self.head_fqn, None)  # the copy equals the embedding; the full model ties them
-        with torch.random.fork_rng(devices=[]):  # building a model must not move rank 0's RNG stream
+        with torch.device("meta"):
             full = GPT(shape)
-        missing, unexpected = full.load_state_dict(merged, strict=False)
-        missing = [k for k in missing if k != self.head_fqn]
-        if missing or unexpected:  # pragma: no cover - a bug in the split
-            raise RuntimeError(f"eval_model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        full.to_empty(device="cpu")
+        full.head.lm_head.weight = full.embedding.wte.weight
+        target = full.state_dict()
+        for k, v in mine:
+            target[k].copy_(v.detach().float())
+        ranges = part_ranges(shape.n_layer, layers)
+        for p in range(1, topo.pp):
+            src = topo.pipeline_peer(p)
+            for s in range(p, len(ranges), topo.pp):
+                for k in Chunk(s, [(i, full.parts[i]) for i in ranges[s]]).state_dict():
+                    if self.split_tie and k == self.head_fqn:
+                        continue
+                    buf = torch.empty(target[k].shape, dtype=torch.float32, device=device)
+                    dist.recv(buf, src=src)
+                    target[k].copy_(buf)
+        dist.barrier()
         return full.to(device)

@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from foldtrain.model.init import init_weights
+
 
 @dataclass(frozen=True)
 class GPTShape:
@@ -103,24 +105,18 @@ class Head(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, shape: GPTShape):
+    """The model, initialised from ``seed`` (:mod:`foldtrain.model.init`: each parameter from its own
+    generator). Built under ``torch.device("meta")`` it holds no memory and is left uninitialised:
+    whoever materialises a part of it calls ``init_weights(part, model.init_seed, n_layer)``."""
+
+    def __init__(self, shape: GPTShape, seed: int = 0):
         super().__init__()
         self.shape = shape
+        self.init_seed = seed
         self.parts = nn.ModuleList([Embedding(shape), *[Block(shape) for _ in range(shape.n_layer)], Head(shape)])
         self.head.lm_head.weight = self.embedding.wte.weight  # tied
-        self.apply(self._init)
-        for name, p in self.named_parameters():
-            if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * shape.n_layer))
-
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if not self.embedding.wte.weight.is_meta:
+            init_weights(self, seed, shape.n_layer)
 
     @property
     def embedding(self) -> Embedding:

@@ -5,9 +5,11 @@ should share a node), then pipeline, then data parallel::
 
     global rank = d * (P * T) + p * T + t        (d, p, t) = coords(rank)
 
-:func:`build_mesh` returns the ``DeviceMesh`` with dims ``("dp", "pp", "tp")``;
-:func:`get_topology` adds what a pipeline needs beyond the mesh's own groups, cached per layout
-so a process that builds several engines (tests) creates every group only once:
+:func:`get_topology` creates, once per process and layout, every group a 3D run uses, each with
+``--dp.timeout_s`` as its timeout (so a stalled collective ends within it on NCCL too, not after
+the backend's default of minutes): the ``dp``, ``pp`` and ``tp`` groups of this rank's
+coordinates, a one-dimensional tensor-parallel ``DeviceMesh`` over the ``tp`` group for DTensor,
+and what a pipeline needs beyond them:
 
 * ``p2p_up`` / ``p2p_down``: two groups over this rank's pipeline (same ranks as the ``pp`` group),
   one per direction. A message from pipeline rank ``a`` to ``b`` goes over ``p2p_up`` when
@@ -32,7 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["Topology", "build_mesh", "coords", "get_topology", "global_rank"]
+__all__ = ["Topology", "coords", "get_topology", "global_rank"]
 
 
 def global_rank(d: int, p: int, t: int, pp: int, tp: int) -> int:
@@ -44,20 +46,13 @@ def coords(rank: int, pp: int, tp: int) -> tuple[int, int, int]:
     return rank // (pp * tp), (rank // tp) % pp, rank % tp
 
 
-def build_mesh(dp: int, pp: int, tp: int, device_type: str = "cpu"):
-    """The ``(dp, pp, tp)`` DeviceMesh over the world (which must have ``dp * pp * tp`` ranks)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
-
-
 @dataclass
 class Topology:
     dp: int
     pp: int
     tp: int
     rank: int
-    mesh: Any  # DeviceMesh ("dp", "pp", "tp")
+    tp_mesh: Any  # one-dimensional DeviceMesh over the tp group, for DTensor
     dp_group: Any
     pp_group: Any
     tp_group: Any
@@ -81,10 +76,6 @@ class Topology:
     def tp_rank(self) -> int:
         return self.coords[2]
 
-    @property
-    def tp_mesh(self):
-        return self.mesh["tp"]
-
     def pipeline_peer(self, p: int) -> int:
         """Global rank of pipeline rank ``p`` in this rank's pipeline (same dp and tp coordinates)."""
         d, _, t = self.coords
@@ -99,21 +90,35 @@ _CACHE: dict[tuple, Topology] = {}
 
 
 def get_topology(dp: int, pp: int, tp: int, device_type: str = "cpu", timeout_s: float | None = None) -> Topology:
-    """The mesh and pipeline groups of this layout (created once per process and layout).
+    """The process groups and tensor-parallel mesh of this layout (created once per process and layout).
 
-    ``timeout_s`` applies to the pipeline's own groups (``p2p_up`` / ``p2p_down`` / ``tie_group``);
-    the mesh's ``dp`` / ``pp`` / ``tp`` groups get PyTorch's default (``init_device_mesh`` takes none),
-    so the engine bounds its own waits on them explicitly.
+    Groups are created on every rank in the same order (``new_group`` is collective); ``timeout_s``
+    applies to all of them.
     """
     from datetime import timedelta
+
+    from torch.distributed.device_mesh import DeviceMesh
 
     key = (dp, pp, tp, device_type, dist.get_world_size())
     if key in _CACHE:
         return _CACHE[key]
-    mesh = build_mesh(dp, pp, tp, device_type)
     rank = dist.get_rank()
     d0, p0, t0 = coords(rank, pp, tp)
     kw = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+
+    def groups(members: list[list[int]]):
+        """One group per list (all created by every rank); the one holding this rank."""
+        mine = None
+        for ranks in members:
+            g = dist.new_group(ranks, **kw)
+            if rank in ranks:
+                mine = g
+        return mine
+
+    dp_g = groups([[global_rank(d, p, t, pp, tp) for d in range(dp)] for p in range(pp) for t in range(tp)])
+    pp_g = groups([[global_rank(d, p, t, pp, tp) for p in range(pp)] for d in range(dp) for t in range(tp)])
+    tp_g = groups([[global_rank(d, p, t, pp, tp) for t in range(tp)] for d in range(dp) for p in range(pp)])
+    tp_mesh = DeviceMesh.from_group(tp_g, device_type, mesh_dim_names=("tp",))
     up = down = tie = None
     if pp > 1:
         for d in range(dp):
@@ -128,6 +133,6 @@ def get_topology(dp: int, pp: int, tp: int, device_type: str = "cpu", timeout_s:
             g = dist.new_group(ranks, **kw)
             if t == t0 and p0 in (0, pp - 1):
                 tie = g
-    topo = Topology(dp, pp, tp, rank, mesh, mesh.get_group("dp"), mesh.get_group("pp"), mesh.get_group("tp"), up, down, tie)
+    topo = Topology(dp, pp, tp, rank, tp_mesh, dp_g, pp_g, tp_g, up, down, tie)
     _CACHE[key] = topo
     return topo

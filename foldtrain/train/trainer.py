@@ -21,6 +21,7 @@ from foldtrain.errors import CheckpointError, ConfigError
 from foldtrain.model.generate import sample
 from foldtrain.model import GPT, GPTShape, analytic_param_count
 from foldtrain.engine import build_engine
+from foldtrain.schedules.layout import uses_3d_engine
 from foldtrain.train.metrics import RunLogger, peak_memory_mb
 
 
@@ -45,9 +46,14 @@ def open_data(cfg: Config) -> TokenData:
     return data
 
 
-def build_model(cfg: Config) -> GPT:
-    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-    return GPT(GPTShape.from_config(cfg.model))
+def build_model(cfg: Config, meta: bool = False) -> GPT:
+    """The GPT of ``cfg`` with the run's initial weights (identical on every rank); ``meta``: on the meta
+    device, holding no memory, for engines that materialise only their own part of it."""
+    torch.manual_seed(cfg.train.seed)
+    if meta:
+        with torch.device("meta"):
+            return GPT(GPTShape.from_config(cfg.model), cfg.train.seed)
+    return GPT(GPTShape.from_config(cfg.model), cfg.train.seed)
 
 
 def train(cfg: Config) -> dict:
@@ -69,7 +75,7 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, ckpt: CheckpointManager) 
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(to_toml(cfg))
-    model = build_model(cfg)
+    model = build_model(cfg, meta=uses_3d_engine(cfg))  # a pipeline rank materialises only its chunks
     n_params = model.num_params()
     analytic = analytic_param_count(cfg.model.n_layer, cfg.model.d_model, cfg.model.context, cfg.model.vocab_size)
     workers = dp_workers(cfg, env.world_size)

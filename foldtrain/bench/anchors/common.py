@@ -36,7 +36,7 @@ def data_and_model(cfg) -> tuple[TokenData, GPT]:
     """The prepared data and the GPT (on the CPU) built with ``--train.seed``, as foldtrain builds it."""
     data = TokenData.open(resolve_data(cfg.data))
     torch.manual_seed(cfg.train.seed)
-    return data, GPT(GPTShape.from_config(cfg.model))
+    return data, GPT(GPTShape.from_config(cfg.model), cfg.train.seed)
 
 
 def untie_head(head: torch.nn.Module) -> None:

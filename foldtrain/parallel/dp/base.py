@@ -129,7 +129,7 @@ class DataParallelStrategy(Strategy):
         super().__init__(state, cfg)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_world = self.rank, self.world
-        self.comm = CommStats(self.rank, self.world, cfg.dp.timeout_s)
+        self.comm = CommStats(self.rank, self.world, cfg.dp.timeout_s, self.device)
 
     def stats(self) -> dict[str, float]:
         return self.comm.stats()

@@ -10,7 +10,8 @@ counts are *algorithmic*, independent of what the backend does internally:
 * point-to-point: the exact payload (a colocated server's message to itself is free).
 
 ``comm_wait_s`` is time spent blocked in ``Work.wait`` / blocking collectives; ``compute_s`` is
-the rest of the step. A communication error becomes a :class:`~foldtrain.errors.DistributedError`
+the rest of the step. On CUDA a wait blocks the device's stream rather than the CPU, so there the
+blocked time is measured with CUDA events recorded around each wait and read at the end of the step. A communication error becomes a :class:`~foldtrain.errors.DistributedError`
 naming the rank to blame (found by :mod:`foldtrain.parallel.failures`).
 """
 
@@ -33,8 +34,10 @@ def nbytes(t: torch.Tensor) -> int:
 class CommStats:
     """Bytes and blocked time of one rank, per step; also the name of the operation in progress."""
 
-    def __init__(self, rank: int, world: int, timeout_s: float):
+    def __init__(self, rank: int, world: int, timeout_s: float, device: torch.device | None = None):
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.cuda = device is not None and device.type == "cuda"
+        self._events: list = []  # (start, end) CUDA events around each wait of this step
         register_process(rank)
         self.phase = "start-up"
         self.sent = self.recv = self.wait_s = self.step_s = 0.0
@@ -46,6 +49,10 @@ class CommStats:
         self._t0 = time.perf_counter()
 
     def end_step(self) -> None:
+        if self._events:
+            self._events[-1][1].synchronize()
+            self.wait_s += sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
+            self._events = []
         self.step_s = time.perf_counter() - self._t0
 
     def stats(self) -> dict[str, float]:
@@ -89,6 +96,9 @@ class CommStats:
         """Time a blocking section as communication wait; tag a failure inside it with ``phase``/``peer``."""
         self.phase = phase
         t = time.perf_counter()
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         try:
             yield
         except Exception as e:
@@ -96,7 +106,12 @@ class CommStats:
                 raise
             raise CommFailure(phase, peer, e) from e
         finally:
-            self.wait_s += time.perf_counter() - t
+            if self.cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._events.append((start, end))
+            else:
+                self.wait_s += time.perf_counter() - t
 
     def wait(self, work: dist.Work, phase: str, peer: int | None = None) -> None:
         with self.blocked(phase, peer):

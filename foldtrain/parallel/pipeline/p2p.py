@@ -6,8 +6,9 @@ group for that pair (``p2p_up`` if ``a < b`` else ``p2p_down``) with a tag uniqu
 With NCCL (no tags; one stream per communicator and pair, operations in posting order) each
 (group, pair) carries one direction only, so a send never sits in front of a receive, and the
 per-pair posting orders match because the schedules are validated for per-pair FIFO channels;
-receives are waited on without a CPU timeout there (stream-ordered; the NCCL watchdog enforces
-the process-group timeout instead). The NCCL path has NOT been run yet (the test machines have no
+receives are waited on without an explicit timeout there: every group carries ``--dp.timeout_s``
+as its own timeout and ``TORCH_NCCL_BLOCKING_WAIT=1`` (set by ``foldtrain.distributed``) makes a wait
+raise once it passes, so a stalled peer is named the same way as on gloo. The NCCL path has NOT been run yet (the test machines have no
 multi-GPU host); in particular, if a PyTorch version routes the P2P of an eagerly initialised group
 through the group's single communicator instead of per-pair ones, sends and receives of different
 peers would share one stream again and interleaved / fold could stall: check there first.

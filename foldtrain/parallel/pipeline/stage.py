@@ -4,8 +4,9 @@ A :class:`Chunk` holds the parts of one global segment in a ``ModuleDict`` keyed
 ``GPT.parts``, so its parameter names are the full model's (``parts.3.attn.qkv.weight``): the DCP
 checkpoints of a pipeline run hold exactly the keys of a single-process one and load either way.
 
-Every rank builds the full GPT with the same seed (cheap at the sizes this project trains; the
-parts a rank does not keep are dropped) and keeps its ``V`` segments.
+The trainer builds the full GPT on the meta device (no memory); each rank keeps its ``V``
+segments and materialises only those (:func:`materialize`), with exactly the values a single
+process draws for them (:mod:`foldtrain.model.init`: every parameter from its own generator).
 
 Tied embedding: with a pipeline (``P > 1``) the token embedding (segment 0, pipeline rank 0) and
 the output projection (segment ``S - 1``, pipeline rank ``P - 1``) live on different ranks. The
@@ -22,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from foldtrain.model.gpt import GPT, Block, Head
+from foldtrain.model.init import init_weights
 
 
 class Chunk(nn.Module):
@@ -82,6 +84,18 @@ def build_chunks(model: GPT, layers, pp: int, pp_rank: int) -> list[Chunk]:
         if i not in keep:
             model.parts[i] = nn.Module()
     return chunks
+
+
+def materialize(chunk: Chunk, device: torch.device, seed: int, n_layer: int) -> None:
+    """Give a chunk built on the meta device real storage on ``device`` and its initial values
+    (a chunk that already has storage is left as it is)."""
+    if not any(p.is_meta for p in chunk.parameters()):
+        return
+    tied = "0" in chunk.parts and chunk.head is not None and chunk.head.lm_head.weight is chunk.parts["0"].wte.weight
+    chunk.to_empty(device=device)
+    if tied:  # the whole model in one chunk: keep the embedding and the output projection one weight
+        chunk.head.lm_head.weight = chunk.parts["0"].wte.weight
+    init_weights(chunk, seed, n_layer)
 
 
 def _checkpointed(forward, x):

@@ -40,7 +40,7 @@ def make_engine(args: list[str], env: DistEnv):
     cfg = build_config([*BASE, *args])
     validate(cfg, env.world_size)
     torch.manual_seed(cfg.train.seed)
-    model = GPT(GPTShape.from_config(cfg.model))
+    model = GPT(GPTShape.from_config(cfg.model), cfg.train.seed)
     workers = dp_workers(cfg, env.world_size)
     return cfg, build_engine(cfg, model, env, cfg.train.micro_batch or cfg.train.global_batch // workers)
 

@@ -59,6 +59,7 @@ def equivalence_cases(world: int) -> list[dict]:
             *_cases_for((1, 2, 1, 1)),
             *_cases_for((1, 2, 1, 2)),
             *_cases_for((1, 1, 2, 1), n_layer=2, m=2),  # TP (DTensor) steps are slow on CPU: shallow, 2 micro-batches
+            _one((1, 1, 2, 1), "gpipe", "after-flush", "tpclip", n_layer=2, m=2, grad_clip=0.05),  # TP clipping really clips
             # uneven split: 7 layers in 4 segments (2, 2, 2, 1), and explicit counts
             _one((1, 2, 1, 2), "fold", "per-chunk", "7layers", n_layer=7),
             _one((1, 2, 1, 2), "interleaved-1f1b", "after-flush", "7layers", n_layer=7),

@@ -58,10 +58,15 @@ EQUIV = [(w, c) for w in (2, 4, 8) for c in equivalence_cases(w)]
 
 @pytest.mark.parametrize("world,case", EQUIV, ids=[f"w{w}-{c['id']}" for w, c in EQUIV])
 def test_matches_single_process(suite, world, case):
-    """Every step's loss, all final parameters and an evaluation loss equal the single-process run."""
+    """Every step's loss and gradient norm, all final parameters and an evaluation loss equal the
+    single-process run."""
     r = result(suite, world, case["id"])
     tol = HALF_TOL if case.get("precision", "fp32") != "fp32" else FP32_TOL
     assert r["loss_err"] <= tol, (r["losses"], r["ref_losses"])
+    if not case["defer"]:
+        assert r["norm_err"] <= tol, (r["norms"], r["ref_norms"])
+    if case.get("grad_clip"):  # the case exists to clip: the norm must exceed the threshold on every step
+        assert min(r["ref_norms"]) > r["grad_clip"], (r["ref_norms"], r["grad_clip"])
     assert r["param_err"] <= tol, (r["worst_param"], r["param_err"])
     assert r["eval_err"] <= tol
 
@@ -89,8 +94,7 @@ def test_checkpoint_resume_and_interchange(suite, case):
     got = model.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
     # the whole training state, into the single-process Engine: it continues like the 3D run
-    torch.manual_seed(777)
-    eng = Engine(GPT(GPTShape.from_config(cfg.model)), cfg, torch.device("cpu"), MICRO)
+    eng = Engine(GPT(GPTShape.from_config(cfg.model), seed=777), cfg, torch.device("cpu"), MICRO)
     state = eng.state_dict()
     CheckpointManager(ckpt_dir).load(ckpt_dir / "step_00000003", state)
     eng.load_state_dict(state)

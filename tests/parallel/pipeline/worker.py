@@ -42,7 +42,7 @@ PROFILE_STEPS = 3  # steps (the timelines of all of them are kept)
 
 def make_cfg(c: dict, steps: int = STEPS, out: str = "", **over):
     dp, pp, tp, v = c["layout"]
-    clip = 0.0 if c.get("defer") else 1.0
+    clip = 0.0 if c.get("defer") else c.get("grad_clip", 1.0)
     args = {
         "model.n_layer": c.get("n_layer", 8), "model.n_head": HEADS, "model.d_model": D, "model.context": 16,
         "model.vocab_size": VOCAB, "train.seq_len": SEQ, "train.steps": steps, "train.global_batch": dp * c.get("m", M) * MICRO,
@@ -77,7 +77,7 @@ def val_data():
 
 def build_model(cfg, seed: int | None = None) -> GPT:
     torch.manual_seed(cfg.train.seed if seed is None else seed)
-    return GPT(GPTShape.from_config(cfg.model))
+    return GPT(GPTShape.from_config(cfg.model), cfg.train.seed if seed is None else seed)
 
 
 _REF: dict = {}
@@ -90,9 +90,12 @@ def reference(cfg, steps: int = STEPS):
     key = (cfg.model.n_layer, cfg.train.global_batch, cfg.optim.grad_clip, cfg.precision, steps)
     if key not in _REF:
         eng = Engine(build_model(cfg), cfg, DEVICE, MICRO)
-        losses = [eng.train_step(x, y) for x, y in batches(cfg.train.global_batch, steps)]
+        losses, norms = [], []
+        for x, y in batches(cfg.train.global_batch, steps):
+            losses.append(eng.train_step(x, y))
+            norms.append(eng.last_grad_norm)
         params = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
-        _REF[key] = (losses, params, eng.eval_loss(val_data()))
+        _REF[key] = (losses, params, eng.eval_loss(val_data()), norms)
     return _REF[key]
 
 
@@ -116,19 +119,25 @@ def run_engine(cfg, steps_range, engine=None, seed=None):
     if engine is None:
         engine = PipelineEngine(build_model(cfg, seed), cfg, DEVICE)
     data = batches(cfg.train.global_batch, cfg.train.steps)
-    losses = [engine.train_step(*dp_rows(engine, *data[s])) for s in steps_range]
+    losses, engine.test_grad_norms = [], []
+    for s in steps_range:
+        losses.append(engine.train_step(*dp_rows(engine, *data[s])))
+        engine.test_grad_norms.append(engine.last_grad_norm)
     return engine, losses
 
 
-def compare(case, cfg, losses, full, eval_loss) -> dict:
-    ref_losses, ref_params, ref_eval = reference(cfg)
+def compare(case, cfg, losses, full, eval_loss, norms) -> dict:
+    ref_losses, ref_params, ref_eval, ref_norms = reference(cfg)
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     sd = full.state_dict()
     assert set(sd) == set(ref_params), set(sd) ^ set(ref_params)
     errs = {k: rel(without_key_bias(k, sd[k]), without_key_bias(k, ref_params[k])) for k in ref_params}
     worst = max(errs, key=errs.get)
+    # deferral steps chunks before the other chunks' gradients exist: no global norm is computed (logged 0)
+    norm_err = None if cfg.fold.defer_reduce else max(abs(a - b) / b for a, b in zip(norms, ref_norms))
     return {"loss_err": loss_err, "param_err": errs[worst], "worst_param": worst, "eval_err": abs(eval_loss - ref_eval) / ref_eval,
-            "losses": losses, "ref_losses": ref_losses}
+            "losses": losses, "ref_losses": ref_losses, "norm_err": norm_err, "norms": norms, "ref_norms": ref_norms,
+            "grad_clip": cfg.optim.grad_clip}
 
 
 def equivalence_case(case: dict) -> dict | None:
@@ -138,7 +147,7 @@ def equivalence_case(case: dict) -> dict | None:
     full = engine.eval_model()
     if dist.get_rank() != 0:
         return None
-    return compare(case, cfg, losses, full, ev)
+    return compare(case, cfg, losses, full, ev, engine.test_grad_norms)
 
 
 def checkpoint_case(case: dict, out: Path) -> dict | None:

@@ -149,8 +149,7 @@ def test_dcp_tp2_checkpoint_loads_into_single_process_model(tp_run):
     results, out = tp_run
     assert results[0]["dcp_model_keys_dtensor"] is True
     expected = torch.load(out / "tp_full_state.pt", weights_only=True)
-    torch.manual_seed(123)  # different init from the worker's: every weight must come from the checkpoint
-    model = GPT(GPTShape(n_layer=2, n_head=4, d_model=32, context=16, vocab_size=64, dropout=0.0))
+    model = GPT(GPTShape(n_layer=2, n_head=4, d_model=32, context=16, vocab_size=64, dropout=0.0), seed=123)  # other weights: all must come from the checkpoint
     state = {"model": get_model_state_dict(model)}
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": intended
         warnings.simplefilter("ignore", UserWarning)

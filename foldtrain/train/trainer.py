@@ -20,6 +20,7 @@ from foldtrain.distributed import DistEnv, init_distributed, launch_world_size, 
 from foldtrain.errors import CheckpointError, ConfigError
 from foldtrain.generate import sample
 from foldtrain.model import GPT, GPTShape, analytic_param_count
+from foldtrain.model.hf import maybe_init_from
 from foldtrain.parallel import build_engine
 from foldtrain.train.metrics import RunLogger, peak_memory_mb
 
@@ -47,7 +48,7 @@ def open_data(cfg: Config) -> TokenData:
 
 def build_model(cfg: Config) -> GPT:
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-    return GPT(GPTShape.from_config(cfg.model))
+    return maybe_init_from(cfg, GPT(GPTShape.from_config(cfg.model)))  # --model.init_from: HF GPT-2 or foldtrain weights
 
 
 def train(cfg: Config) -> dict:
@@ -99,6 +100,7 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, ckpt: CheckpointManager) 
     meta = {"world_size": env.world_size, "strategy": cfg.dp.strategy, "model": GPTShape.from_config(cfg.model).__dict__, "data_step": 0}
     loss = float("nan")
     end = min(t.steps, t.stop_at) if t.stop_at else t.steps
+    t_start = time.perf_counter()  # metrics' time_s: wall time since this session's loop began
     for step in range(start, end):
         t0 = time.perf_counter()
         lr = engine.lr  # the rate this step uses
@@ -109,7 +111,7 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, ckpt: CheckpointManager) 
             raise FloatingPointError(f"loss became {loss} at step {step + 1}; lower --optim.lr or use --precision fp32")
         done = step + 1
         if done % t.log_every == 0 or done == t.steps:
-            record = {"step": done, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "grad_norm": engine.last_grad_norm, "peak_mem_mb": peak_memory_mb(env.device), **engine.stats()}
+            record = {"step": done, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "time_s": time.perf_counter() - t_start, "grad_norm": engine.last_grad_norm, "peak_mem_mb": peak_memory_mb(env.device), **engine.stats()}
             if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
                 record["val_loss"] = engine.eval_loss(val)
                 record["val_ppl"] = math.exp(min(record["val_loss"], 50.0))

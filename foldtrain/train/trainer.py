@@ -16,7 +16,7 @@ import torch
 from foldtrain.checkpoint import CheckpointManager, export_safetensors
 from foldtrain.config import Config, dp_workers, to_toml, validate
 from foldtrain.data import SequenceSampler, TokenData, load_tokenizer, resolve_data, val_batches
-from foldtrain.distributed import DistEnv, init_distributed, launch_world_size, shutdown
+from foldtrain.distributed import DistEnv, check_same_data, init_distributed, launch_world_size, shutdown
 from foldtrain.errors import CheckpointError, ConfigError
 from foldtrain.generate import sample
 from foldtrain.model import GPT, GPTShape, analytic_param_count
@@ -59,6 +59,7 @@ def train(cfg: Config) -> dict:
     data = open_data(cfg)
     env = init_distributed(cfg.train.device, cfg.dp.timeout_s)
     try:
+        check_same_data(data.meta)  # every rank trains on the same prepared dataset (meta.json checksums)
         return _train(cfg, env, data, ckpt)
     finally:
         shutdown()

@@ -297,7 +297,12 @@ def resolve(cfg: Config) -> Config:
         hint = f"did you mean '{near[0]}'? " if near else ""
         raise ConfigError(f"unknown model preset '{m.preset}'; {hint}valid presets: {', '.join(PRESETS)}")
     src = resolve_init_from(m, PRESETS, ModelConfig.preset)  # the checkpoint's shape; a conflicting --model.* is an error
-    if src is not None and src.tokenizer is not None and not cfg.data.tokenizer:
+    if src is not None and src.kind == "hf" and not cfg.data.tokenizer and not (Path(cfg.data.path).expanduser() / "meta.json").is_file():
+        if src.tokenizer is None:
+            raise ConfigError(
+                f"--model.init_from {m.init_from} has no tokenizer.json, and a BPE trained on your data would give ids the weights do not know; "
+                "put the model's tokenizer.json there or pass it with --data.tokenizer FILE"
+            )
         cfg.data.tokenizer = str(src.tokenizer)  # fine-tuning a HF model: its own tokenizer encodes the new text
     for k, v in PRESETS[m.preset].items():
         if getattr(m, k) == 0:

@@ -122,9 +122,11 @@ def test_hub_variants_load(hf_dir, tmp_path):
 
 
 def test_init_from_resolves_the_shape(hf_dir, tmp_path, tokenizer_json):
-    cfg = init_cfg([str(hf_dir)])
+    with pytest.raises(ConfigError, match="has no tokenizer.json, and a BPE trained on your data would give ids the weights do not know"):
+        init_cfg([str(hf_dir)])  # raw (or default) data to be tokenized, and no tokenizer for it
+    cfg = init_cfg([str(hf_dir), "--data.tokenizer", str(tokenizer_json)])
     assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.context, cfg.model.vocab_size) == (2, 4, 48, 64, 300)
-    assert cfg.data.tokenizer == ""  # no tokenizer.json beside these weights
+    assert cfg.data.tokenizer == str(tokenizer_json)  # an explicit tokenizer wins
     # a foldtrain model.safetensors (shape in its metadata), and a HF directory with a tokenizer
     from foldtrain.checkpoint import export_safetensors
 
@@ -161,7 +163,7 @@ class Evil:
         return (print, ("this must never run",))
 
 
-def test_bad_inputs(hf_dir, tmp_path, capsys):
+def test_bad_inputs(hf_dir, tmp_path, tokenizer_json, capsys):
     config = json.loads((hf_dir / "config.json").read_text())
     weights = load_file(str(hf_dir / "model.safetensors"))
     cases = {
@@ -176,12 +178,13 @@ def test_bad_inputs(hf_dir, tmp_path, capsys):
     for needle, path in cases.items():
         with pytest.raises(ConfigError, match=needle):
             init_cfg([path])
+    tok = ["--data.tokenizer", str(tokenizer_json)]
     for k, v in {"--model.n_layer": "3", "--model.d_model": "64", "--model.vocab_size": "8192"}.items():
         with pytest.raises(ConfigError, match=f"{k} {v} conflicts with --model.init_from"):
-            init_cfg([str(hf_dir), k, v])
+            init_cfg([str(hf_dir), k, v, *tok])
     with pytest.raises(ConfigError, match="--model.preset gpt2-small conflicts with --model.init_from .*n_layer 12 vs 2"):
-        init_cfg([str(hf_dir), "--model.preset", "gpt2-small"])
-    assert init_cfg([str(hf_dir), "--model.n_layer", "2"]).model.n_layer == 2  # agreeing is fine
+        init_cfg([str(hf_dir), "--model.preset", "gpt2-small", *tok])
+    assert init_cfg([str(hf_dir), "--model.n_layer", "2", *tok]).model.n_layer == 2  # agreeing is fine
     # weights that do not match the config, and a pickle that would run code: refused when loaded
     short = {k: v for k, v in weights.items() if ".h.1." not in k}
     with pytest.raises(ConfigError, match="lacks transformer.h.1|lacks h.1"):

@@ -84,7 +84,7 @@ class TrainConfig:
 class OptimConfig:
     lr: float = 3e-3
     min_lr: float = 3e-4
-    warmup_steps: int = 20
+    warmup_steps: int = 60  # 20 made the quickstart's loss spike at step 29 (7.0 -> 11.2); see docs/benchmarks.md
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95

@@ -15,8 +15,10 @@ Both directions are permutations, so HF -> foldtrain -> HF is bit-exact.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +192,8 @@ def maybe_init_from(cfg: Any, model: nn.Module) -> nn.Module:
         raise ConfigError(f"--model.init_from {path} has shape {src.shape} but the model was built as {have}; leave the --model.* sizes to the checkpoint")
     with torch.no_grad():
         load_into(model, src)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"model: initial weights from {src.weights or src.path} ({'Hugging Face GPT-2' if src.kind == 'hf' else 'foldtrain'})", file=sys.stderr, flush=True)
     return model
 
 

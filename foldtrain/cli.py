@@ -1,4 +1,4 @@
-"""The ``foldtrain`` command: prepare, train, eval, generate, config, bench.
+"""The ``foldtrain`` command: prepare, train, eval, generate, export, plot, config, bench.
 
 Every subcommand takes ``--config FILE`` and any number of ``--section.field value``
 overrides; ``generate``/``eval`` read the run's saved config from ``--out`` first.
@@ -20,6 +20,8 @@ commands:
   train      train a model (--out DIR, --resume, --model.preset, --train.steps, ...)
   eval       validation loss and perplexity of a run's latest (or --checkpoint) checkpoint
   generate   sample text from a run's checkpoint (--prompt, --max_tokens, --temperature, --top_k)
+  export     write a run as a Hugging Face GPT-2 directory (--out RUN --hf DIR)
+  plot       loss, validation loss and tokens/s of runs, overlaid (RUN [RUN ...] [--out PNG])
   config     print the resolved config as TOML (list every key with --keys)
   bench      benchmarks (see `foldtrain bench --help`)
 """
@@ -28,7 +30,7 @@ commands:
 def _parser(cmd: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"foldtrain {cmd}", allow_abbrev=False, add_help=True)
     p.add_argument("--config", help="TOML file with config sections")
-    if cmd in ("eval", "generate"):
+    if cmd in ("eval", "generate", "export"):
         p.add_argument("--checkpoint", help="checkpoint directory (default: the run's latest)")
     if cmd == "generate":
         p.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
@@ -36,6 +38,8 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
         p.add_argument("--temperature", type=float, default=0.8)
         p.add_argument("--top_k", type=int, default=50)
         p.add_argument("--seed", type=int, default=0)
+    if cmd == "export":
+        p.add_argument("--hf", required=True, metavar="DIR", help="new directory for config.json, model.safetensors and the tokenizer")
     if cmd == "config":
         p.add_argument("--keys", action="store_true", help="list every config key")
     return p
@@ -86,6 +90,7 @@ def _load_run_model(ns, cfg):
     else:
         cfg.resume = True
         path = check_run_dir(cfg).latest()
+    cfg.model.init_from = ""  # the weights come from the checkpoint
     model = build_model(cfg)
     load_model_weights(model, path)
     device = pick_device(cfg.train.device, 0)
@@ -117,6 +122,32 @@ def cmd_generate(ns, rest) -> int:
     return 0
 
 
+def cmd_export(ns, rest) -> int:
+    from foldtrain.model.hf import export_hf
+    from foldtrain.model.hf_config import SHAPE_KEYS
+
+    target = Path(ns.hf).expanduser()
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ConfigError(f"--hf {target} already exists and is not an empty directory; choose a new directory")
+    cfg = _config(ns, rest, from_run=True)
+    model, data, _, path = _load_run_model(ns, cfg)
+    shape = {k: getattr(cfg.model, k) for k in SHAPE_KEYS}
+    export_hf(model.state_dict(), shape, target, data.tokenizer_path, data.eot_id, cfg.model.dropout)
+    print(f"exported {path} to {target}: config.json, model.safetensors, tokenizer (GPT2LMHeadModel / AutoTokenizer.from_pretrained)")
+    return 0
+
+
+def cmd_plot(argv: list[str]) -> int:
+    from foldtrain.plot import plot_runs
+
+    p = argparse.ArgumentParser(prog="foldtrain plot", allow_abbrev=False)
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (--out of foldtrain train)")
+    p.add_argument("--out", metavar="PNG", help="image to write (default: RUN/plot.png for one run, ./foldtrain-plot.png for several)")
+    ns = p.parse_args(argv)
+    print(f"wrote {plot_runs(ns.runs, ns.out)}")
+    return 0
+
+
 def cmd_config(ns, rest) -> int:
     from foldtrain.config import all_keys, to_toml
 
@@ -131,7 +162,7 @@ def cmd_bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
-COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "config": cmd_config}
+COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "export": cmd_export, "config": cmd_config}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if cmd == "bench":
             return cmd_bench(rest)
+        if cmd == "plot":
+            return cmd_plot(rest)
         if cmd not in COMMANDS:
-            raise ConfigError(f"unknown command '{cmd}'; choose one of: {', '.join([*COMMANDS, 'bench'])}")
+            raise ConfigError(f"unknown command '{cmd}'; choose one of: {', '.join([*COMMANDS, 'plot', 'bench'])}")
         ns, extra = _parser(cmd).parse_known_args(rest)
         return COMMANDS[cmd](ns, extra)
     except FoldtrainError as e:

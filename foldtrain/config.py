@@ -11,14 +11,19 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI (a dependency there, see pyproject.toml)
+    import tomli as tomllib
+
 from foldtrain.errors import ConfigError
+from foldtrain.model.hf_config import resolve_init_from
 from foldtrain.model.presets import PRESETS
 
 STRATEGIES = ("none", "ps", "sharded-ps", "allreduce", "ddp", "horovod")
@@ -40,6 +45,8 @@ class ModelConfig:
     context: int = 0
     vocab_size: int = 0
     dropout: float = 0.0
+    # a Hugging Face GPT-2 directory or a foldtrain model.safetensors: initial weights, and the shape
+    init_from: str = ""
 
 
 @dataclass
@@ -77,7 +84,7 @@ class TrainConfig:
 class OptimConfig:
     lr: float = 3e-3
     min_lr: float = 3e-4
-    warmup_steps: int = 20
+    warmup_steps: int = 60  # 20 made the quickstart's loss spike at step 29 (7.0 -> 11.2); see docs/benchmarks.md
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -283,12 +290,20 @@ def build_config(args: list[str] | None = None, config_file: str | None = None, 
 
 
 def resolve(cfg: Config) -> Config:
-    """Fill model fields left at 0 from the preset."""
+    """Fill model fields left at 0 from --model.init_from's checkpoint, else from the preset."""
     m = cfg.model
     if m.preset not in PRESETS:
         near = difflib.get_close_matches(m.preset, PRESETS, n=1)
         hint = f"did you mean '{near[0]}'? " if near else ""
         raise ConfigError(f"unknown model preset '{m.preset}'; {hint}valid presets: {', '.join(PRESETS)}")
+    src = resolve_init_from(m, PRESETS, ModelConfig.preset)  # the checkpoint's shape; a conflicting --model.* is an error
+    if src is not None and src.kind == "hf" and not cfg.data.tokenizer and not (Path(cfg.data.path).expanduser() / "meta.json").is_file():
+        if src.tokenizer is None:
+            raise ConfigError(
+                f"--model.init_from {m.init_from} has no tokenizer.json, and a BPE trained on your data would give ids the weights do not know; "
+                "put the model's tokenizer.json there or pass it with --data.tokenizer FILE"
+            )
+        cfg.data.tokenizer = str(src.tokenizer)  # fine-tuning a HF model: its own tokenizer encodes the new text
     for k, v in PRESETS[m.preset].items():
         if getattr(m, k) == 0:
             setattr(m, k, v)
@@ -353,6 +368,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
 def validate_world(cfg: Config, world_size: int) -> None:
     """Checks that need the launch's world size; run on every rank before any collective."""
     d, t = cfg.dp, cfg.train
+    if cfg.model.init_from and not cfg.resume and not Path(cfg.model.init_from).expanduser().exists():
+        raise ConfigError(f"--model.init_from {cfg.model.init_from} does not exist; pass a Hugging Face GPT-2 directory or a foldtrain model.safetensors")
     if d.strategy == "horovod" and importlib.util.find_spec("horovod") is None:
         raise ConfigError(
             "--dp.strategy horovod needs Horovod, which is not installed (it builds from PyPI only with patches for torch 2.x); "

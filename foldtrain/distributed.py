@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -9,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from foldtrain.errors import ConfigError
+from foldtrain.errors import ConfigError, DistributedError
 
 
 @dataclass
@@ -59,3 +61,41 @@ def init_distributed(device_request: str = "auto", timeout_s: float = 120.0) -> 
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def dataset_identity(meta: dict) -> str:
+    """A short fingerprint of a prepared dataset: its ``meta.json`` checksums, token counts and vocabulary."""
+    s = meta["splits"]
+    key = json.dumps([meta.get("dtype"), meta.get("vocab_size"), meta.get("eot_id"), s["train"]["tokens"], s["train"]["sha256"], s["val"]["tokens"], s["val"]["sha256"]])
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def check_same_data(meta: dict) -> None:
+    """Every rank must train on the same prepared dataset; a mismatch raises on every rank (none hangs).
+
+    One ``all_gather_object`` of the dataset fingerprint, right after the process group starts. Nodes
+    prepare their own copy (the default corpus is each node's own standard library), so they can differ.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    ids: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(ids, dataset_identity(meta))
+    if len(set(ids)) > 1:
+        groups: dict[str, list[int]] = {}
+        for r, i in enumerate(ids):
+            groups.setdefault(str(i), []).append(r)
+        desc = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranges(rs)}: {i}" for i, rs in groups.items())
+        raise DistributedError(
+            f"the ranks train on different data (dataset fingerprints from meta.json checksums: {desc}); "
+            "prepare identical data on every node (same --data.path contents, tokenizer, vocab size, seed) or give every node one prepared directory"
+        )
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}-{a}" if a > start else f"{a}")
+            start = b
+    return ",".join(out)

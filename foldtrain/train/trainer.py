@@ -16,11 +16,12 @@ import torch
 from foldtrain.checkpoint import CheckpointManager, export_safetensors
 from foldtrain.config import Config, dp_workers, to_toml, validate
 from foldtrain.data import SequenceSampler, TokenData, load_tokenizer, resolve_data, val_batches
-from foldtrain.distributed import DistEnv, init_distributed, launch_world_size, shutdown
+from foldtrain.distributed import DistEnv, check_same_data, init_distributed, launch_world_size, shutdown
 from foldtrain.errors import CheckpointError, ConfigError
 from foldtrain.model.generate import sample
 from foldtrain.model import GPT, GPTShape, analytic_param_count
 from foldtrain.engine import build_engine
+from foldtrain.model.hf import maybe_init_from
 from foldtrain.schedules.layout import uses_3d_engine
 from foldtrain.train.metrics import RunLogger, peak_memory_mb
 
@@ -47,13 +48,15 @@ def open_data(cfg: Config) -> TokenData:
 
 
 def build_model(cfg: Config, meta: bool = False) -> GPT:
-    """The GPT of ``cfg`` with the run's initial weights (identical on every rank); ``meta``: on the meta
-    device, holding no memory, for engines that materialise only their own part of it."""
+    """The GPT of ``cfg`` with the run's initial weights (identical on every rank), or those of
+    ``--model.init_from``. ``meta``: on the meta device, holding no memory, for engines that
+    materialise only their own part of it (not with ``--model.init_from``, whose weights are read whole)."""
     torch.manual_seed(cfg.train.seed)
-    if meta:
+    shape = GPTShape.from_config(cfg.model)
+    if meta and not cfg.model.init_from:
         with torch.device("meta"):
-            return GPT(GPTShape.from_config(cfg.model), cfg.train.seed)
-    return GPT(GPTShape.from_config(cfg.model), cfg.train.seed)
+            return GPT(shape, cfg.train.seed)
+    return maybe_init_from(cfg, GPT(shape, cfg.train.seed))
 
 
 def train(cfg: Config) -> dict:
@@ -64,6 +67,7 @@ def train(cfg: Config) -> dict:
     data = open_data(cfg)
     env = init_distributed(cfg.train.device, cfg.dp.timeout_s)
     try:
+        check_same_data(data.meta)  # every rank trains on the same prepared dataset (meta.json checksums)
         return _train(cfg, env, data, ckpt)
     finally:
         shutdown()
@@ -105,6 +109,7 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, ckpt: CheckpointManager) 
     meta = {"world_size": env.world_size, "strategy": cfg.dp.strategy, "model": GPTShape.from_config(cfg.model).__dict__, "data_step": 0}
     loss = float("nan")
     end = min(t.steps, t.stop_at) if t.stop_at else t.steps
+    t_start = time.perf_counter()  # metrics' time_s: wall time since this session's loop began
     for step in range(start, end):
         t0 = time.perf_counter()
         lr = engine.lr  # the rate this step uses
@@ -115,7 +120,7 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, ckpt: CheckpointManager) 
             raise FloatingPointError(f"loss became {loss} at step {step + 1}; lower --optim.lr or use --precision fp32")
         done = step + 1
         if done % t.log_every == 0 or done == t.steps:
-            record = {"step": done, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "grad_norm": engine.last_grad_norm, "peak_mem_mb": peak_memory_mb(env.device), **engine.stats()}
+            record = {"step": done, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "time_s": time.perf_counter() - t_start, "grad_norm": engine.last_grad_norm, "peak_mem_mb": peak_memory_mb(env.device), **engine.stats()}
             if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
                 record["val_loss"] = engine.eval_loss(val)
                 record["val_ppl"] = math.exp(min(record["val_loss"], 50.0))

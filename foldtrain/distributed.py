@@ -58,6 +58,16 @@ def init_distributed(device_request: str = "auto", timeout_s: float = 120.0) -> 
     return DistEnv(rank, world, local_rank, device)
 
 
+def gather_floats(value: float) -> list[float]:
+    """``value`` of every rank, in rank order, on every rank (one tiny all-gather; ``[value]`` alone)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [float(value)]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    out = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, torch.tensor([float(value)], dtype=torch.float64, device=device))
+    return [float(x) for x in out]
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: foldtrain bench {dp,pipeline,overhead} [options]
+USAGE = """usage: foldtrain bench {dp,pipeline,overhead,memory} [options]
 
 benchmarks:
   dp         data-parallel strategies x precisions x 1/2/4 ranks, loopback and an emulated slow network,
@@ -26,6 +26,7 @@ benchmarks:
   pipeline   pipeline schedules (gpipe, 1f1b, interleaved-1f1b, fold) with data parallelism across two
              emulated nodes, against torch.distributed.pipelining (and DeepSpeed when installed)
   overhead   the single-process trainer against a minimal plain-PyTorch loop (tokens/s, same model and data)
+  memory     peak RSS per pipeline rank at the first step against the analytic state it owns
 
 `foldtrain bench dp --help` / `foldtrain bench pipeline --help` list the options; --quick runs a tiny
 smoke configuration; --dry_run prints the runs without starting them. The emulated network needs root
@@ -51,5 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         from foldtrain.bench.overhead import main as overhead_main
 
         return overhead_main(rest)
-    print(f"foldtrain bench: unknown benchmark '{cmd}'; choose dp, pipeline or overhead (see `foldtrain bench --help`)", file=sys.stderr)
+    if cmd == "memory":
+        from foldtrain.bench.memory import main as memory_main
+
+        return memory_main(rest)
+    print(f"foldtrain bench: unknown benchmark '{cmd}'; choose dp, pipeline, overhead or memory (see `foldtrain bench --help`)", file=sys.stderr)
     return 2

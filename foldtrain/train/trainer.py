@@ -16,7 +16,7 @@ import torch
 from foldtrain.checkpoint import CheckpointManager, export_safetensors
 from foldtrain.config import Config, dp_workers, to_toml, validate
 from foldtrain.data import SequenceSampler, TokenData, load_tokenizer, resolve_data, val_batches
-from foldtrain.distributed import DistEnv, check_same_data, init_distributed, launch_world_size, shutdown
+from foldtrain.distributed import DistEnv, check_same_data, gather_floats, init_distributed, launch_world_size, shutdown
 from foldtrain.errors import CheckpointError, ConfigError
 from foldtrain.model.generate import sample
 from foldtrain.model import GPT, GPTShape, analytic_param_count
@@ -120,7 +120,7 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, ckpt: CheckpointManager) 
             raise FloatingPointError(f"loss became {loss} at step {step + 1}; lower --optim.lr or use --precision fp32")
         done = step + 1
         if done % t.log_every == 0 or done == t.steps:
-            record = {"step": done, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "time_s": time.perf_counter() - t_start, "grad_norm": engine.last_grad_norm, "peak_mem_mb": peak_memory_mb(env.device), **engine.stats()}
+            record = {"step": done, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "time_s": time.perf_counter() - t_start, "grad_norm": engine.last_grad_norm, **memory_record(env), **engine.stats()}
             if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
                 record["val_loss"] = engine.eval_loss(val)
                 record["val_ppl"] = math.exp(min(record["val_loss"], 50.0))
@@ -143,6 +143,15 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, ckpt: CheckpointManager) 
     else:
         engine.eval_model()  # collective on some layouts (gathering a sharded model)
     return summary
+
+
+def memory_record(env: DistEnv) -> dict:
+    """This rank's peak memory and, with several ranks, every rank's (a collective) and the largest."""
+    mine = peak_memory_mb(env.device)
+    if env.world_size == 1:
+        return {"peak_mem_mb": mine}
+    ranks = gather_floats(mine)
+    return {"peak_mem_mb": mine, "peak_mem_mb_max": max(ranks), "peak_mem_mb_ranks": ranks}
 
 
 def generate_text(model: torch.nn.Module, data: TokenData, cfg: Config, prompt: str, max_new_tokens: int, device: torch.device, temperature: float = 0.8, top_k: int = 50, seed: int = 0) -> str:

@@ -8,11 +8,19 @@ import torch.nn as nn
 
 
 def build_optimizer(params_named: list[tuple[str, nn.Parameter]], optim_cfg) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not biases, LayerNorms); order follows the model."""
+    """AdamW with weight decay on matrices only (not biases, LayerNorms); order follows the model.
+
+    The fused kernel where every parameter is a plain CPU or CUDA tensor: it is faster than the
+    multi-tensor (``foreach``) one and needs no temporary copy of the moments, so a rank's peak
+    memory stays close to parameters + gradients + moments (``foldtrain bench memory``);
+    ``foreach`` for tensor-parallel (DTensor) parameters.
+    """
     decay = [p for _, p in params_named if p.dim() >= 2]
     no_decay = [p for _, p in params_named if p.dim() < 2]
     groups = [g for g in ({"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps, foreach=True)
+    plain = all(type(p) in (torch.Tensor, nn.Parameter) and p.device.type in ("cpu", "cuda") for _, p in params_named)
+    kind = {"fused": True} if plain else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps, **kind)
 
 
 def adamw_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
@@ -20,7 +28,8 @@ def adamw_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
     checkpoint can be loaded into it in place."""
     state = optimizer.state[p]
     if not state:
-        state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        step_device = p.device if optimizer.defaults.get("fused") else "cpu"  # where AdamW itself keeps it
+        state.update(step=torch.zeros((), dtype=torch.float32, device=step_device), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
     return state
 
 

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from foldtrain import faults
 from foldtrain.checkpoint.integrity import HASH, META, damage, describe
-from foldtrain.checkpoint.safe_load import SafePlanner, SafeReader, UnsafePickle, load_rank_state, save_rank_state, set_rng_state
+from foldtrain.checkpoint.safe_load import SafePlanner, SafeReader, UnsafePickle, load_metadata, load_rank_state, save_rank_state, set_rng_state
 from foldtrain.errors import CheckpointError
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -200,6 +200,7 @@ def _stamp(path: Path) -> tuple[int, int] | None:
 
 def _dcp_load(state: dict, path: Path, process_group, fix: str) -> None:
     try:
+        load_metadata((path / ".metadata").read_bytes())  # refused here, before DCP (which retries other files)
         with _single_process_ok():
             dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner(), process_group=process_group)
     except UnsafePickle as e:

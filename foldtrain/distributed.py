@@ -48,8 +48,20 @@ def init_distributed(device_request: str = "auto", timeout_s: float = 120.0) -> 
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
+        kwargs.update(_attempt_store(rank, world, timedelta(seconds=timeout_s)))
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return DistEnv(rank, world, local_rank, device)
+
+
+def _attempt_store(rank: int, world: int, timeout: timedelta) -> dict:
+    """torchrun's c10d rendezvous shares its TCPStore with the workers and keeps it across restarts, so a
+    restarted attempt could read the previous attempt's gloo/NCCL addresses and fail to connect
+    (pytorch/pytorch#135712): give each attempt its own key prefix."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"foldtrain/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
 
 def shutdown() -> None:

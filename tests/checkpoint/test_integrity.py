@@ -50,7 +50,7 @@ def test_every_kind_of_damage_is_named(run4, tmp_path):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
     shard.write_bytes(bytes(data))
-    assert damage(ck) == f"{shard.name} does not match its sha256 checksum"
+    assert damage(ck) == f"{shard.name} does not match its checksum"
     shard.write_bytes(bytes(data[:100]))
     assert damage(ck) == f"{shard.name} has 100 bytes, {len(data)} were saved"
     shard.unlink()
@@ -73,7 +73,7 @@ def test_resume_from_a_corrupt_checkpoint_is_one_line_and_touches_nothing(run4, 
     before = snapshot(out)
     assert main(["train", *tiny_run_args(small_data, out, "--train.steps", "6", "--resume")]) == 2
     line = err_line(capsys)
-    assert f"checkpoint {ck} is corrupt: {shard.name} does not match its sha256 checksum" in line
+    assert f"checkpoint {ck} is corrupt: {shard.name} does not match its checksum" in line
     assert f"the newest intact checkpoint is {out / 'checkpoints' / 'step_00000002'}" in line
     assert snapshot(out) == before  # nothing written, nothing deleted
 
@@ -105,7 +105,7 @@ def test_automatic_resume_after_a_restart_falls_back_to_the_newest_intact(run4, 
     assert main(["train", *args]) == 0  # no --resume: automatic
     err = capsys.readouterr().err
     notice = [l for l in err.splitlines() if l.startswith("restart 1:")]
-    assert notice == [f"restart 1: skipped 1 damaged checkpoint(s) (step_00000004: rank0.pt does not match its sha256 checksum); resuming from {out / 'checkpoints' / 'step_00000002'}"]
+    assert notice == [f"restart 1: skipped 1 damaged checkpoint(s) (step_00000004: rank0.pt does not match its checksum); resuming from {out / 'checkpoints' / 'step_00000002'}"]
     full = tmp_path / "full"
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     assert main(["train", *tiny_run_args(small_data, full, "--train.steps", "6", "--checkpoint.every", "2")]) == 0

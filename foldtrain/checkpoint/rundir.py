@@ -10,7 +10,8 @@ the same files, and bad input is one line with nothing touched.
   (torchrun's rendezvous id; on one node also the host and the agent's pid).
 * An attempt **restarted by torchrun** (``TORCHELASTIC_RESTART_COUNT`` >= 1) whose job owns ``--out``
   resumes by itself from the newest intact checkpoint (skipping damaged ones, with one line saying
-  so), or starts over if the failure came before the first checkpoint. A restart whose job does not
+  so), or starts over if the failure came before the first checkpoint (if every checkpoint is
+  damaged it stops with one line instead). A restart whose job does not
   own ``--out`` (its first attempt was refused) follows the first-attempt rules: an unrelated run is
   never resumed, overwritten or extended.
 """
@@ -109,8 +110,10 @@ def plan_run(out: str | Path, resume: bool, keep: int, world_size: int = 1, mode
             fallback = f"skipped {len(skipped)} damaged checkpoint(s) ({first[0].name}: {first[1]}); "
         else:
             fallback = ""
+        if path is None and skipped:  # never retrain over checkpoints that exist, damaged or not
+            raise CheckpointError(f"restart {restart}: every checkpoint in {ckpt.root} is damaged ({first[0].name}: {first[1]}); nothing was changed; delete them to start over")
         if path is None:
-            return RunPlan(ckpt, None, f"restart {restart}: {fallback}no intact checkpoint yet, starting over from step 0")
+            return RunPlan(ckpt, None, f"restart {restart}: no intact checkpoint yet, starting over from step 0")
         _check_layout(path, world_size, model)
         return RunPlan(ckpt, path, f"restart {restart}: {fallback}resuming from {path}")
     latest = ckpt.latest()

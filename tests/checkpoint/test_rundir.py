@@ -65,6 +65,10 @@ def test_a_restart_resumes_only_a_run_its_own_job_started(run4, tmp_path):
     shutil.copytree(run4 / "checkpoints", fresh / "checkpoints")  # the job's checkpoints, as if it had saved them
     plan = plan_run(fresh, False, 3, env=env_of(2))
     assert plan.resume_from == fresh / "checkpoints" / "step_00000004" and plan.notice.startswith("restart 2: resuming from")
+    for ck in (fresh / "checkpoints").iterdir():
+        (ck / "meta.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"restart 3: every checkpoint in .* is damaged \(step_00000004: its meta.json records no file checksums"):
+        plan_run(fresh, False, 3, env=env_of(3))
     with pytest.raises(ConfigError, match="already holds checkpoints"):  # another job (run id) reusing --out
         plan_run(fresh, False, 3, env=env_of(1, run_id="job-2"))
     with pytest.raises(ConfigError, match="already holds checkpoints"):  # a new first attempt of the same id

@@ -74,7 +74,7 @@ def check_writable(out: Path) -> None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".foldtrain-probe-", dir=probe))
     except OSError as e:
-        raise ConfigError(f"--out {out} cannot be written ({e.strerror} in {probe}); choose a writable --out") from None
+        raise ConfigError(f"--out {out} cannot be written (creating a directory in {probe} fails: {e.strerror}); choose a writable --out") from None
 
 
 def _owned(out: Path, ident: dict | None) -> bool:

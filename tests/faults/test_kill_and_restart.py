@@ -21,11 +21,11 @@ from safetensors.torch import load_file
 
 from tests.conftest import tiny_run_args
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(1000)]  # a reference and a faulted launch per test
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, EVERY, TIMEOUT_S = 8, 3, 10
-LAUNCH_TIMEOUT = 300  # a hang fails the test instead of the suite
+LAUNCH_TIMEOUT = 450  # a hang fails the test instead of the suite (generous: CI machines may be shared)
 
 
 def torchrun(world: int, args: list[str], fault: str = "", restarts: int = 0, monitor_s: float | None = None) -> subprocess.CompletedProcess:

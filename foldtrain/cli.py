@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from foldtrain.errors import ConfigError, FoldtrainError
+from foldtrain.errors import CheckpointError, ConfigError, FoldtrainError
 
 USAGE = """foldtrain <command> [--config FILE] [--section.field VALUE ...]
 
@@ -80,16 +80,18 @@ def cmd_train(ns, rest) -> int:
 
 def _load_run_model(ns, cfg):
     """The model of a run, with weights from its latest (or the given) checkpoint."""
+    from foldtrain.checkpoint import CheckpointManager
     from foldtrain.checkpoint.manager import load_model_weights
     from foldtrain.distributed import pick_device
-    from foldtrain.train.trainer import build_model, check_run_dir, open_data
+    from foldtrain.train.trainer import build_model, open_data
 
     data = open_data(cfg)
     if ns.checkpoint:
         path = Path(ns.checkpoint)
     else:
-        cfg.resume = True
-        path = check_run_dir(cfg).latest()
+        path = CheckpointManager(Path(cfg.out) / "checkpoints").latest()
+        if path is None:
+            raise CheckpointError(f"{cfg.out} holds no checkpoint; train first or pass --checkpoint DIR of a saved step")
     cfg.model.init_from = ""  # the weights come from the checkpoint
     model = build_model(cfg)
     load_model_weights(model, path)
@@ -171,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    from foldtrain import faults
+
+    faults.install()  # test-only fault injection; a no-op unless FOLDTRAIN_FAULT is set
     try:
         if cmd == "bench":
             return cmd_bench(rest)

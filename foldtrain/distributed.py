@@ -54,6 +54,7 @@ def init_distributed(device_request: str = "auto", timeout_s: float = 120.0) -> 
             # peer becomes the same one-line DistributedError as on gloo instead of a watchdog abort
             os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         kwargs = {"device_id": device} if device.type == "cuda" else {}
+        kwargs.update(_attempt_store(rank, world, timedelta(seconds=timeout_s)))
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return DistEnv(rank, world, local_rank, device)
 
@@ -66,6 +67,17 @@ def gather_floats(value: float) -> list[float]:
     out = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(out, torch.tensor([float(value)], dtype=torch.float64, device=device))
     return [float(x) for x in out]
+
+
+def _attempt_store(rank: int, world: int, timeout: timedelta) -> dict:
+    """torchrun's c10d rendezvous shares its TCPStore with the workers and keeps it across restarts, so a
+    restarted attempt could read the previous attempt's gloo/NCCL addresses and fail to connect
+    (pytorch/pytorch#135712): give each attempt its own key prefix."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"foldtrain/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
 
 def shutdown() -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: foldtrain bench {dp,pipeline,overhead,memory} [options]
+USAGE = """usage: foldtrain bench {dp,pipeline,overhead,memory,hashing} [options]
 
 benchmarks:
   dp         data-parallel strategies x precisions x 1/2/4 ranks, loopback and an emulated slow network,
@@ -27,6 +27,7 @@ benchmarks:
              emulated nodes, against torch.distributed.pipelining (and DeepSpeed when installed)
   overhead   the single-process trainer against a minimal plain-PyTorch loop (tokens/s, same model and data)
   memory     peak RSS per pipeline rank at the first step against the analytic state it owns
+  hashing    the cost of checkpoint checksums next to the save itself, for several hash functions
 
 `foldtrain bench dp --help` / `foldtrain bench pipeline --help` list the options; --quick runs a tiny
 smoke configuration; --dry_run prints the runs without starting them. The emulated network needs root
@@ -34,27 +35,18 @@ and iproute2 (ip, tc); without them the throttled part is skipped.
 """
 
 
+BENCHMARKS = {name: f"foldtrain.bench.{name}" for name in ("dp", "pipeline", "overhead", "memory", "hashing")}
+
+
 def main(argv: list[str] | None = None) -> int:
+    import importlib
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
-    if cmd == "dp":
-        from foldtrain.bench.dp import main as dp_main
-
-        return dp_main(rest)
-    if cmd == "pipeline":
-        from foldtrain.bench.pipeline import main as pipeline_main
-
-        return pipeline_main(rest)
-    if cmd == "overhead":
-        from foldtrain.bench.overhead import main as overhead_main
-
-        return overhead_main(rest)
-    if cmd == "memory":
-        from foldtrain.bench.memory import main as memory_main
-
-        return memory_main(rest)
-    print(f"foldtrain bench: unknown benchmark '{cmd}'; choose dp, pipeline, overhead or memory (see `foldtrain bench --help`)", file=sys.stderr)
-    return 2
+    if cmd not in BENCHMARKS:
+        print(f"foldtrain bench: unknown benchmark '{cmd}'; choose one of {', '.join(BENCHMARKS)} (see `foldtrain bench --help`)", file=sys.stderr)
+        return 2
+    return importlib.import_module(BENCHMARKS[cmd]).main(rest)

@@ -1,22 +1,24 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP): atomic, resumable, pruned.
+"""Checkpoints with torch.distributed.checkpoint (DCP): atomic, verified, resumable, pruned.
 
 Layout of ``<run>/checkpoints``::
 
     step_00000020/            a complete checkpoint (only ever appears by an atomic rename)
         .metadata, *.distcp   DCP: model, optimizer, LR schedule, loss scaler (sharded layouts work)
-        rank{r}.pt            per-rank state that is not shared: RNG states
-        meta.json             step, data position, world layout, model shape
+        rank{r}.pt            per-rank state that is not shared: RNG states (tensors and plain values only)
+        meta.json             step, data position, world layout, model shape, and the size and sha256
+                              of every other file; written last
     step_00000030.tmp/        a save in progress, or one a crash interrupted (ignored, removed later)
 
-A save writes everything into ``step_X.tmp``, waits for all ranks, then rank 0 renames it to
-``step_X``: a crash mid-save leaves the previous checkpoint as the latest usable one.
+A save writes everything into ``step_X.tmp``; every rank hashes the files it wrote, rank 0 gathers
+the digests, writes ``meta.json`` and renames the directory to ``step_X``: a crash mid-save leaves
+the previous checkpoint as the latest usable one. A load verifies the checksums before anything is
+unpickled or read into a model, and reads with the restricted loaders of ``safe_load.py``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 import warnings
@@ -24,30 +26,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from foldtrain import faults
+from foldtrain.checkpoint.integrity import HASH, META, damage, describe
+from foldtrain.checkpoint.safe_load import SafePlanner, SafeReader, UnsafePickle, load_metadata, load_rank_state, save_rank_state, set_rng_state
 from foldtrain.errors import CheckpointError
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _rank() -> int:
@@ -73,80 +62,162 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep = keep
         self.process_group = process_group
+        self._verified: dict[Path, tuple[int, int]] = {}  # path -> meta.json (mtime_ns, size) when it was verified
 
     # ------------------------------------------------------------------ discovery
     def checkpoints(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
+        """Complete (renamed) checkpoints, oldest first; intact or not."""
         if not self.root.is_dir():
             return []
-        found = [p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+        try:
+            found = [p for p in self.root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()]
+        except OSError as e:
+            raise CheckpointError(f"cannot list checkpoints in {self.root} ({e.strerror}); fix its permissions or choose another --out") from None
         return sorted(found, key=lambda p: p.name)
 
     def latest(self) -> Path | None:
         ckpts = self.checkpoints()
         return ckpts[-1] if ckpts else None
 
+    def damage(self, path: Path) -> str | None:
+        """Why ``path`` is not intact (one phrase naming the file), or None; a verified path is not hashed twice."""
+        stamp = _stamp(path)
+        if stamp is not None and self._verified.get(path) == stamp:
+            return None
+        why = damage(path)
+        if why is None and stamp is not None:
+            self._verified[path] = stamp
+        return why
+
+    def newest_intact(self, below: Path | None = None) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """The newest intact checkpoint (older than ``below`` if given) and the damaged ones skipped on the way."""
+        skipped = []
+        for path in reversed(self.checkpoints()):
+            if below is not None and path.name >= below.name:
+                continue
+            why = self.damage(path)
+            if why is None:
+                return path, skipped
+            skipped.append((path, why))
+        return None, skipped
+
+    def require_intact(self, path: Path, fix: str) -> None:
+        """Raise one line naming the damaged file and the newest intact checkpoint, if ``path`` is damaged."""
+        why = self.damage(path)
+        if why is None:
+            return
+        intact, _ = self.newest_intact(below=path)
+        if intact is not None:
+            hint = f"the newest intact checkpoint is {intact} (delete {path.name} to resume from it)"
+        else:
+            hint = "no intact checkpoint remains (start a new run with another --out)"
+        raise CheckpointError(f"checkpoint {path} is corrupt: {why}; {hint}; {fix}")
+
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
-        """Save ``state`` (DCP, collective over all ranks) plus this rank's ``extra``; atomic."""
+        """Save ``state`` (DCP, collective over all ranks) plus this rank's ``extra``; atomic and checksummed.
+
+        ``extra`` may hold tensors, numbers, strings, lists and dicts (it is loaded with ``weights_only``).
+        """
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f"step_{step:08d}.tmp"
-        if _rank() == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        _barrier()
-        with _single_process_ok():
-            dcp.save(state, checkpoint_id=str(tmp), process_group=self.process_group)
-        torch.save({"rng": rng_state(), **(extra or {})}, tmp / f"rank{_rank()}.pt")
-        _barrier()
-        if _rank() == 0:
-            (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
-            _fsync_dir(tmp)
-            if final.exists():  # re-saving a step (e.g. the final save after a periodic one)
-                old = final.with_name(final.name + ".old")
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-            _fsync_dir(self.root)
-            self._prune()
+        try:
+            if _rank() == 0:
+                self.root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir()
+            _barrier()
+            with _single_process_ok():
+                dcp.save(state, checkpoint_id=str(tmp), process_group=self.process_group)
+            save_rank_state(tmp / f"rank{_rank()}.pt", extra or {})
+            faults.point("save")
+            digests = self._gather_digests(tmp)
+            if _rank() == 0:
+                files = {k: v for part in digests for k, v in part.items()}
+                missing = {p.name for p in tmp.iterdir()} - files.keys() - {META}
+                files.update(describe(tmp, missing))  # anything no rank claimed (another DCP file naming)
+                with open(tmp / META, "w") as f:
+                    f.write(json.dumps({"step": step, **meta, "hash": HASH, "files": dict(sorted(files.items()))}, indent=1))
+                    f.flush()
+                    os.fsync(f.fileno())
+                _fsync_dir(tmp)
+                if final.exists():  # re-saving a step (e.g. the final save after a periodic one)
+                    old = final.with_name(final.name + ".old")
+                    os.replace(final, old)
+                    os.replace(tmp, final)
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    os.replace(tmp, final)
+                _fsync_dir(self.root)
+                self._prune()
+        except OSError as e:
+            raise CheckpointError(f"could not write checkpoint {final} ({e.strerror}); free space or choose another --out") from None
         _barrier()
         return final
+
+    def _gather_digests(self, tmp: Path) -> list[dict]:
+        """Each rank hashes the files it wrote (DCP's ``__{r}_*``, its ``rank{r}.pt``, rank 0 ``.metadata``)."""
+        pg_rank = dist.get_rank(self.process_group) if dist.is_initialized() else 0
+        mine = {f"rank{_rank()}.pt"} | {p.name for p in tmp.glob(f"__{pg_rank}_*")}
+        if pg_rank == 0:
+            mine.add(".metadata")
+        part = describe(tmp, mine)
+        if not dist.is_initialized():
+            return [part]
+        parts: list = [None] * dist.get_world_size(self.process_group)
+        dist.all_gather_object(parts, part, group=self.process_group)
+        return parts
 
     def _prune(self) -> None:
         ckpts = self.checkpoints()
         for old in ckpts[: max(0, len(ckpts) - self.keep)]:
             shutil.rmtree(old, ignore_errors=True)
-        for stale in self.root.glob("step_*.tmp"):  # left by a crash mid-save
+        for stale in [*self.root.glob("step_*.tmp"), *self.root.glob("step_*.old")]:  # left by a crash mid-save
             shutil.rmtree(stale, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
     def load(self, path: Path, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Load ``state`` in place from ``path``; returns (meta, this rank's extra). Restores RNG."""
-        meta_file = path / "meta.json"
-        if not (path / ".metadata").is_file() or not meta_file.is_file():
-            raise CheckpointError(f"checkpoint {path} is incomplete (no .metadata or meta.json); delete it to resume from an earlier one, or drop --resume")
-        try:
-            meta = json.loads(meta_file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise CheckpointError(f"checkpoint {path} has a corrupt meta.json; delete it to resume from an earlier one, or drop --resume") from None
-        try:
-            with _single_process_ok():
-                dcp.load(state, checkpoint_id=str(path), process_group=self.process_group)
-        except (Exception, CheckpointException) as e:  # DCP raises many types (CheckpointException is a BaseException)
-            raise CheckpointError(f"checkpoint {path} is corrupt or does not match this model ({_first_line(e)}); delete it to resume from an earlier one, or drop --resume") from None
+        """Verify ``path``, then load ``state`` in place from it; returns (meta, this rank's extra). Restores RNG."""
+        self.require_intact(path, "nothing was loaded")
+        meta = json.loads((path / META).read_text())
         extra_file = path / f"rank{_rank()}.pt"
         if not extra_file.is_file():
-            raise CheckpointError(f"checkpoint {path} has no state for rank {_rank()} (saved with another world size?); resume with the same layout")
-        try:
-            extra = torch.load(extra_file, weights_only=False)
-        except Exception:
-            raise CheckpointError(f"checkpoint {path}: {extra_file.name} is corrupt; delete the checkpoint to resume from an earlier one") from None
-        set_rng_state(extra.pop("rng"))
+            raise CheckpointError(f"checkpoint {path} has no state for rank {_rank()} (saved by {meta.get('world_size', '?')} ranks); resume with the same layout")
+        rng, extra = load_rank_state(extra_file)  # before DCP: it refuses code outright
+        _dcp_load(state, path, self.process_group, "delete it to resume from an earlier one, or drop --resume")
+        set_rng_state(rng)
         return meta, extra
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = (path / META).stat()
+        return st.st_mtime_ns, st.st_size
+    except OSError:
+        return None
+
+
+def _dcp_load(state: dict, path: Path, process_group, fix: str) -> None:
+    try:
+        load_metadata((path / ".metadata").read_bytes())  # refused here, before DCP (which retries other files)
+        with _single_process_ok():
+            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner(), process_group=process_group)
+    except UnsafePickle as e:
+        raise CheckpointError(f"checkpoint {path}: .metadata refers to {e}, which is not checkpoint metadata; refusing to load it (not written by foldtrain)") from None
+    except (Exception, CheckpointException) as e:  # DCP raises many types (CheckpointException is a BaseException)
+        unsafe = _unsafe_cause(e)
+        if unsafe:
+            raise CheckpointError(f"checkpoint {path}: {unsafe}; refusing to load it (not written by foldtrain)") from None
+        raise CheckpointError(f"checkpoint {path} is corrupt or does not match this model ({_first_line(e)}); {fix}") from None
+
+
+def _unsafe_cause(e: BaseException) -> str | None:
+    """DCP wraps per-rank failures; find a refused pickle among them."""
+    text = str(e)
+    if "UnsafePickle" in text or "Unsupported global" in text or "Weights only load failed" in text:
+        return "a stored value is not plain data (refused by the restricted unpickler)"
+    return None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -161,17 +232,15 @@ def _fsync_dir(path: Path) -> None:
 
 
 def load_model_weights(model: torch.nn.Module, path: Path | None) -> None:
-    """Load only the model weights of a checkpoint (for eval/generate), on one process."""
+    """Load only the model weights of a verified checkpoint (for eval/generate), on one process."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     if path is None or not (Path(path) / ".metadata").is_file():
         raise CheckpointError(f"no checkpoint at {path}; train first or pass --checkpoint DIR of a saved step")
+    path = Path(path)
+    CheckpointManager(path.parent).require_intact(path, "pass another --checkpoint")
     state = {"model": get_model_state_dict(model)}
-    try:
-        with _single_process_ok():
-            dcp.load(state, checkpoint_id=str(path))
-    except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt or does not match this model ({_first_line(e)}); pass another --checkpoint") from None
+    _dcp_load(state, path, None, "pass another --checkpoint")
     set_model_state_dict(model, state["model"])
 
 

@@ -132,7 +132,7 @@ class TokenData:
         f = self.path / f"{name}_docs.npy"
         if not f.is_file():
             raise DataError(f"document index {f} is missing; {_FIX}")
-        return np.load(f)
+        return np.load(f, allow_pickle=False)
 
     def load_tokenizer(self) -> Any:
         """The dataset's tokenizer (a ``tokenizers.Tokenizer``)."""

@@ -9,7 +9,6 @@ can rewrite its linears from outside.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

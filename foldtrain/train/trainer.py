@@ -13,11 +13,12 @@ from pathlib import Path
 
 import torch
 
-from foldtrain.checkpoint import CheckpointManager, export_safetensors
+from foldtrain import faults
+from foldtrain.checkpoint import RunPlan, export_safetensors, plan_run
 from foldtrain.config import Config, dp_workers, to_toml, validate
 from foldtrain.data import SequenceSampler, TokenData, load_tokenizer, resolve_data, val_batches
 from foldtrain.distributed import DistEnv, check_same_data, gather_floats, init_distributed, launch_world_size, shutdown
-from foldtrain.errors import CheckpointError, ConfigError
+from foldtrain.errors import ConfigError
 from foldtrain.model.generate import sample
 from foldtrain.model import GPT, GPTShape, analytic_param_count
 from foldtrain.engine import build_engine
@@ -26,15 +27,10 @@ from foldtrain.schedules.layout import uses_3d_engine
 from foldtrain.train.metrics import RunLogger, peak_memory_mb
 
 
-def check_run_dir(cfg: Config) -> CheckpointManager:
-    """Refuse to clobber an existing run, and refuse --resume without a checkpoint."""
-    ckpt = CheckpointManager(Path(cfg.out) / "checkpoints", keep=cfg.checkpoint.keep)
-    latest = ckpt.latest()
-    if cfg.resume and latest is None:
-        raise CheckpointError(f"--resume given but {ckpt.root} holds no checkpoint; drop --resume to start a new run")
-    if not cfg.resume and latest is not None:
-        raise ConfigError(f"{cfg.out} already holds checkpoints; pass --resume to continue that run or choose another --out")
-    return ckpt
+def check_run_dir(cfg: Config, world: int = 1) -> RunPlan:
+    """Refuse an unwritable --out, to clobber an existing run and to resume from a damaged checkpoint;
+    after a torchrun restart, resume by itself from the newest intact checkpoint (checkpoint/rundir.py)."""
+    return plan_run(cfg.out, cfg.resume, cfg.checkpoint.keep, world, GPTShape.from_config(cfg.model).__dict__)
 
 
 def open_data(cfg: Config) -> TokenData:
@@ -63,18 +59,19 @@ def train(cfg: Config) -> dict:
     """Run (or resume) training as configured; returns a summary of the final state."""
     world = launch_world_size()
     validate(cfg, world)
-    ckpt = check_run_dir(cfg)
+    plan = check_run_dir(cfg, world)
+    cfg.resume = plan.resume_from is not None  # also after a restart that resumes by itself
     data = open_data(cfg)
     env = init_distributed(cfg.train.device, cfg.dp.timeout_s)
     try:
         check_same_data(data.meta)  # every rank trains on the same prepared dataset (meta.json checksums)
-        return _train(cfg, env, data, ckpt)
+        return _train(cfg, env, data, plan)
     finally:
         shutdown()
 
 
-def _train(cfg: Config, env: DistEnv, data: TokenData, ckpt: CheckpointManager) -> dict:
-    out = Path(cfg.out)
+def _train(cfg: Config, env: DistEnv, data: TokenData, plan: RunPlan) -> dict:
+    out, ckpt = Path(cfg.out), plan.ckpt
     t = cfg.train
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -89,8 +86,8 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, ckpt: CheckpointManager) 
     val = val_batches(data.split("val"), t.seq_len, micro, t.eval_batches)
 
     start = 0
-    if cfg.resume:
-        path = ckpt.latest()
+    if plan.resume_from is not None:
+        path = plan.resume_from
         state = engine.state_dict()
         meta, _ = ckpt.load(path, state)
         engine.load_state_dict(state)
@@ -102,8 +99,10 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, ckpt: CheckpointManager) 
     log = RunLogger(out, env.is_main, t.steps, start, t.progress)
     log.info(f"model {cfg.model.preset}: {n_params:,} parameters (analytic {analytic:,}); {env.world_size} process(es), strategy {cfg.dp.strategy}, precision {cfg.precision}, device {env.device}")
     log.info(f"data: {data.split('train').shape[0]:,} train / {data.split('val').shape[0]:,} val tokens, vocab {data.vocab_size}; {len(sampler):,} sequences of {t.seq_len}")
-    if cfg.resume:
-        log.info(f"resumed from {ckpt.latest()} at step {start}")
+    if plan.notice:
+        log.info(plan.notice)
+    if plan.resume_from is not None:
+        log.info(f"resumed from {plan.resume_from} at step {start}")
 
     tokens_per_step = t.global_batch * t.seq_len
     meta = {"world_size": env.world_size, "strategy": cfg.dp.strategy, "model": GPTShape.from_config(cfg.model).__dict__, "data_step": 0}
@@ -111,6 +110,7 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, ckpt: CheckpointManager) 
     end = min(t.steps, t.stop_at) if t.stop_at else t.steps
     t_start = time.perf_counter()  # metrics' time_s: wall time since this session's loop began
     for step in range(start, end):
+        faults.step(step + 1)  # no-op unless FOLDTRAIN_FAULT is set (tests only)
         t0 = time.perf_counter()
         lr = engine.lr  # the rate this step uses
         x, y = engine.batch(sampler, step)

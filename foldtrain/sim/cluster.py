@@ -14,6 +14,7 @@ A cluster file (copy a preset and edit it; every number is required and positive
     efficiency = 0.7         # best fraction of peak a large matrix product reaches
     half_size = 256          # matrix dimension at which the efficiency is half of that
     layer_overhead_us = 60   # fixed cost per transformer block and pass (kernel launches, Python)
+    runtime_gb = 1.0         # optional: memory the framework takes per rank (CUDA context, ...)
     [intra]                  # between ranks of one node (NVLink, or loopback here)
     bw_gbs = 300             # GB/s per rank and direction
     latency_us = 5
@@ -65,6 +66,7 @@ class Cluster:
     intra: Link
     inter: Link
     source: str = ""
+    runtime: float = 0.0  # bytes per rank the framework itself takes (CUDA context, interpreter)
 
     def matmul_efficiency(self, n: float) -> float:
         return self.efficiency * n / (n + self.half_size)
@@ -115,7 +117,15 @@ def from_dict(data: dict, src: str = "<dict>") -> Cluster:
         intra=Link(vals["intra.bw_gbs"] * 1e9, vals["intra.latency_us"] * 1e-6),
         inter=Link(vals["inter.bw_gbs"] * 1e9, vals["inter.latency_us"] * 1e-6),
         source=src,
+        runtime=_optional(data, "device", "runtime_gb", src) * 1e9,
     )
+
+
+def _optional(data: dict, sec: str, k: str, src: str) -> float:
+    v = data.get(sec, {}).get(k, 0.0)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise _bad(src, f"{sec}.{k}", f"must be a non-negative number, got {v!r}")
+    return float(v)
 
 
 def load_cluster(name_or_file: str) -> Cluster:
@@ -145,12 +155,13 @@ def to_toml(c: Cluster, comments: dict[str, str] | None = None) -> str:
         "device.fp32_tflops": c.tflops["fp32"] / 1e12, "device.bf16_tflops": c.tflops["bf16"] / 1e12,
         "device.fp16_tflops": c.tflops["fp16"] / 1e12, "device.mem_bw_gbs": c.mem_bw / 1e9,
         "device.efficiency": c.efficiency, "device.half_size": c.half_size,
-        "device.layer_overhead_us": c.layer_overhead * 1e6,
+        "device.layer_overhead_us": c.layer_overhead * 1e6, "device.runtime_gb": c.runtime / 1e9,
         "intra.bw_gbs": c.intra.bw / 1e9, "intra.latency_us": c.intra.latency * 1e6,
         "inter.bw_gbs": c.inter.bw / 1e9, "inter.latency_us": c.inter.latency * 1e6,
     }
     lines = [f'name = "{c.name}"']
     for sec, keys in FIELDS.items():
+        keys = keys + (("runtime_gb",) if sec == "device" else ())
         lines += ["", f"[{sec}]"]
         for k in keys:
             v = vals[f"{sec}.{k}"]

@@ -3,8 +3,10 @@
 The executor's semantics (``foldtrain/pipeline/executor.py``), action by action, per rank:
 
 * ``F`` / ``B`` occupy the rank's compute stream for ``costs.compute``;
-* ``SA`` / ``SG`` post a transfer (never block); it starts after the link's latency and
-  shares its link with the other transfers in flight there;
+* ``SA`` / ``SG`` post a transfer (never block); it starts after the link's latency; on a
+  dedicated link between two ranks of a node transfers go one after another in posting order
+  (one stream per pair), on a node's network interface they share it with the transfers in
+  flight there;
 * ``RA`` / ``RG`` block until the matching transfer has arrived (``recv_wait``);
 * ``LR(c)`` queues chunk ``c``'s data-parallel reduction on the rank's reduction stream (FIFO; a
   collective with identical data-parallel peers, so it needs no other simulated rank), and the
@@ -82,8 +84,9 @@ class SharedLink:
             return
         now = self.sim.now
         self._advance(now)
-        eps = 1e-9 * max(1.0, max(f[0] for f in self.flows.values()))
-        done = [k for k, f in self.flows.items() if f[0] <= max(eps, 1e-6)]
+        rate = self.bw / sum(f[1] for f in self.flows.values())
+        eps = max(1e-6, rate * (abs(now) * 1e-12 + 1e-15))  # below the clock's resolution
+        done = [k for k, f in self.flows.items() if f[0] <= eps]
         cbs = [self.flows.pop(k)[2] for k in done]
         self._reschedule(now)
         for cb in cbs:
@@ -125,8 +128,9 @@ class RankState:
     it: int = 0
     t: float = 0.0  # time the rank reached its current action
     stepped: bool = False
-    sends: list = field(default_factory=list)  # completion times (None while in flight)
-    pending_sends: int = 0
+    in_flight: int = 0  # sends posted this iteration and not delivered
+    last_send: float = 0.0  # latest delivery of this iteration's sends
+    waiting_sends: bool = False
     events: list = field(default_factory=list)
     step_start: float = 0.0
     deferred: set = field(default_factory=set)
@@ -142,6 +146,7 @@ class Sim:
         self._heap: list = []
         self._seq = 0
         self.links: dict[tuple, SharedLink] = {}
+        self.fifo: dict[tuple, float] = {}  # dedicated FIFO links: when they are free
         P = sched.pp
         self.ranks = [RankState(p, deferred=set(sched.deferred_chunks(p))) for p in range(P)]
         self.dp_stream = [Stream(self) for _ in range(P)]
@@ -215,22 +220,28 @@ class Sim:
                 return
             if op is Op.SEND_ACT or op is Op.SEND_GRAD:
                 key, weight, lat, nbytes = costs.send(r.p, a)
-                slot = len(r.sends)
-                r.sends.append(None)
+                r.in_flight += 1
                 msg = (r.it, message_key(a))
                 self.ev(r, f"{op.value} c{a.chunk} m{a.mb}", "send", r.t, r.t, chunk=a.chunk, mb=a.mb, peer=a.peer, instant=True)
 
-                def delivered(t: float, r=r, slot=slot, msg=msg) -> None:
-                    r.sends[slot] = t
+                def delivered(t: float, r=r, msg=msg) -> None:
+                    r.in_flight -= 1
+                    r.last_send = max(r.last_send, t)
                     self.arrived[msg] = t
                     w = self.recv_waiters.pop(msg, None)
                     if w:
                         w(t)
-                    if r.pending_sends and all(x is not None for x in r.sends):
-                        r.pending_sends = 0
-                        self.resume(r, t)
+                    if r.waiting_sends and r.in_flight == 0:
+                        r.waiting_sends = False
+                        self.at(self.now, lambda: self.step(r))
 
-                self.at(r.t, lambda: self.run_phases([("delay", lat), ("flow", key, weight, nbytes)], delivered))
+                if key[0] == "p2p":  # a dedicated pair link: one stream, transfers in posting order (NCCL)
+                    start = max(r.t + lat, self.fifo.get(key, 0.0))
+                    t_done = start + nbytes / self.costs.link_bw(key)
+                    self.fifo[key] = t_done
+                    self.at(t_done, lambda t_done=t_done, delivered=delivered: delivered(t_done))
+                else:
+                    self.at(r.t, lambda: self.run_phases([("delay", lat), ("flow", key, weight, nbytes)], delivered))
                 r.pc += 1
                 continue
             if op is Op.RECV_ACT or op is Op.RECV_GRAD:
@@ -300,10 +311,10 @@ class Sim:
                 continue
             raise ValueError(f"unknown action {a}")
         # end of the iteration: wait for this rank's sends, end the step, meet in the loss all-reduce
-        if any(x is None for x in r.sends):
-            r.pending_sends = 1
+        if r.in_flight:
+            r.waiting_sends = True
             return
-        t_sent = max((x for x in r.sends), default=r.t)
+        t_sent = r.last_send
         if t_sent > r.t:
             self.ev(r, "send wait", "send", r.t, t_sent)
             r.t = t_sent
@@ -322,7 +333,7 @@ class Sim:
             self.iter_end.append(max(ends))
         r.it += 1
         r.pc = 0
-        r.sends = []
+        r.last_send = 0.0
         r.stepped = False
         r._step_closed = False  # type: ignore[attr-defined]
         r.step_start = r.t

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from foldtrain.errors import ConfigError
-from foldtrain.schedules.layout import chunk_layers, validate_layout
+from foldtrain.schedules.layout import chunk_layers, resolve_microbatches, validate_layout
 
 # precision -> (compute dtype, weight bytes, grad bytes, activation bytes, fp32 master copy)
 PRECISION = {
@@ -71,8 +71,11 @@ class Setup:
         return self.dp * self.microbatches * self.micro_batch * self.seq
 
 
-def resolve_setup(cfg) -> Setup:
-    """The simulated run of ``cfg`` (a resolved, validated Config); ConfigError for a layout that cannot run."""
+def resolve_setup(cfg, full_check: bool = True) -> Setup:
+    """The simulated run of ``cfg`` (a resolved, validated Config); ConfigError for a layout that cannot run.
+
+    ``full_check=False`` (the planner, whose candidates are valid by construction) skips building
+    the schedule once more for validation."""
     p, m, t, d = cfg.parallel, cfg.model, cfg.train, cfg.dp
     dtype, wb, gb, ab, master = PRECISION[cfg.precision]
     strategy = d.strategy
@@ -87,9 +90,14 @@ def resolve_setup(cfg) -> Setup:
         raise ConfigError("--dp.ps_servers only applies to --dp.strategy ps; remove it or choose ps")
     three_d = strategy == "none" and p.dp * p.pp * p.tp > 1
     if three_d:
-        lay = validate_layout(cfg, p.dp * p.pp * p.tp)
-        layers = tuple(len(x) for x in lay.layers)
-        n_micro, micro, V = lay.microbatches, lay.micro_batch, lay.virtual
+        if full_check:
+            lay = validate_layout(cfg, p.dp * p.pp * p.tp)
+            layers = tuple(len(x) for x in lay.layers)
+            n_micro, micro, V = lay.microbatches, lay.micro_batch, lay.virtual
+        else:
+            n_micro, micro = resolve_microbatches(cfg)
+            V = p.virtual
+            layers = tuple(len(x) for x in chunk_layers(m.n_layer, p.pp * V, p.layers_per_chunk or None))
         mode, strat = "3d", "allreduce-3d"
     else:
         workers = p.dp

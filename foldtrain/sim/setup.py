@@ -57,6 +57,7 @@ class Setup:
     wire_factor: float  # allreduce --dp.compression: bytes on the wire per gradient byte
     fp16_scaler: bool
     clip: bool
+    p2p_scatter: bool = False  # Megatron's scatter/gather: each TP rank sends 1/tp of an activation (not foldtrain's executor)
 
     @property
     def world(self) -> int:

@@ -48,7 +48,7 @@ class RunCosts:
 
     def send(self, p: int, a):
         key, weight, lat = self.pl.p2p_link(p, a.peer)
-        return key, weight, lat, self.cm.activation_bytes()
+        return key, weight, lat, self.cm.activation_bytes() / (self.s.tp if self.s.p2p_scatter else 1)
 
     # -- data-parallel reduction of a chunk
     def server_link(self) -> tuple[float, float]:

@@ -53,8 +53,12 @@ def _time(fn, min_s: float = 0.15, reps: int = 2) -> float:
 def _compute_probe(barrier, queue) -> None:
     import torch
 
+    import resource
+
+    import foldtrain.train.trainer  # noqa: F401 - what a training process imports, for its resident size
+
     torch.set_num_threads(1)
-    out: dict = {}
+    out: dict = {"runtime": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     barrier.wait()
     for name in DTYPES:
         dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
@@ -154,6 +158,7 @@ def measure_compute(concurrency: int) -> dict:
         out[name] = fit_rate(SIZES, rates) + (rates,)
     out["mem_bw"] = sum(r["mem_bw"] for r in res) / len(res)
     out["block_overhead"] = sum(r["block_overhead"] for r in res) / len(res)
+    out["runtime"] = max(r["runtime"] for r in res)
     return out
 
 
@@ -234,7 +239,7 @@ def main(argv: list[str]) -> int:
     name = a.name or os.path.splitext(os.path.basename(a.out))[0]
     c = Cluster(name=name, gpus_per_node=a.ranks_per_node, memory=total / conc,
                 tflops={d: comp[d][0] for d in DTYPES}, mem_bw=comp["mem_bw"], efficiency=1.0, half_size=fp32_h,
-                layer_overhead=comp["block_overhead"], intra=intra, inter=inter, runtime=0.3e9)
+                layer_overhead=comp["block_overhead"], intra=intra, inter=inter, runtime=comp["runtime"])
     src = f"foldtrain calibrate, {when}, {conc} concurrent ranks"
     notes = {f"device.{d}_tflops": f"{src}: fitted peak of (512 x n) @ (n x 4n), n = {SIZES}; measured "
              + ", ".join(f"{r / 1e9:.1f}" for r in comp[d][2]) + " GFLOP/s" for d in DTYPES}
@@ -245,7 +250,7 @@ def main(argv: list[str]) -> int:
         "device.efficiency": "folded into the fitted peaks",
         "device.half_size": f"{src}: fp32 fit (the half-precision fits give " + ", ".join(f"{comp[d][1]:.0f}" for d in ("bf16", "fp16")) + ")",
         "device.layer_overhead_us": f"{src}: forward + backward of a tiny block / 3",
-        "device.runtime_gb": "estimate: resident size of a Python process with torch",
+        "device.runtime_gb": f"{src}: resident size of a process that imported the trainer",
         "intra.bw_gbs": f"{src}: gloo all-reduce of 16 MB over {max(a.ranks_per_node, 2)} local ranks (p2p {loop['p2p_bw'] / 1e9:.2f} GB/s)",
         "intra.latency_us": f"{src}: gloo ping-pong / 2",
         "inter.bw_gbs": (f"{src}: gloo all-reduce over {a.nodes} emulated nodes at {a.network} (p2p {net['p2p_bw'] / 1e9:.3f} GB/s)"

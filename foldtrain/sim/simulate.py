@@ -191,8 +191,8 @@ def simulate_setup(s: Setup, c: Cluster, *, check_memory: bool = True, keep_even
         p = max(range(len(mems)), key=lambda i: mems[i]["total"])
         raise ConfigError(
             f"does not fit: pipeline rank {p} needs {peak / GB:.2f} GB but a {c.name} device has {c.memory / GB:.2f} GB "
-            f"({format_breakdown(mems[p])}); use --ac full, a smaller micro-batch, more --parallel.pp/tp, "
-            f"a sharded strategy, or a larger device"
+            f"({format_breakdown(mems[p])}); use {'' if s.ac else '--ac full, '}a smaller micro-batch, more --parallel.pp/tp, "
+            f"{'' if s.mode == '3d' else 'a sharded strategy, '}or a larger device (foldtrain plan finds one that fits)"
         )
     # Every iteration ends in the loss all-reduce (a barrier) with no reduction in flight, so one
     # iteration is the steady state; deferred reductions cross into the next one: simulate two.

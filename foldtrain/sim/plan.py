@@ -14,7 +14,6 @@ decides the order.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,7 +120,7 @@ def _make_cfg(base, c: dict):
 def _live_chunks(s: Setup) -> int:
     """Micro-batch x chunk activations alive at once on the busiest rank (rank 0)."""
     M, P, V = s.microbatches, s.pp, s.virtual
-    if s.schedule in ("gpipe", "fold") or s.mode == "dp" and False:
+    if s.schedule in ("gpipe", "fold"):
         return M * V
     if s.schedule == "1f1b":
         return min(P, M) if s.mode == "3d" else 1
@@ -141,16 +140,16 @@ def estimate(s: Setup, c: Cluster) -> tuple[float, float]:
         t += 2 * (P - 1) * (lat + cm.activation_bytes() / bw) * (V if s.schedule in ("interleaved-1f1b", "fold") else 1)
     if s.dp > 1:
         key, w, bw, lat = pl.dp_link(0)
-        if key[0] == "nic":
-            bw = bw / (w * max(1, c.gpus_per_node // (s.tp * max(1, min(P, c.gpus_per_node // s.tp)))) * min(P, max(1, c.gpus_per_node // s.tp)))
+        if key[0] == "nic":  # the node's interface, shared by the stages (x tp ranks) the node holds
+            bw = bw / (w * max(1, min(P, c.gpus_per_node // s.tp)))
         g = sum(cm.grad_bytes(x) for x in rank_segments(s, 0))
         factor = 2 if s.strategy != "sharded-ps" else 1 + s.weight_bytes / s.grad_bytes
         ring = factor * (s.dp - 1) / s.dp * g / bw + 2 * (s.dp - 1) * lat
         if s.mode == "dp" and s.strategy in ("ddp", "allreduce"):
-            ring = max(ring - M and ring - u * 0.9, ring / 10)
+            ring = max(ring - u, ring / 10)  # buckets start during the last backward
         elif s.dp_sync == "per-chunk":
             hidden = u * M * (V - 1) if V > 1 else 0.0
-            ring = max(ring / V, ring - hidden) if s.defer is False else ring / V / 2
+            ring = max(ring / V, ring - hidden) if not s.defer else ring / V / 2
         t += ring
     t += sum(cm.optim(x, 1.0 / s.dp if s.strategy == "sharded-ps" else 1.0) for x in rank_segments(s, 0))
     per_block = cm.act_bytes_block(recompute=s.ac)
@@ -259,5 +258,3 @@ def plan_toml(res: PlanResult) -> str:
         head.append(f"# launch {c.setup.world} processes: torchrun --nproc_per_node {c.setup.world} -m foldtrain train --config FILE")
     return "\n".join(head) + "\n" + to_toml(cfg)
 
-
-__all__ = ["plan", "format_plan", "plan_toml", "estimate", "Candidate", "PlanResult", "dataclasses"]

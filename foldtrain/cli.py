@@ -24,6 +24,9 @@ commands:
   plot       loss, validation loss and tokens/s of runs, overlaid (RUN [RUN ...] [--out PNG])
   config     print the resolved config as TOML (list every key with --keys)
   bench      benchmarks (see `foldtrain bench --help`)
+  simulate   predict a train configuration on a cluster (--cluster NAME|FILE, --json, --profile DIR)
+  plan       search the layouts of a model on a cluster (--model.preset, --cluster, --gpus, --out)
+  calibrate  measure this machine into a cluster file (--out FILE [--network RATE --nodes N --ranks_per_node R])
 """
 
 
@@ -158,6 +161,17 @@ def cmd_config(ns, rest) -> int:
     return 0
 
 
+# --- simulator commands (issue 8): own argument parsing, in foldtrain/sim_cli.py
+def _sim_command(cmd: str, argv: list[str]) -> int:
+    from foldtrain import sim_cli
+
+    return {"simulate": sim_cli.simulate_main, "plan": sim_cli.plan_main, "calibrate": sim_cli.calibrate_main}[cmd](argv)
+
+
+SIM_COMMANDS = ("simulate", "plan", "calibrate")
+# --- end of the simulator commands
+
+
 def cmd_bench(argv: list[str]) -> int:
     from foldtrain.bench import main as bench_main
 
@@ -181,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench(rest)
         if cmd == "plot":
             return cmd_plot(rest)
+        if cmd in SIM_COMMANDS:
+            return _sim_command(cmd, rest)
         if cmd not in COMMANDS:
-            raise ConfigError(f"unknown command '{cmd}'; choose one of: {', '.join([*COMMANDS, 'plot', 'bench'])}")
+            raise ConfigError(f"unknown command '{cmd}'; choose one of: {', '.join([*COMMANDS, 'plot', 'bench', *SIM_COMMANDS])}")
         ns, extra = _parser(cmd).parse_known_args(rest)
         return COMMANDS[cmd](ns, extra)
     except FoldtrainError as e:

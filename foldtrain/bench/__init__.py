@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: foldtrain bench {dp,pipeline,overhead,memory,hashing} [options]
+USAGE = """usage: foldtrain bench {dp,pipeline,overhead,memory,hashing,simulator,planner} [options]
 
 benchmarks:
   dp         data-parallel strategies x precisions x 1/2/4 ranks, loopback and an emulated slow network,
@@ -28,6 +28,8 @@ benchmarks:
   overhead   the single-process trainer against a minimal plain-PyTorch loop (tokens/s, same model and data)
   memory     peak RSS per pipeline rank at the first step against the analytic state it owns
   hashing    the cost of checkpoint checksums next to the save itself, for several hash functions
+  simulator  calibrate this machine, run dp and pipeline benches, and compare the simulator's predictions
+  planner    the planner's first choice among the 4-rank layouts this machine runs, against the measured best
 
 `foldtrain bench dp --help` / `foldtrain bench pipeline --help` list the options; --quick runs a tiny
 smoke configuration; --dry_run prints the runs without starting them. The emulated network needs root
@@ -35,7 +37,7 @@ and iproute2 (ip, tc); without them the throttled part is skipped.
 """
 
 
-BENCHMARKS = {name: f"foldtrain.bench.{name}" for name in ("dp", "pipeline", "overhead", "memory", "hashing")}
+BENCHMARKS = {name: f"foldtrain.bench.{name}" for name in ("dp", "pipeline", "overhead", "memory", "hashing", "simulator", "planner")}
 
 
 def main(argv: list[str] | None = None) -> int:

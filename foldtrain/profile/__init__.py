@@ -3,17 +3,17 @@
 Torch-free except :func:`gather_timelines` (imports ``torch.distributed`` when called)
 and matplotlib-free except :func:`plot_gantt` (imports matplotlib when called).
 
->>> from foldtrain.schedules import build_schedule, simulate_order
->>> from foldtrain.profile import events_from_simulation, summarize
->>> sim = simulate_order(build_schedule("1f1b", 4, 1, 8))
->>> s = summarize(events_from_simulation(sim))[-1]
->>> round(s["bubble"][0], 4) == round(3 / 11, 4)   # (P-1)/(M+P-1)
-True
+>>> from foldtrain.profile import summarize
+>>> ev = lambda r, s, e: {"name": "F", "kind": "compute", "rank": r, "start": s, "end": e, "step": 0}
+>>> s = summarize([[ev(0, 0.0, 1.0)], [ev(1, 1.0, 2.0)]])[-1]
+>>> s["bubble"], s["all_idle"]
+([0.5, 0.5], 0.0)
+
+Simulated events come from :mod:`foldtrain.sim` (``foldtrain simulate --profile DIR``).
 """
 
 from .analysis import (
     as_rank_lists,
-    events_from_simulation,
     format_summary,
     idle_intervals,
     mean_summary,
@@ -34,7 +34,6 @@ __all__ = [
     "Timeline",
     "as_rank_lists",
     "chrome_trace",
-    "events_from_simulation",
     "format_summary",
     "gather_timelines",
     "idle_intervals",

@@ -2,7 +2,7 @@
 
 Both take ``events_by_rank`` in any shape :func:`~foldtrain.profile.analysis.as_rank_lists`
 accepts, from real runs (:func:`~foldtrain.profile.timeline.gather_timelines`) or the
-simulator (:func:`~foldtrain.profile.analysis.events_from_simulation`).
+simulator (:mod:`foldtrain.sim`, ``foldtrain simulate --profile DIR``).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from .actions import (
     stage_rank,
 )
 from .generators import DP_SYNC_MODES, SCHEDULE_NAMES, build_schedule, insert_comms, insert_reductions
-from .validate import ScheduleError, activations_peak, simulate_order, validate_schedule
+from .validate import ScheduleError, activations_peak, validate_schedule
 
 __all__ = [
     "Action",
@@ -45,7 +45,6 @@ __all__ = [
     "insert_reductions",
     "local_chunk",
     "message_key",
-    "simulate_order",
     "stage_rank",
     "validate_schedule",
 ]

@@ -1,8 +1,9 @@
-"""Torch-free checks and a tiny timing model for schedules.
+"""Torch-free checks for schedules.
 
 :func:`validate_schedule` raises :class:`ScheduleError` when a schedule cannot
-run correctly; :func:`simulate_order` times the compute actions;
-:func:`activations_peak` counts the micro-batch activations a rank holds at once.
+run correctly; :func:`activations_peak` counts the micro-batch activations a
+rank holds at once. Timing lives in :mod:`foldtrain.sim` (``simulate_order``,
+and the full simulator behind ``foldtrain simulate``).
 
 Communication model of the symbolic run (``sends="async"``, the default): a
 send never blocks (the executor posts it with ``isend`` and only waits for its
@@ -294,61 +295,6 @@ def validate_schedule(sched: Schedule, *, channels: str = "per-pair", sends: str
     _check_comms(sched, channels)
     _check_reductions(sched)
     _symbolic_run(sched, sends)
-
-
-def simulate_order(sched: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: float = 0.0) -> dict:
-    """Event-driven timing of the compute actions (communication and reductions are free
-    except ``t_comm`` latency on each cross-rank activation / gradient edge).
-
-    Returns ``{"ranks": [[(Action, start, end), ...] per rank], "makespan": float,
-    "busy": [per-rank compute time], "bubble": [per-rank idle fraction of makespan]}``.
-    """
-    pp = sched.pp
-    lists = [sched.compute_only(p) for p in range(pp)]
-    end: dict[tuple, float] = {}
-    free = [0.0] * pp
-    pcs = [0] * pp
-    out: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp)]
-    n_seg = sched.segments
-
-    def ready(a: Action, p: int) -> float | None:
-        deps = []
-        if a.op is Op.FORWARD and a.chunk > 0:
-            deps.append(((Op.FORWARD, a.chunk - 1, a.mb), stage_rank(a.chunk - 1, pp)))
-        if a.op is Op.BACKWARD:
-            deps.append(((Op.FORWARD, a.chunk, a.mb), p))
-            if a.chunk < n_seg - 1:
-                deps.append(((Op.BACKWARD, a.chunk + 1, a.mb), stage_rank(a.chunk + 1, pp)))
-        t = 0.0
-        for key, q in deps:
-            if key not in end:
-                return None
-            t = max(t, end[key] + (t_comm if q != p else 0.0))
-        return t
-
-    progress = True
-    while progress:
-        progress = False
-        for p in range(pp):
-            while pcs[p] < len(lists[p]):
-                a = lists[p][pcs[p]]
-                t = ready(a, p)
-                if t is None:
-                    break
-                start = max(t, free[p])
-                stop = start + (t_f if a.op is Op.FORWARD else t_b)
-                end[(a.op, a.chunk, a.mb)] = stop
-                free[p] = stop
-                out[p].append((a, start, stop))
-                pcs[p] += 1
-                progress = True
-    if any(pcs[p] < len(lists[p]) for p in range(pp)):
-        raise ScheduleError("compute order deadlocks: " + "; ".join(
-            f"rank {p} at {lists[p][pcs[p]]}" for p in range(pp) if pcs[p] < len(lists[p])))
-    makespan = max(free, default=0.0)
-    busy = [sum(e - s for _, s, e in out[p]) for p in range(pp)]
-    bubble = [1.0 - b / makespan if makespan else 0.0 for b in busy]
-    return {"ranks": out, "makespan": makespan, "busy": busy, "bubble": bubble}
 
 
 def activations_peak(sched: Schedule, rank: int) -> int:

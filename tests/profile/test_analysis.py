@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from foldtrain.schedules import build_schedule, simulate_order
+from foldtrain.schedules import build_schedule
+from foldtrain.sim import events_from_simulation, simulate_order  # moved from schedules / profile (issue 8)
 from foldtrain.profile import (
     Timeline,
     as_rank_lists,
-    events_from_simulation,
     format_summary,
     idle_intervals,
     merge_intervals,

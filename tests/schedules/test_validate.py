@@ -11,9 +11,9 @@ from foldtrain.schedules import (
     Schedule,
     ScheduleError,
     build_schedule,
-    simulate_order,
     validate_schedule,
 )
+from foldtrain.sim import simulate_order  # moved from foldtrain.schedules (issue 8)
 
 
 def edited(sched: Schedule, rank: int, fn) -> Schedule:

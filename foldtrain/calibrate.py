@@ -1,0 +1,271 @@
+"""``foldtrain calibrate --out FILE [--network RATE --nodes N --ranks_per_node R]``: measure this machine.
+
+Writes a cluster file (:mod:`foldtrain.sim.cluster`) for ``foldtrain simulate --cluster FILE``:
+
+* compute: matrix products ``(512 x n) @ (n x 4n)`` for ``n`` in 32..512 per dtype, run by
+  ``N x R`` processes at once (the ranks the runs will have share the cores), fitted to
+  ``rate(n) = peak * n / (n + half_size)``; memory bandwidth from a 64 MB copy, and the fixed
+  cost of a transformer block from a tiny one, under the same concurrency;
+* communication: gloo point-to-point latency (ping-pong), and all-reduce bandwidth over the
+  ``R`` ranks of one node (``torchrun --standalone``): the ``intra`` link;
+* with ``--network RATE``: the same over ``N`` emulated nodes on throttled links
+  (:mod:`foldtrain.netem`, one rank per node): the ``inter`` link. Needs root and iproute2.
+
+Above :mod:`foldtrain.sim` (it imports torch and the benchmark's namespaces); the simulator
+itself stays pure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+
+from foldtrain.errors import FoldtrainError
+
+SIZES = (32, 64, 128, 256, 512)
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+# --------------------------------------------------------------------------- probes (child processes)
+
+
+def _time(fn, min_s: float = 0.15, reps: int = 2) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            dt = time.perf_counter() - t0
+            if dt >= min_s:
+                break
+        best = min(best, dt / n)
+    return best
+
+
+def _compute_probe(barrier, queue) -> None:
+    import torch
+
+    import resource
+
+    import foldtrain.train.trainer  # noqa: F401 - what a training process imports, for its resident size
+
+    torch.set_num_threads(1)
+    out: dict = {"runtime": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    barrier.wait()
+    for name in DTYPES:
+        dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+        rates: list[float] = []
+        for n in SIZES:
+            if rates and 2 * 512 * n * 4 * n / rates[-1] > 1.0:  # a call would take > 1 s (no fast kernel): extrapolate
+                rates.append(rates[-1])
+                continue
+            a = torch.randn(512, n, dtype=dt)
+            b = torch.randn(n, 4 * n, dtype=dt)
+            t = _time(lambda: a @ b)
+            rates.append(2 * 512 * n * 4 * n / t)
+        out[name] = rates
+    x = torch.empty(16 * 2**20, dtype=torch.float32)
+    y = torch.empty_like(x)
+    out["mem_bw"] = 2 * x.numel() * 4 / _time(lambda: y.copy_(x))
+    from foldtrain.model.gpt import Block, GPTShape
+
+    blk = Block(GPTShape(1, 2, 16, 8, 16))
+    h = torch.randn(1, 4, 16, requires_grad=True)
+    out["block_overhead"] = _time(lambda: blk(h).sum().backward()) / 3  # forward + backward ~ 3 passes
+    queue.put(out)
+
+
+def _comm_probe() -> None:
+    """Run under torchrun: prints one JSON line on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    r, w = dist.get_rank(), dist.get_world_size()
+    one = torch.zeros(1)
+    lat = []
+    for i in range(40):
+        dist.barrier() if i == 0 else None
+        t0 = time.perf_counter()
+        if r == 0:
+            dist.send(one, 1)
+            dist.recv(one, 1)
+        elif r == 1:
+            dist.recv(one, 0)
+            dist.send(one, 0)
+        lat.append((time.perf_counter() - t0) / 2)
+    big = torch.zeros(4 * 2**20)  # 16 MB
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        if r == 0:
+            dist.send(big, 1)
+        elif r == 1:
+            dist.recv(big, 0)
+    dist.barrier()
+    p2p = 3 * big.numel() * 4 / (time.perf_counter() - t0)
+    dist.all_reduce(big)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dist.all_reduce(big)
+    ar_t = (time.perf_counter() - t0) / 3
+    ar_bw = 2 * (w - 1) / w * big.numel() * 4 / ar_t
+    if r == 0:
+        lat.sort()
+        print("CALIBRATE " + json.dumps({"latency_s": lat[len(lat) // 2], "p2p_bw": p2p, "allreduce_bw": ar_bw, "world": w}), flush=True)
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- fitting and running
+
+
+def fit_rate(sizes, rates) -> tuple[float, float]:
+    """Least squares of ``1/rate = 1/A + h/(A n)``: returns ``(A, h)`` (``rate = A n / (n + h)``)."""
+    xs = [1.0 / n for n in sizes]
+    ys = [1.0 / r for r in rates]
+    k = len(xs)
+    mx, my = sum(xs) / k, sum(ys) / k
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    icpt = my - slope * mx
+    if icpt <= 0:  # rate still rising at the largest size: take the best measured as the peak
+        return max(rates), 1e-3
+    a = 1.0 / icpt
+    return a, max(slope * a, 1e-3)
+
+
+def measure_compute(concurrency: int) -> dict:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(concurrency), ctx.Queue()
+    procs = [ctx.Process(target=_compute_probe, args=(barrier, queue)) for _ in range(concurrency)]
+    for p in procs:
+        p.start()
+    res = [queue.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    out = {}
+    for name in DTYPES:
+        rates = [sum(r[name][i] for r in res) / len(res) for i in range(len(SIZES))]
+        out[name] = fit_rate(SIZES, rates) + (rates,)
+    out["mem_bw"] = sum(r["mem_bw"] for r in res) / len(res)
+    out["block_overhead"] = sum(r["block_overhead"] for r in res) / len(res)
+    out["runtime"] = max(r["runtime"] for r in res)
+    return out
+
+
+def _parse(text: str) -> dict:
+    for line in reversed(text.splitlines()):
+        if line.startswith("CALIBRATE "):
+            return json.loads(line[len("CALIBRATE "):])
+    raise FoldtrainError(f"calibrate: the communication probe printed no result; its output ends with: {text[-300:]!r}")
+
+
+def measure_loopback(ranks: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(max(ranks, 2)),
+           "-m", "foldtrain.calibrate", "--_comm_probe"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    if p.returncode != 0:
+        raise FoldtrainError(f"calibrate: the loopback communication probe failed: {(p.stderr or p.stdout).strip().splitlines()[-1:]}")
+    return _parse(p.stdout)
+
+
+def measure_network(rate: str, nodes: int) -> dict:
+    from foldtrain.netem.cluster import EmulatedCluster
+
+    with EmulatedCluster(nodes, rate, name_prefix="ftcal") as c:
+        log = tempfile.mkdtemp(prefix="ft-cal-")
+        job = c.run_torchrun(["-m", "foldtrain.calibrate", "--_comm_probe"], nproc_per_node=1, timeout_s=300, log_dir=log)
+        if not job.ok:
+            raise FoldtrainError(f"calibrate: the communication probe across emulated nodes failed (logs in {log})")
+        return _parse(job.text())
+
+
+def check_network_prerequisites() -> None:
+    from foldtrain.netem import cluster as netns
+
+    try:
+        netns.check_prerequisites()
+    except FoldtrainError:
+        raise FoldtrainError(
+            "calibrate --network emulates nodes with network namespaces and needs root and iproute2 (ip, tc): "
+            "run as root and `apt-get install -y iproute2`, or drop --network to measure this machine only"
+        ) from None
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--_comm_probe"]:
+        _comm_probe()
+        return 0
+    ap = argparse.ArgumentParser(prog="foldtrain calibrate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="cluster TOML file to write")
+    ap.add_argument("--network", help="emulated link rate between nodes, e.g. 1gbit (needs root and iproute2)")
+    ap.add_argument("--nodes", type=int, default=1, help="emulated nodes (with --network)")
+    ap.add_argument("--ranks_per_node", type=int, default=2, help="ranks per node the runs will have")
+    ap.add_argument("--name", default="", help="cluster name (default: the file's stem)")
+    a = ap.parse_args(argv)
+    if a.nodes < 1 or a.ranks_per_node < 1:
+        raise FoldtrainError(f"--nodes and --ranks_per_node must be >= 1, got {a.nodes} and {a.ranks_per_node}")
+    if a.network:
+        if a.nodes < 2:
+            raise FoldtrainError("calibrate --network needs --nodes 2 or more to measure a link between nodes")
+        check_network_prerequisites()
+    from foldtrain.sim.cluster import Cluster, Link, to_toml
+
+    conc = a.nodes * a.ranks_per_node
+    print(f"calibrate: compute with {conc} concurrent ranks ...", flush=True)
+    comp = measure_compute(conc)
+    print("calibrate: gloo on loopback ...", flush=True)
+    loop = measure_loopback(a.ranks_per_node)
+    net = None
+    if a.network:
+        print(f"calibrate: gloo across {a.nodes} emulated nodes at {a.network} ...", flush=True)
+        net = measure_network(a.network, a.nodes)
+    with open("/proc/meminfo") as f:
+        total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    fp32_a, fp32_h, _ = comp["fp32"]
+    intra = Link(loop["allreduce_bw"], loop["latency_s"])
+    inter = Link(net["allreduce_bw"] * (1 if a.ranks_per_node == 1 else 1), net["latency_s"]) if net else intra
+    name = a.name or os.path.splitext(os.path.basename(a.out))[0]
+    c = Cluster(name=name, gpus_per_node=a.ranks_per_node, memory=total / conc,
+                tflops={d: comp[d][0] for d in DTYPES}, mem_bw=comp["mem_bw"], efficiency=1.0, half_size=fp32_h,
+                layer_overhead=comp["block_overhead"], intra=intra, inter=inter, runtime=comp["runtime"])
+    src = f"foldtrain calibrate, {when}, {conc} concurrent ranks"
+    notes = {f"device.{d}_tflops": f"{src}: fitted peak of (512 x n) @ (n x 4n), n = {SIZES}; measured "
+             + ", ".join(f"{r / 1e9:.1f}" for r in comp[d][2]) + " GFLOP/s" for d in DTYPES}
+    notes.update({
+        "node.gpus": f"--ranks_per_node ({src})",
+        "device.memory_gb": "MemTotal / concurrent ranks",
+        "device.mem_bw_gbs": f"{src}: 64 MB copy",
+        "device.efficiency": "folded into the fitted peaks",
+        "device.half_size": f"{src}: fp32 fit (the half-precision fits give " + ", ".join(f"{comp[d][1]:.0f}" for d in ("bf16", "fp16")) + ")",
+        "device.layer_overhead_us": f"{src}: forward + backward of a tiny block / 3",
+        "device.runtime_gb": f"{src}: resident size of a process that imported the trainer",
+        "intra.bw_gbs": f"{src}: gloo all-reduce of 16 MB over {max(a.ranks_per_node, 2)} local ranks (p2p {loop['p2p_bw'] / 1e9:.2f} GB/s)",
+        "intra.latency_us": f"{src}: gloo ping-pong / 2",
+        "inter.bw_gbs": (f"{src}: gloo all-reduce over {a.nodes} emulated nodes at {a.network} (p2p {net['p2p_bw'] / 1e9:.3f} GB/s)"
+                         if net else "no --network: same as intra"),
+        "inter.latency_us": f"{src}: ping-pong across emulated nodes" if net else "no --network: same as intra",
+    })
+    text = f"# measured by foldtrain calibrate {' '.join(argv)}\n" + to_toml(c, notes)
+    with open(a.out, "w") as f:
+        f.write(text)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

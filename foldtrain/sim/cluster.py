@@ -1,0 +1,173 @@
+"""Clusters the simulator predicts for: a TOML file per cluster, presets in ``clusters/``.
+
+A cluster file (copy a preset and edit it; every number is required and positive)::
+
+    name = "my-cluster"
+    [node]
+    gpus = 8                 # devices (ranks) per node
+    [device]
+    memory_gb = 80           # usable device memory per rank
+    fp32_tflops = 19.5       # peak dense throughput per dtype, TFLOP/s
+    bf16_tflops = 312
+    fp16_tflops = 312
+    mem_bw_gbs = 2039        # device memory bandwidth, GB/s (optimizer step)
+    efficiency = 0.7         # best fraction of peak a large matrix product reaches
+    half_size = 256          # matrix dimension at which the efficiency is half of that
+    layer_overhead_us = 60   # fixed cost per transformer block and pass (kernel launches, Python)
+    runtime_gb = 1.0         # optional: memory the framework takes per rank (CUDA context, ...)
+    [intra]                  # between ranks of one node (NVLink, or loopback here)
+    bw_gbs = 300             # GB/s per rank and direction
+    latency_us = 5
+    [inter]                  # the node's network interface, shared by the node's ranks
+    bw_gbs = 200             # GB/s per node and direction
+    latency_us = 10
+
+Efficiency of a matrix product whose smallest dimension is ``n``:
+``efficiency * n / (n + half_size)``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from foldtrain.errors import ConfigError
+
+PRESET_DIR = Path(__file__).with_name("clusters")
+
+FIELDS: dict[str, tuple[str, ...]] = {
+    "node": ("gpus",),
+    "device": ("memory_gb", "fp32_tflops", "bf16_tflops", "fp16_tflops", "mem_bw_gbs", "efficiency", "half_size",
+               "layer_overhead_us"),
+    "intra": ("bw_gbs", "latency_us"),
+    "inter": ("bw_gbs", "latency_us"),
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    bw: float  # bytes/s
+    latency: float  # s
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    gpus_per_node: int
+    memory: float  # bytes per rank
+    tflops: dict[str, float]  # dtype ("fp32", "bf16", "fp16") -> peak FLOP/s
+    mem_bw: float  # bytes/s
+    efficiency: float
+    half_size: float
+    layer_overhead: float  # s
+    intra: Link
+    inter: Link
+    source: str = ""
+    runtime: float = 0.0  # bytes per rank the framework itself takes (CUDA context, interpreter)
+
+    def matmul_efficiency(self, n: float) -> float:
+        return self.efficiency * n / (n + self.half_size)
+
+    def peak(self, dtype: str) -> float:
+        return self.tflops[dtype]
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def _bad(src: str, key: str, problem: str) -> ConfigError:
+    return ConfigError(f"cluster file {src}: field {key} {problem}; give a positive number (see a preset in {PRESET_DIR})")
+
+
+def from_dict(data: dict, src: str = "<dict>") -> Cluster:
+    """Validate ``data`` (a parsed cluster file) and build the :class:`Cluster`."""
+    vals: dict[str, float] = {}
+    for sec, keys in FIELDS.items():
+        table = data.get(sec)
+        if not isinstance(table, dict):
+            raise ConfigError(f"cluster file {src}: section [{sec}] is missing; add it with {', '.join(keys)}")
+        for k in keys:
+            key = f"{sec}.{k}"
+            if k not in table:
+                raise _bad(src, key, "is missing")
+            v = table[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise _bad(src, key, f"is not a number ({v!r})")
+            if not math.isfinite(v) or v <= 0:
+                raise _bad(src, key, f"must be positive, got {v}")
+            vals[key] = float(v)
+    if vals["device.efficiency"] > 1:
+        raise ConfigError(f"cluster file {src}: field device.efficiency {vals['device.efficiency']} is a fraction of peak; give a value in (0, 1]")
+    gpus = vals["node.gpus"]
+    if not gpus.is_integer():
+        raise ConfigError(f"cluster file {src}: field node.gpus must be a whole number, got {gpus}")
+    return Cluster(
+        name=str(data.get("name", Path(src).stem)),
+        gpus_per_node=int(gpus),
+        memory=vals["device.memory_gb"] * 1e9,
+        tflops={d: vals[f"device.{d}_tflops"] * 1e12 for d in ("fp32", "bf16", "fp16")},
+        mem_bw=vals["device.mem_bw_gbs"] * 1e9,
+        efficiency=vals["device.efficiency"],
+        half_size=vals["device.half_size"],
+        layer_overhead=vals["device.layer_overhead_us"] * 1e-6,
+        intra=Link(vals["intra.bw_gbs"] * 1e9, vals["intra.latency_us"] * 1e-6),
+        inter=Link(vals["inter.bw_gbs"] * 1e9, vals["inter.latency_us"] * 1e-6),
+        source=src,
+        runtime=_optional(data, "device", "runtime_gb", src) * 1e9,
+    )
+
+
+def _optional(data: dict, sec: str, k: str, src: str) -> float:
+    v = data.get(sec, {}).get(k, 0.0)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise _bad(src, f"{sec}.{k}", f"must be a non-negative number, got {v!r}")
+    return float(v)
+
+
+def load_cluster(name_or_file: str) -> Cluster:
+    """A preset by name (``hal-v100``, ...) or a TOML file path."""
+    p = Path(name_or_file)
+    if p.suffix == ".toml" or p.is_file() or "/" in name_or_file:
+        if not p.is_file():
+            raise ConfigError(f"cluster file {p} not found; pass a preset ({', '.join(preset_names())}) or an existing TOML file")
+    else:
+        p = PRESET_DIR / f"{name_or_file}.toml"
+        if not p.is_file():
+            near = difflib.get_close_matches(name_or_file, preset_names(), n=1)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            raise ConfigError(f"unknown cluster '{name_or_file}'; {hint}use a preset ({', '.join(preset_names())}) or a TOML file")
+    try:
+        data = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cluster file {p} is not valid TOML ({e}); fix the syntax") from None
+    return from_dict(data, str(p))
+
+
+def to_toml(c: Cluster, comments: dict[str, str] | None = None) -> str:
+    """A cluster file for ``c`` (``comments``: ``"section.field" -> source``)."""
+    comments = comments or {}
+    vals = {
+        "node.gpus": c.gpus_per_node, "device.memory_gb": c.memory / 1e9,
+        "device.fp32_tflops": c.tflops["fp32"] / 1e12, "device.bf16_tflops": c.tflops["bf16"] / 1e12,
+        "device.fp16_tflops": c.tflops["fp16"] / 1e12, "device.mem_bw_gbs": c.mem_bw / 1e9,
+        "device.efficiency": c.efficiency, "device.half_size": c.half_size,
+        "device.layer_overhead_us": c.layer_overhead * 1e6, "device.runtime_gb": c.runtime / 1e9,
+        "intra.bw_gbs": c.intra.bw / 1e9, "intra.latency_us": c.intra.latency * 1e6,
+        "inter.bw_gbs": c.inter.bw / 1e9, "inter.latency_us": c.inter.latency * 1e6,
+    }
+    lines = [f'name = "{c.name}"']
+    for sec, keys in FIELDS.items():
+        keys = keys + (("runtime_gb",) if sec == "device" else ())
+        lines += ["", f"[{sec}]"]
+        for k in keys:
+            v = vals[f"{sec}.{k}"]
+            txt = f"{k} = {v:.6g}" if not isinstance(v, int) else f"{k} = {v}"
+            if "." not in txt.split("=")[1] and sec != "node" and "e" not in txt.split("=")[1]:
+                txt += ".0"
+            note = comments.get(f"{sec}.{k}")
+            lines.append(txt + (f"  # {note}" if note else ""))
+    return "\n".join(lines) + "\n"

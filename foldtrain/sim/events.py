@@ -1,0 +1,399 @@
+"""Discrete-event engine: runs every action of every pipeline rank of a :class:`Schedule`.
+
+The executor's semantics (``foldtrain/pipeline/executor.py``), action by action, per rank:
+
+* ``F`` / ``B`` occupy the rank's compute stream for ``costs.compute``;
+* ``SA`` / ``SG`` post a transfer (never block); it starts after the link's latency; on a
+  dedicated link between two ranks of a node transfers go one after another in posting order
+  (one stream per pair), on a node's network interface they share it with the transfers in
+  flight there;
+* ``RA`` / ``RG`` block until the matching transfer has arrived (``recv_wait``);
+* ``LR(c)`` queues chunk ``c``'s data-parallel reduction on the rank's reduction stream (FIFO; a
+  collective with identical data-parallel peers, so it needs no other simulated rank), and the
+  tied-embedding reduction of the first and last segment, a collective between the two ranks
+  holding them, on a second stream; ``costs.reduce_lead`` lets a reduction start that long
+  before its ``LR`` (DDP buckets launched while the last backward still runs);
+* ``WR(c)`` blocks until both are done (``reduce_wait``); a deferred ``WR`` (before the chunk's
+  first forward) waits for the reduction launched in the previous iteration and is skipped in
+  the first one;
+* ``OS(c)`` takes ``costs.optim``; before the first non-deferred ``OS`` of an iteration the
+  ranks meet in ``costs.before_steps`` (gradient-norm all-reduce over the pipeline, fp16
+  overflow vote): a barrier of the pipeline;
+* after its last action a rank waits for its sends to complete (the executor's end-of-iteration
+  wait), ends the step, and meets the others in ``costs.end_of_iteration`` (the loss all-reduce).
+
+Links are shared fluidly: the ``k`` transfers in flight on a link each get ``bw / W`` where ``W``
+sums their weights (a weight ``w`` stands for ``w`` identical transfers of symmetric ranks that
+are not simulated). The result is a list of per-rank events in the format of
+:mod:`foldtrain.profile.timeline`, so :func:`foldtrain.profile.summarize` and the Gantt / trace
+exporters read simulated and measured runs alike.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from foldtrain.schedules import Op, Schedule, message_key
+
+Phase = tuple  # ("delay", seconds) | ("flow", link_key, weight, nbytes)
+
+
+class SharedLink:
+    """A link of bandwidth ``bw`` bytes/s shared by the flows in flight (weighted processor sharing)."""
+
+    __slots__ = ("sim", "bw", "flows", "t", "ver", "_next")
+
+    def __init__(self, sim: "Sim", bw: float):
+        self.sim, self.bw = sim, bw
+        self.flows: dict[int, list] = {}
+        self.t = 0.0
+        self.ver = 0
+        self._next = 0
+
+    def _advance(self, now: float) -> None:
+        if self.flows and now > self.t:
+            rate = self.bw / sum(f[1] for f in self.flows.values())
+            dt = now - self.t
+            for f in self.flows.values():
+                f[0] -= rate * dt
+        self.t = now
+
+    def add(self, nbytes: float, weight: float, done: Callable[[float], None]) -> None:
+        now = self.sim.now
+        if nbytes <= 0:
+            done(now)
+            return
+        self._advance(now)
+        self._next += 1
+        self.flows[self._next] = [nbytes, weight, done]
+        self._reschedule(now)
+
+    def _reschedule(self, now: float) -> None:
+        self.ver += 1
+        if not self.flows:
+            return
+        rate = self.bw / sum(f[1] for f in self.flows.values())
+        rem = min(f[0] for f in self.flows.values())
+        ver = self.ver
+        self.sim.at(now + max(rem, 0.0) / rate, lambda: self._complete(ver))
+
+    def _complete(self, ver: int) -> None:
+        if ver != self.ver:
+            return
+        now = self.sim.now
+        self._advance(now)
+        rate = self.bw / sum(f[1] for f in self.flows.values())
+        eps = max(1e-6, rate * (abs(now) * 1e-12 + 1e-15))  # below the clock's resolution
+        done = [k for k, f in self.flows.items() if f[0] <= eps]
+        cbs = [self.flows.pop(k)[2] for k in done]
+        self._reschedule(now)
+        for cb in cbs:
+            cb(now)
+
+
+class Stream:
+    """A FIFO of phase lists (a rank's reduction stream): one job at a time."""
+
+    def __init__(self, sim: "Sim"):
+        self.sim = sim
+        self.queue: list = []
+        self.busy = False
+
+    def submit(self, ready_at: float, phases: list[Phase], done: Callable[[float, float], None]) -> None:
+        self.queue.append((ready_at, phases, done))
+        if not self.busy:
+            self._start_next()
+
+    def _start_next(self) -> None:
+        if not self.queue:
+            self.busy = False
+            return
+        self.busy = True
+        ready_at, phases, done = self.queue.pop(0)
+        start = max(ready_at, self.sim.now)
+
+        def finish(t: float) -> None:
+            done(start, t)
+            self._start_next()
+
+        self.sim.at(start, lambda: self.sim.run_phases(list(phases), finish))
+
+
+@dataclass
+class RankState:
+    p: int
+    pc: int = 0
+    it: int = 0
+    t: float = 0.0  # time the rank reached its current action
+    stepped: bool = False
+    in_flight: int = 0  # sends posted this iteration and not delivered
+    last_send: float = 0.0  # latest delivery of this iteration's sends
+    waiting_sends: bool = False
+    events: list = field(default_factory=list)
+    step_start: float = 0.0
+    deferred: set = field(default_factory=set)
+
+
+class Sim:
+    """The event loop and the pipeline ranks' interpreters."""
+
+    def __init__(self, sched: Schedule, costs: Any, iterations: int = 2, record_from: int = 0):
+        self.sched, self.costs, self.iterations = sched, costs, iterations
+        self.record_from = record_from
+        self.now = 0.0
+        self._heap: list = []
+        self._seq = 0
+        self.links: dict[tuple, SharedLink] = {}
+        self.fifo: dict[tuple, float] = {}  # dedicated FIFO links: when they are free
+        P = sched.pp
+        self.ranks = [RankState(p, deferred=set(sched.deferred_chunks(p))) for p in range(P)]
+        self.dp_stream = [Stream(self) for _ in range(P)]
+        self.tie_stream = [Stream(self) for _ in range(P)]
+        self.arrived: dict[tuple, float] = {}  # (iteration, message key) -> arrival time
+        self.recv_waiters: dict[tuple, Callable[[float], None]] = {}
+        self.red_done: dict[tuple, float] = {}  # (p, chunk, iteration, "dp"|"tie") -> completion
+        self.red_waiters: dict[tuple, list] = {}
+        self.tie_launch: dict[tuple, float] = {}  # (iteration, side) -> launch time
+        self.barriers: dict[tuple, list] = {}
+        self.iter_end: list[float] = []  # per iteration: when every rank left its end barrier
+        self._ended: dict[int, list] = {}
+
+    # ---------------------------------------------------------------- loop
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, fn))
+
+    def link(self, key: tuple) -> SharedLink:
+        ln = self.links.get(key)
+        if ln is None:
+            ln = self.links[key] = SharedLink(self, self.costs.link_bw(key))
+        return ln
+
+    def run_phases(self, phases: list[Phase], done: Callable[[float], None]) -> None:
+        if not phases:
+            done(self.now)
+            return
+        ph = phases.pop(0)
+        nxt = lambda t: self.run_phases(phases, done)  # noqa: E731
+        if ph[0] == "delay":
+            self.at(self.now + ph[1], lambda: nxt(self.now))
+        else:
+            _, key, weight, nbytes = ph
+            self.link(key).add(nbytes, weight, nxt)
+
+    def run(self) -> "Sim":
+        for r in self.ranks:
+            self.at(0.0, lambda r=r: self.step(r))
+        while self._heap:
+            t, _, fn = heapq.heappop(self._heap)
+            self.now = t
+            fn()
+        stuck = [r.p for r in self.ranks if r.it < self.iterations]
+        if stuck:
+            r = self.ranks[stuck[0]]
+            raise RuntimeError(f"simulation stalled: rank {r.p} at action #{r.pc} of iteration {r.it}")
+        return self
+
+    # ---------------------------------------------------------------- recording
+    def ev(self, r: RankState, name: str, kind: str, s: float, e: float, **args) -> None:
+        if r.it >= self.record_from:
+            r.events.append({"name": name, "kind": kind, "rank": r.p, "start": s, "end": e, "step": r.it, "args": args})
+
+    # ---------------------------------------------------------------- the interpreter
+    def resume(self, r: RankState, t: float) -> None:
+        r.t = max(r.t, t)
+        self.at(max(r.t, self.now), lambda: self.step(r))
+
+    def step(self, r: RankState) -> None:  # noqa: C901 - one branch per action kind
+        acts = self.sched.ranks[r.p]
+        costs = self.costs
+        while r.pc < len(acts):
+            a = acts[r.pc]
+            op = a.op
+            if op is Op.FORWARD or op is Op.BACKWARD:
+                dur = costs.compute(r.p, a)
+                self.ev(r, f"{op.value} c{a.chunk} m{a.mb}", "compute", r.t, r.t + dur, op=op.value, chunk=a.chunk, mb=a.mb)
+                r.pc += 1
+                self.resume(r, r.t + dur)
+                return
+            if op is Op.SEND_ACT or op is Op.SEND_GRAD:
+                key, weight, lat, nbytes = costs.send(r.p, a)
+                r.in_flight += 1
+                msg = (r.it, message_key(a))
+                self.ev(r, f"{op.value} c{a.chunk} m{a.mb}", "send", r.t, r.t, chunk=a.chunk, mb=a.mb, peer=a.peer, instant=True)
+
+                def delivered(t: float, r=r, msg=msg) -> None:
+                    r.in_flight -= 1
+                    r.last_send = max(r.last_send, t)
+                    self.arrived[msg] = t
+                    w = self.recv_waiters.pop(msg, None)
+                    if w:
+                        w(t)
+                    if r.waiting_sends and r.in_flight == 0:
+                        r.waiting_sends = False
+                        self.at(self.now, lambda: self.step(r))
+
+                if key[0] == "p2p":  # a dedicated pair link: one stream, transfers in posting order (NCCL)
+                    start = max(r.t + lat, self.fifo.get(key, 0.0))
+                    t_done = start + nbytes / self.costs.link_bw(key)
+                    self.fifo[key] = t_done
+                    self.at(t_done, lambda t_done=t_done, delivered=delivered: delivered(t_done))
+                else:
+                    self.at(r.t, lambda: self.run_phases([("delay", lat), ("flow", key, weight, nbytes)], delivered))
+                r.pc += 1
+                continue
+            if op is Op.RECV_ACT or op is Op.RECV_GRAD:
+                msg = (r.it, message_key(a))
+                t_arr = self.arrived.get(msg)
+                if t_arr is not None and t_arr <= r.t:
+                    r.pc += 1
+                    continue
+                if t_arr is None:
+                    t0 = r.t
+
+                    def got(t: float, r=r, a=a, t0=t0) -> None:
+                        if t > t0:
+                            self.ev(r, f"{a.op.value} c{a.chunk} m{a.mb}", "recv_wait", t0, t, chunk=a.chunk, mb=a.mb, peer=a.peer)
+                        r.pc += 1
+                        self.resume(r, t)
+
+                    self.recv_waiters[msg] = got
+                    return
+                self.ev(r, f"{op.value} c{a.chunk} m{a.mb}", "recv_wait", r.t, t_arr, chunk=a.chunk, mb=a.mb, peer=a.peer)
+                r.pc += 1
+                self.resume(r, t_arr)
+                return
+            if op is Op.LAUNCH_REDUCE:
+                self.launch_reduce(r, a.chunk)
+                r.pc += 1
+                continue
+            if op is Op.WAIT_REDUCE:
+                it = r.it - 1 if a.chunk in r.deferred else r.it
+                if it < 0:
+                    r.pc += 1
+                    continue
+                need = [(r.p, a.chunk, it, "dp")]
+                if self.costs.tie(r.p, a.chunk) is not None:
+                    need.append((r.p, a.chunk, it, "tie"))
+                missing = [k for k in need if k not in self.red_done]
+                if missing:
+                    # re-check once it is done (the rank's clock stays where it blocked)
+                    self.red_waiters.setdefault(missing[0], []).append(lambda t, r=r: self.at(self.now, lambda: self.step(r)))
+                    return
+                t_done = max(self.red_done[k] for k in need)
+                if t_done > r.t:
+                    self.ev(r, f"WR c{a.chunk}", "reduce_wait", r.t, t_done, chunk=a.chunk, deferred=a.chunk in r.deferred)
+                    r.pc += 1
+                    self.resume(r, t_done)
+                    return
+                r.pc += 1
+                continue
+            if op is Op.OPTIM_STEP:
+                if a.chunk in r.deferred:
+                    if r.it == 0:
+                        r.pc += 1
+                        continue
+                elif not r.stepped:
+                    cost = costs.before_steps()
+                    if cost is not None:
+                        if not self.barrier(r, ("clip", r.it), cost, "clip", "optim"):
+                            return
+                    r.stepped = True
+                dur = costs.optim(r.p, a.chunk)
+                if dur > 0:
+                    self.ev(r, f"OS c{a.chunk}", "optim", r.t, r.t + dur, chunk=a.chunk, deferred=a.chunk in r.deferred)
+                r.pc += 1
+                if dur > 0:
+                    self.resume(r, r.t + dur)
+                    return
+                continue
+            raise ValueError(f"unknown action {a}")
+        # end of the iteration: wait for this rank's sends, end the step, meet in the loss all-reduce
+        if r.in_flight:
+            r.waiting_sends = True
+            return
+        t_sent = r.last_send
+        if t_sent > r.t:
+            self.ev(r, "send wait", "send", r.t, t_sent)
+            r.t = t_sent
+        if not getattr(r, "_step_closed", False):
+            self.ev(r, f"step {r.it}", "step", r.step_start, r.t)
+            r._step_closed = True  # type: ignore[attr-defined]
+        cost = costs.end_of_iteration()
+        if cost is not None and not self.barrier(r, ("loss", r.it), cost, None, None):
+            return
+        self.iter_end_mark(r)
+
+    def iter_end_mark(self, r: RankState) -> None:
+        ends = self._ended.setdefault(r.it, [])
+        ends.append(r.t)
+        if len(ends) == len(self.ranks):
+            self.iter_end.append(max(ends))
+        r.it += 1
+        r.pc = 0
+        r.last_send = 0.0
+        r.stepped = False
+        r._step_closed = False  # type: ignore[attr-defined]
+        r.step_start = r.t
+        if r.it < self.iterations:
+            self.resume(r, r.t)
+
+    def barrier(self, r: RankState, key: tuple, cost: float, name: str | None, kind: str | None) -> bool:
+        """True when every rank has arrived (and ``r.t`` is past the collective); else park ``r``."""
+        b = self.barriers.setdefault(key, [None, []])
+        if b[0] is not None:  # released
+            t_rel = b[0]
+            if name and t_rel > b[2][r.p]:
+                self.ev(r, name, kind, b[2][r.p], t_rel)
+            r.t = max(r.t, t_rel)
+            return True
+        if len(b) == 2:
+            b.append({})
+        b[2][r.p] = r.t
+        b[1].append(r)
+        if len(b[1]) < len(self.ranks):
+            return False
+        t_rel = max(b[2].values()) + cost
+        b[0] = t_rel
+        for q in b[1]:
+            self.at(t_rel, lambda q=q: self.step(q))
+        return False
+
+    # ---------------------------------------------------------------- reductions
+    def launch_reduce(self, r: RankState, c: int) -> None:
+        it = r.it
+        lead = self.costs.reduce_lead(r.p, c)
+        self.ev(r, f"LR c{c}", "reduce_launch", r.t, r.t, chunk=c, instant=True)
+
+        def done(kind: str, start: float, t: float, r=r) -> None:
+            if kind == "dp" and it >= self.record_from:
+                r.events.append({"name": f"reduce c{c}", "kind": "reduce", "rank": r.p, "start": start, "end": t,
+                                 "step": it, "args": {"chunk": c}})
+            key = (r.p, c, it, kind)
+            self.red_done[key] = t
+            for w in self.red_waiters.pop(key, []):
+                w(t)
+
+        self.dp_stream[r.p].submit(r.t - lead, self.costs.reduce_phases(r.p, c), lambda s, t: done("dp", s, t))
+        tie = self.costs.tie(r.p, c)
+        if tie is not None:
+            side = 0 if c == 0 else 1
+            self.tie_launch[(it, side)] = r.t
+            other = self.tie_launch.get((it, 1 - side))
+            if other is not None:
+                t0 = max(r.t, other)
+                for p, ch in ((0, 0), (self.sched.pp - 1, self.sched.segments - 1)):
+                    self.tie_stream[p].submit(t0, list(tie), lambda s, t, p=p, ch=ch: self._tie_done(p, ch, it, t))
+
+    def _tie_done(self, p: int, c: int, it: int, t: float) -> None:
+        key = (p, c, it, "tie")
+        self.red_done[key] = t
+        for w in self.red_waiters.pop(key, []):
+            w(t)
+
+
+def run_schedule(sched: Schedule, costs: Any, iterations: int = 2, record_from: int = 0) -> Sim:
+    """Simulate ``iterations`` iterations of ``sched``; returns the finished :class:`Sim`."""
+    return Sim(sched, costs, iterations, record_from).run()

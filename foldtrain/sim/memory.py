@@ -1,0 +1,80 @@
+"""Memory per pipeline rank: parameters, gradients, optimizer state, masters, buffers, activations.
+
+Static part as in the HP3C'22 appendix: parameters + gradients + AdamW's two fp32 moments
+(+ fp32 masters with ``*-master``), sharded over the data-parallel workers by ``sharded-ps``
+(moments and masters), held only by the servers with ``ps``. Communication buffers: the 3D
+engine's flat per-chunk reduction buffer, DDP's buckets and ``sharded-ps``' flat buffer (a
+gradient copy each), the ``allreduce`` fusion buffer, the parameter server's message buffers.
+
+Activations: the micro-batches a rank keeps alive, found by walking its action list (a forward
+adds its segment's activations, the backward frees them): all ``V M`` at the turn for fold and
+GPipe, about ``P`` for 1F1B. Per block and micro-batch Korthikanti et al. (2022); with ``--ac full``
+only each block's input, plus one block's full activations while it is recomputed. The rank
+holding the head also holds one micro-batch's fp32 logits and their gradient.
+"""
+
+from __future__ import annotations
+
+from foldtrain.schedules import Op, Schedule
+
+from .costs import CostModel, rank_segments, segment_params
+from .setup import Setup
+
+GB = 1e9
+
+
+def activations_live_bytes(sched: Schedule, p: int, per_segment: dict[int, float]) -> float:
+    """Largest sum of ``per_segment[s]`` over the (segment, micro-batch) forwards alive at once on rank ``p``."""
+    live = peak = 0.0
+    for a in sched.ranks[p]:
+        if a.op is Op.FORWARD:
+            live += per_segment[a.chunk]
+            peak = max(peak, live)
+        elif a.op is Op.BACKWARD:
+            live -= per_segment[a.chunk]
+    return peak
+
+
+def rank_memory(s: Setup, cm: CostModel, sched: Schedule, p: int, runtime: float = 0.0, server: bool = False) -> dict[str, float]:
+    """Bytes by category for pipeline rank ``p`` (one tensor-parallel shard; ``server``: the ps server rank)."""
+    segs = rank_segments(s, p)
+    n = sum(segment_params(s, g) for g in segs)
+    workers = max(s.dp, 1)
+    out: dict[str, float] = {"params": n * s.weight_bytes, "grads": n * s.grad_bytes}
+    opt_share = 1.0
+    if s.strategy == "sharded-ps":
+        opt_share = 1.0 / workers
+    elif s.strategy == "ps":
+        opt_share = (1.0 / max(s.servers, 1)) if server else 0.0
+    out["optimizer"] = n * 8 * opt_share
+    out["masters"] = n * 4 * opt_share if s.master else 0.0
+    if s.strategy in ("allreduce-3d", "ddp", "sharded-ps") and s.dp > 1:
+        buf = n * s.grad_bytes
+    elif s.strategy == "allreduce":
+        buf = min(s.fusion_bytes, n * s.grad_bytes)
+    elif s.strategy == "ps":
+        buf = n * (s.grad_bytes + s.weight_bytes) * ((workers if s.servers == 0 else workers / s.servers) if server else 1)
+    else:
+        buf = 0.0
+    out["comm_buffers"] = buf
+    per_block = cm.act_bytes_block(recompute=s.ac)
+    per_seg = {}
+    for g in segs:
+        x = s.layers[g] * per_block
+        if g == 0:
+            x += s.micro_batch * s.seq * s.d_model * s.act_bytes  # embedding output
+        per_seg[g] = x
+    act = activations_live_bytes(sched, p, per_seg)
+    if s.ac:
+        act += cm.act_bytes_block(recompute=False)  # one block recomputed at a time
+    if s.segments - 1 in segs:
+        act += 2 * s.micro_batch * s.seq * s.vocab / s.tp * 4  # fp32 logits and their gradient, one micro-batch
+    out["activations"] = act
+    out["runtime"] = runtime
+    out["total"] = sum(out.values())
+    return out
+
+
+def format_breakdown(mem: dict[str, float]) -> str:
+    keys = ("params", "grads", "optimizer", "masters", "comm_buffers", "activations", "runtime")
+    return ", ".join(f"{k} {mem[k] / GB:.2f}" for k in keys if mem.get(k)) + f" = {mem['total'] / GB:.2f} GB"

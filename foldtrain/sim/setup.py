@@ -1,0 +1,126 @@
+"""What the simulator needs to know about a run: the layout, the model shape and the precision.
+
+:func:`resolve_setup` turns a validated :class:`foldtrain.config.Config` into a :class:`Setup`
+with the same rules as ``foldtrain train``: the 3D engine's layout (``validate_layout``) when
+any of ``--parallel.dp/pp/tp`` is above 1 with ``--dp.strategy none``; otherwise the
+data-parallel engines, where ``--parallel.dp`` is the number of data-parallel workers (plus
+``--dp.ps_servers`` dedicated servers) and ``--parallel.pp/tp`` must stay 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from foldtrain.errors import ConfigError
+from foldtrain.schedules.layout import chunk_layers, resolve_microbatches, validate_layout
+
+# precision -> (compute dtype, weight bytes, grad bytes, activation bytes, fp32 master copy)
+PRECISION = {
+    "fp32": ("fp32", 4, 4, 4, False),
+    "bf16": ("bf16", 4, 4, 2, False),
+    "fp16": ("fp16", 4, 4, 2, False),
+    "bf16-master": ("bf16", 2, 2, 2, True),
+    "fp16-master": ("fp16", 2, 2, 2, True),
+}
+
+
+@dataclass(frozen=True)
+class Setup:
+    mode: str  # "3d" (pipeline engine) or "dp" (a --dp.strategy engine, or one process)
+    strategy: str  # "allreduce-3d" for the 3D engine's per-chunk all-reduce, else --dp.strategy
+    dp: int  # data-parallel workers
+    servers: int  # dedicated parameter-server ranks (ps only)
+    pp: int
+    tp: int
+    virtual: int
+    microbatches: int
+    micro_batch: int
+    seq: int
+    n_layer: int
+    d_model: int
+    n_head: int
+    vocab: int
+    context: int
+    layers: tuple[int, ...]  # transformer blocks per global segment
+    dtype: str
+    weight_bytes: int
+    grad_bytes: int
+    act_bytes: int
+    master: bool
+    ac: bool
+    schedule: str
+    dp_sync: str
+    defer: bool
+    staleness: int
+    bucket_bytes: float
+    fusion_bytes: float
+    wire_factor: float  # allreduce --dp.compression: bytes on the wire per gradient byte
+    fp16_scaler: bool
+    clip: bool
+    p2p_scatter: bool = False  # Megatron's scatter/gather: each TP rank sends 1/tp of an activation (not foldtrain's executor)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.tp + self.servers
+
+    @property
+    def segments(self) -> int:
+        return self.pp * self.virtual
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.dp * self.microbatches * self.micro_batch * self.seq
+
+
+def resolve_setup(cfg, full_check: bool = True) -> Setup:
+    """The simulated run of ``cfg`` (a resolved, validated Config); ConfigError for a layout that cannot run.
+
+    ``full_check=False`` (the planner, whose candidates are valid by construction) skips building
+    the schedule once more for validation."""
+    p, m, t, d = cfg.parallel, cfg.model, cfg.train, cfg.dp
+    dtype, wb, gb, ab, master = PRECISION[cfg.precision]
+    strategy = d.strategy
+    if strategy == "horovod":
+        strategy = "allreduce"  # Horovod's ring all-reduce with fusion: the same algorithm and cost
+    if strategy != "none" and p.pp * p.tp > 1:
+        raise ConfigError(
+            f"--dp.strategy {d.strategy} cannot be combined with --parallel.pp {p.pp} / tp {p.tp}: the 3D engine does its "
+            f"own data-parallel all-reduce; use --dp.strategy none with --parallel.dp N, or pp = tp = 1 with the strategy"
+        )
+    if d.ps_servers and strategy != "ps":
+        raise ConfigError("--dp.ps_servers only applies to --dp.strategy ps; remove it or choose ps")
+    three_d = strategy == "none" and p.dp * p.pp * p.tp > 1
+    if three_d:
+        if full_check:
+            lay = validate_layout(cfg, p.dp * p.pp * p.tp)
+            layers = tuple(len(x) for x in lay.layers)
+            n_micro, micro, V = lay.microbatches, lay.micro_batch, lay.virtual
+        else:
+            n_micro, micro = resolve_microbatches(cfg)
+            V = p.virtual
+            layers = tuple(len(x) for x in chunk_layers(m.n_layer, p.pp * V, p.layers_per_chunk or None))
+        mode, strat = "3d", "allreduce-3d"
+    else:
+        workers = p.dp
+        if strategy == "none" and workers > 1:
+            raise ConfigError(f"--parallel.dp {workers} needs a data-parallel strategy or the 3D engine; this should not happen")
+        micro = t.micro_batch or max(1, t.global_batch // workers)
+        if t.global_batch % (workers * micro):
+            raise ConfigError(
+                f"--train.global_batch {t.global_batch} is not divisible by data-parallel workers x micro-batch "
+                f"({workers} x {micro}); pick a global batch that is a multiple of {workers * micro}"
+            )
+        n_micro, V = t.global_batch // (workers * micro), 1
+        layers = (len(chunk_layers(m.n_layer, 1)[0]),)
+        mode, strat = "dp", strategy if workers > 1 else "none"
+    return Setup(
+        mode=mode, strategy=strat, dp=p.dp, servers=d.ps_servers if strat == "ps" else 0, pp=p.pp if three_d else 1,
+        tp=p.tp if three_d else 1, virtual=V, microbatches=n_micro, micro_batch=micro, seq=t.seq_len,
+        n_layer=m.n_layer, d_model=m.d_model, n_head=m.n_head, vocab=m.vocab_size, context=m.context, layers=layers,
+        dtype=dtype, weight_bytes=wb, grad_bytes=gb, act_bytes=ab, master=master, ac=cfg.ac == "full",
+        schedule=p.schedule if three_d else "gpipe", dp_sync=p.dp_sync if three_d else "after-flush",
+        defer=bool(cfg.fold.defer_reduce) and three_d, staleness=d.ps_staleness if strat == "ps" else 0,
+        bucket_bytes=d.bucket_mb * 2**20, fusion_bytes=d.fusion_mb * 2**20,
+        wire_factor=(0.5 if d.compression in ("fp16", "bf16") and gb == 4 else 1.0) if strat == "allreduce" else 1.0,
+        fp16_scaler=cfg.precision.startswith("fp16"), clip=cfg.optim.grad_clip > 0,
+    )

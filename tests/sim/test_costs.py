@@ -1,0 +1,81 @@
+"""Closed forms of the cost model: ring all-reduce, the parameter server's traffic, memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from foldtrain.config import build_config
+from foldtrain.model.presets import PRESETS, analytic_param_count
+from foldtrain.sim.cluster import from_dict
+from foldtrain.sim.costs import CostModel, model_params
+from foldtrain.sim.setup import resolve_setup
+from foldtrain.sim.simulate import RunCosts, simulate
+
+from .conftest import cluster_dict
+
+approx = pytest.approx
+
+
+def _cfg(*args):
+    return build_config(["--model.preset", "gpt2-small", "--train.seq_len", "128", *args])
+
+
+def test_ring_allreduce_time(cluster):
+    # 4 workers on one node (intra link 10 GB/s, 10 us): one reduction of the whole gradient, nothing overlapped
+    cfg = _cfg("--dp.strategy", "allreduce", "--parallel.dp", "4", "--train.global_batch", "4", "--dp.fusion_mb", "100000")
+    r = simulate(cfg, cluster, keep_events=True)
+    grad = model_params(r.setup) * 4
+    n = 4
+    expect = 2 * (n - 1) / n * grad / 10e9 + 2 * (n - 1) * 10e-6 + (n - 1) / n * grad * 3 / 1000e9
+    red = [e for e in r.events[0] if e["kind"] == "reduce" and e["step"] == r.events[0][-1]["step"]]
+    assert len(red) == 1 and red[0]["end"] - red[0]["start"] == approx(expect, rel=1e-6)
+    assert CostModel.ring_allreduce_time(grad, n, 10e9, 10e-6) == approx(expect - (n - 1) / n * grad * 3 / 1000e9)
+
+
+def test_parameter_server_link_carries_n_minus_1_workers(cluster):
+    for servers, n, senders in ((0, 4, 3), (1, 4, 4), (2, 4, 2)):
+        cfg = _cfg("--dp.strategy", "ps", "--parallel.dp", str(n), "--dp.ps_servers", str(servers), "--train.global_batch", "4")
+        s = resolve_setup(cfg)
+        rc = RunCosts(s, cluster)
+        flows = [ph for ph in rc.reduce_phases(0, 0) if ph[0] == "flow"]
+        grad = rc.cm.grad_bytes(0)
+        assert [f[1][0] for f in flows] == ["srv-in", "srv-out"]
+        assert flows[0][3] == approx(senders * grad)  # N-1 colocated, N dedicated (split over K servers)
+    # on the same link, the central server is slower than the ring all-reduce at 4 workers
+    ps = simulate(_cfg("--dp.strategy", "ps", "--parallel.dp", "4", "--train.global_batch", "4"), cluster)
+    ar = simulate(_cfg("--dp.strategy", "allreduce", "--parallel.dp", "4", "--train.global_batch", "4"), cluster)
+    assert ps.step_time > ar.step_time
+
+
+def test_memory_of_gpt2_small_single_process(cluster):
+    r = simulate(_cfg("--train.global_batch", "1"), cluster)
+    m = r.memory[0]
+    n = analytic_param_count(**{k: PRESETS["gpt2-small"][k] for k in ("n_layer", "d_model", "context", "vocab_size")})
+    assert m["params"] == approx(4 * n) and m["grads"] == approx(4 * n) and m["optimizer"] == approx(8 * n)
+    assert m["comm_buffers"] == 0 and m["masters"] == 0
+    # activations: Korthikanti et al., fp32 = twice their 2-byte count, 12 blocks, plus the embedding output and fp32 logits
+    L, d, a, b, V = 128, 768, 12, 1, 50257
+    per_block = L * b * d * (34 + 5 * a * L / d) * 2
+    assert m["activations"] == approx(12 * per_block + L * d * 4 + 2 * L * V * 4)
+
+
+def test_sharded_ps_shards_optimizer_and_master_state(cluster):
+    one = simulate(_cfg("--train.global_batch", "4"), cluster).memory[0]
+    sh = simulate(_cfg("--dp.strategy", "sharded-ps", "--parallel.dp", "4", "--train.global_batch", "4"), cluster).memory[0]
+    assert sh["optimizer"] == approx(one["optimizer"] / 4)
+
+
+def test_recomputation_trades_memory_for_time(cluster):
+    base = ["--parallel.pp", "2", "--parallel.dp", "2", "--train.global_batch", "16", "--parallel.schedule", "gpipe"]
+    plain = simulate(_cfg(*base), cluster, check_memory=False)
+    ac = simulate(_cfg(*base, "--ac", "full"), cluster, check_memory=False)
+    assert max(m["activations"] for m in ac.memory) < max(m["activations"] for m in plain.memory) / 3
+    assert ac.step_time > plain.step_time
+
+
+def test_fold_keeps_all_microbatches_1f1b_about_p():
+    c = from_dict(cluster_dict(device__memory_gb=1000))
+    base = ["--parallel.pp", "4", "--train.global_batch", "16"]
+    f1 = simulate(_cfg(*base, "--parallel.schedule", "1f1b"), c).memory[0]["activations"]
+    gp = simulate(_cfg(*base, "--parallel.schedule", "gpipe"), c).memory[0]["activations"]
+    assert gp / f1 == approx(16 / 4, rel=0.05)  # M live micro-batches vs P on rank 0

@@ -1,0 +1,69 @@
+"""The event engine against closed forms: pipeline bubbles, fold's makespan, link sharing."""
+
+from __future__ import annotations
+
+import pytest
+
+from foldtrain.profile import summarize
+from foldtrain.schedules import build_schedule
+from foldtrain.sim import UnitCosts, events_from_simulation, simulate_order
+from foldtrain.sim.events import Sim, run_schedule
+
+approx = pytest.approx
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 3), (3, 7)])
+def test_gpipe_1f1b_bubble(name, pp, m):
+    s = summarize(events_from_simulation(simulate_order(build_schedule(name, pp, 1, m), 1.0, 2.0)))[0]
+    assert s["bubble"] == approx([(pp - 1) / (m + pp - 1)] * pp)
+
+
+@pytest.mark.parametrize("pp,v,m", [(2, 2, 4), (4, 2, 4), (4, 4, 8), (3, 2, 6)])
+def test_fold_makespan_free_communication(pp, v, m):
+    t_f, t_b = 1.5, 2.5
+    sim = run_schedule(build_schedule("fold", pp, v, m), UnitCosts(t_f, t_b))
+    assert sim.iter_end[0] == approx((v * m + pp - 1) * (t_f + t_b))
+
+
+def test_per_chunk_exposes_only_the_last_chunk_reduction():
+    costs = UnitCosts(1.0, 2.0, t_reduce=3.0)
+    flush = run_schedule(build_schedule("fold", 2, 4, 4, "after-flush"), costs)
+    chunk = run_schedule(build_schedule("fold", 2, 4, 4, "per-chunk"), costs)
+    compute_end = (4 * 4 + 1) * 3.0
+    assert flush.iter_end[0] == approx(compute_end + 4 * 3.0)  # 4 chunk reductions after the flush
+    assert chunk.iter_end[0] == approx(compute_end + 3.0)  # only chunk 0's
+
+
+def test_deferred_reduction_is_waited_in_the_next_iteration():
+    costs = UnitCosts(1.0, 2.0, t_reduce=2.0, t_optim=0.5)
+    sim = run_schedule(build_schedule("fold", 2, 2, 4, "per-chunk", defer_reduce=True), costs, iterations=3)
+    waits = [e for e in sim.ranks[0].events if e["kind"] == "reduce_wait" and e["args"]["deferred"]]
+    optims = [e for e in sim.ranks[0].events if e["kind"] == "optim"]
+    assert not [e for e in waits if e["step"] == 0]  # nothing launched before the first iteration
+    assert len([e for e in optims if e["step"] == 0]) == 1 and len([e for e in optims if e["step"] == 2]) == 2
+
+
+class _TwoFlows(UnitCosts):
+    def send(self, p, a):
+        return ("nic", 0), 1.0, 0.0, 100.0
+
+    def link_bw(self, key):
+        return 100.0  # bytes/s: one transfer alone takes 1 s
+
+
+def test_shared_link_halves_bandwidth():
+    sim = Sim(build_schedule("1f1b", 2, 1, 1), _TwoFlows(0.0, 0.0))
+    got = []
+    link = sim.link(("nic", 0))
+    sim.at(0.0, lambda: link.add(100.0, 1.0, got.append))
+    sim.at(0.0, lambda: link.add(100.0, 1.0, got.append))
+    sim.at(0.0, lambda: link.add(50.0, 2.0, got.append))  # weight 2: two identical transfers of other ranks
+    while sim._heap:
+        import heapq
+
+        t, _, fn = heapq.heappop(sim._heap)
+        sim.now = t
+        fn()
+    # 4 unit flows share 100 B/s: the 50-byte pair ends at 2 s; the two 100-byte ones then have 50 B each at 50 B/s
+    assert sorted(got) == approx([2.0, 3.0, 3.0])

@@ -19,12 +19,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]  # the repository (docs/ lives there)
 
-from foldtrain.config import to_toml  # noqa: E402
-from foldtrain.sim.cluster import Cluster, Link  # noqa: E402
-from foldtrain.sim.plan import plan  # noqa: E402
+from foldtrain.config import to_toml
+from foldtrain.sim.cluster import Cluster, Link
+from foldtrain.sim.plan import plan
 
 BASE = ["--model.preset", "tiny", "--train.global_batch", "16", "--train.seq_len", "128"]
 RUN = ["--train.log_every", "1", "--train.eval_every", "0", "--train.eval_batches", "1", "--train.sample_tokens", "0",

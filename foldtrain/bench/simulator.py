@@ -23,14 +23,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]  # the repository (docs/ lives there)
 
-from foldtrain.calibrate import measure_compute, measure_loopback, measure_network  # noqa: E402
-from foldtrain.config import build_config  # noqa: E402
-from foldtrain.sim.cluster import Cluster, Link  # noqa: E402
-from foldtrain.sim.report import write_profile  # noqa: E402
-from foldtrain.sim.simulate import simulate  # noqa: E402
+from foldtrain.calibrate import measure_compute, measure_loopback, measure_network
+from foldtrain.config import build_config
+from foldtrain.sim.cluster import Cluster, Link
+from foldtrain.sim.report import write_profile
+from foldtrain.sim.simulate import simulate
 
 CMD = "foldtrain bench simulator"
 PIPE_MODEL = ["--model.preset", "tiny", "--model.n_layer", "8", "--model.d_model", "256", "--train.global_batch", "8",

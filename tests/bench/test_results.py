@@ -88,6 +88,30 @@ def test_error_line_finds_the_exception_and_falls_back():
     assert len(error_line("ValueError: " + "x" * 500)) == 200
 
 
+def test_error_line_sees_through_launcher_prefixes():
+    """torch 2.13 prefixes a child's lines with ``[rankN]:``; horovodrun with ``[N]<stderr>:`` and ends with its own RuntimeError."""
+    torch_text = """[rank1]: Traceback (most recent call last):
+[rank1]:   File "x.py", line 3, in <module>
+[rank1]: TypeError: _DistributedOptimizer.zero_grad() got an unexpected keyword argument 'set_to_none'
+E1130 torch.distributed.elastic.multiprocessing.api: failed (exitcode: 1) local_rank: 1
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+[1]:
+  exitcode  : 1 (pid: 123)"""
+    assert error_line(torch_text) == "TypeError: _DistributedOptimizer.zero_grad() got an unexpected keyword argument 'set_to_none'"
+    hvd_text = """[1]<stderr>:Traceback (most recent call last):
+[1]<stderr>:ValueError: bad shape
+[0]<stdout>:step 1
+Process 1 exit with status code 1.
+Terminating remaining workers after failure of Process 1.
+Traceback (most recent call last):
+RuntimeError: Horovod detected that one or more processes exited with non-zero status, thus causing the job to be terminated. The first process to do so was:
+Process name: 1
+Exit code: 1"""
+    assert error_line(hvd_text) == "ValueError: bad shape"
+    assert error_line("[1,0]<stderr>:foldtrain: error: no data\nRuntimeError: Horovod detected that one or more processes exited") \
+        == "foldtrain: error: no data"
+
+
 # ---------------------------------------------------------------- dp table and ratios
 
 

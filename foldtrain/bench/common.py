@@ -299,12 +299,18 @@ def print_dry_run(jobs_by_network: dict[str, list], ws: Workspace, log=print) ->
         for job in jobs:
             r = job.result
             out = ws.run_dir(run_name(r))
+            env = " ".join(f"{k}={v}" for k, v in {"OMP_NUM_THREADS": job.threads, **job.env}.items())
             if net == LOOPBACK:
                 cmd = job.command(out)
-                log(f"{job.describe()}:\n  OMP_NUM_THREADS={job.threads} {' '.join(cmd)}")
+                log(f"{job.describe()}:\n  {env} {' '.join(cmd)}")
+            elif getattr(job, "horovod", False):
+                log(f"{job.describe()}: {job.nnodes} node(s) x {job.nproc_per_node} process(es) on the emulated {net} network, "
+                    f"Horovod's rendezvous server in node 0:\n  per process: ip netns exec <prefix>-n<k> env "
+                    f"GLOO_SOCKET_IFNAME=<prefix>-v<k> HOROVOD_RANK=r HOROVOD_SIZE={job.nnodes * job.nproc_per_node} ... {env} "
+                    f"{sys.executable} {' '.join([*job.script, *job.args])} --out {out}")
             else:
                 log(f"{job.describe()}: {job.nnodes} node(s) x {job.nproc_per_node} process(es) on the emulated {net} network:\n"
-                    f"  per node k: ip netns exec <prefix>-n<k> env GLOO_SOCKET_IFNAME=<prefix>-v<k> OMP_NUM_THREADS={job.threads} "
+                    f"  per node k: ip netns exec <prefix>-n<k> env GLOO_SOCKET_IFNAME=<prefix>-v<k> {env} "
                     f"{sys.executable} -m torch.distributed.run --nnodes {job.nnodes} --node_rank k --nproc_per_node {job.nproc_per_node} "
                     f"--master_addr 198.18.0.1 --master_port PORT {' '.join([*job.script, *job.args])} --out {out}")
 

@@ -75,7 +75,7 @@ def _init_from_horovod(device_request: str, timeout_s: float) -> DistEnv:
     try:
         import horovod.torch as hvd
     except ImportError as e:
-        raise DistributedError(f"horovodrun started this process but {e}; install Horovod for this Python "
+        raise DistributedError(f"horovodrun started this process but this Python cannot import horovod.torch ({e}); install Horovod for it "
                                "(bash scripts/install-horovod.sh) or launch with torchrun") from None
     hvd.init()
     rank, world, local_rank = hvd.rank(), hvd.size(), hvd.local_rank()

@@ -11,7 +11,8 @@
 #     (torch 2.x headers refuse C++14);
 #   * cmake_minimum_required(VERSION 2.8.12 ...) -> 3.5 in third_party/gloo/CMakeLists.txt
 #     (CMake 4 refuses a minimum below 3.5).
-# It then builds with pip (--no-build-isolation: Horovod's setup.py must see the installed torch).
+# It then builds with pip (--no-build-isolation: Horovod's setup.py must see the installed torch;
+# CMAKE_POLICY_VERSION_MINIMUM=3.5 also lets CMake 4 accept any other old minimum).
 # About 2-3 minutes on 2 cores (MAKEFLAGS=-j2; set MAKEFLAGS to change). Idempotent: does nothing
 # when `import horovod.torch` already works.
 #
@@ -101,7 +102,7 @@ edit third_party/gloo/CMakeLists.txt 's/^cmake_minimum_required\(VERSION 2\.8\.1
 echo "install-horovod: building Horovod $VERSION (PyTorch + gloo, CPU) with $(cmake --version | head -n1); this takes a few minutes"
 start=$(date +%s)
 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
-HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo MAKEFLAGS="${MAKEFLAGS:--j2}" \
+HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo MAKEFLAGS="${MAKEFLAGS:--j2}" CMAKE_POLICY_VERSION_MINIMUM=3.5 \
   "$PY" -m pip install --no-build-isolation --no-cache-dir "$src" >"$work/build.log" 2>&1 || {
     grep -E "error|Error" "$work/build.log" | tail -n 5 >&2 || true
     cp "$work/build.log" "${TMPDIR:-/tmp}/horovod-build.log"

@@ -46,12 +46,23 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--precisions", default="fp32,bf16", help="comma list of --precision values (default %(default)s)")
     g.add_argument("--ranks", type=common.csv_ints, default=[1, 2, 4], help="comma list of world sizes (default 1,2,4)")
     g.add_argument("--anchors", default=",".join(ANCHORS), help="baselines: ddp_plain, horovod_plain; 'none' for no anchors")
-    g.add_argument("--horovod_cycle_ms", type=float, default=HOROVOD_CYCLE_MS,
-                   help="HOROVOD_CYCLE_TIME of the Horovod runs, ms (default %(default)s; Horovod's own default is 1)")
+    g.add_argument("--horovod_cycle_ms", type=csv_floats, default=[HOROVOD_CYCLE_MS],
+                   help="HOROVOD_CYCLE_TIME of the Horovod runs, ms (default 20; Horovod's own default is 1); "
+                        "a comma list runs every Horovod row once per value (a tuning sweep)")
     g.add_argument("--ps_servers", type=int, default=0, help="--dp.ps_servers for ps runs (default 0: colocated on rank 0)")
     g.add_argument("--micro_batch", type=int, default=0, help="--train.micro_batch (0: the whole per-rank batch)")
     common.add_common(p, DEFAULTS)
     return p
+
+
+def csv_floats(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma list of positive numbers (e.g. 1,5,20)")
+    return vals
 
 
 def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = None) -> dict[str, list]:
@@ -79,18 +90,23 @@ def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = 
         jobs.setdefault(net, [])
     if "horovod" in strategies and not horovod_ok:
         notes.append("horovod strategy skipped: Horovod is not installed (bash scripts/install-horovod.sh)")
-    hvd_env = {"HOROVOD_CYCLE_TIME": f"{getattr(a, 'horovod_cycle_ms', HOROVOD_CYCLE_MS):g}",
-               "HOROVOD_FUSION_THRESHOLD": str(int(DPConfig().fusion_mb * 2**20))}
+    cycles = getattr(a, "horovod_cycle_ms", [HOROVOD_CYCLE_MS])
 
     def add(net: str, impl: str, variant: str, prec: str, n: int, script: list[str], extra: list[str], workers: int,
             horovod: bool = False, note: str = ""):
-        res = RunResult("dp", impl, variant, prec, n, net, workers, info={"note": note} if note else {})
         threads = common.threads_for(a, n)
         loop = net == common.LOOPBACK
-        launcher = horovodrun_command(n) if horovod and loop else None
-        jobs[net].append(Job(res, script, [*base, "--precision", prec, *extra], nnodes=1 if loop else n,
-                             nproc_per_node=n if loop else 1, threads=threads, launcher=launcher, horovod=horovod,
-                             env=dict(hvd_env) if horovod else {}))
+        for c in cycles if horovod else [None]:
+            info = {"note": note} if note else {}
+            env = {}
+            if c is not None:
+                env = {"HOROVOD_CYCLE_TIME": f"{c:g}", "HOROVOD_FUSION_THRESHOLD": str(int(DPConfig().fusion_mb * 2**20))}
+                if len(cycles) > 1:  # a sweep: rows told apart by the note, runs by their directory
+                    info.update(note=f"cycle {c:g} ms", cycle_ms=f"{c:g}")
+            res = RunResult("dp", impl, variant, prec, n, net, workers, info=info)
+            launcher = horovodrun_command(n) if horovod and loop else None
+            jobs[net].append(Job(res, script, [*base, "--precision", prec, *extra], nnodes=1 if loop else n,
+                                 nproc_per_node=n if loop else 1, threads=threads, launcher=launcher, horovod=horovod, env=env))
 
     for prec in precisions:
         # the single-process reference (speed-up 1.0): always on loopback, network does not matter
@@ -138,7 +154,7 @@ def main(argv: list[str]) -> int:
     if "horovod_plain" in anchors or "horovod" in common.csv(a.strategies):
         horovod_ok = common.optional_anchor("horovod", "horovod.torch", log, notes)
     if horovod_ok:
-        notes.append(f"horovod, horovod_plain: HOROVOD_CYCLE_TIME {a.horovod_cycle_ms:g} ms (--horovod_cycle_ms), "
+        notes.append(f"horovod, horovod_plain: HOROVOD_CYCLE_TIME {', '.join(f'{c:g}' for c in a.horovod_cycle_ms)} ms (--horovod_cycle_ms), "
                      f"HOROVOD_FUSION_THRESHOLD {DPConfig().fusion_mb:g} MB; horovodrun on loopback, "
                      "its gloo launch by hand (foldtrain.bench.horovod_launch) on the emulated network")
     ws = common.Workspace(a.out, "dp")

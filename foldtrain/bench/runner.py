@@ -44,7 +44,7 @@ class Job:
 
     def describe(self) -> str:
         r = self.result
-        extra = " ".join(f"{k}={v}" for k, v in r.info.items() if k in ("virtual", "dp_sync"))
+        extra = " ".join(f"{k}={v}" for k, v in r.info.items() if k in ("virtual", "dp_sync", "cycle_ms"))
         return f"{r.label} {r.precision} {r.ranks} rank(s) {r.network}" + (f" {extra}" if extra else "")
 
 

@@ -273,6 +273,31 @@ def test_dp_plan_shapes_the_study():
         dp.plan(dp.parser().parse_args(["--strategies", "magic"]), "")
 
 
+def test_dp_plan_horovod_rows(monkeypatch):
+    """With Horovod: foldtrain's `horovod` and the `horovod_plain` anchor, named apart, under horovodrun on loopback and
+    the hand-made Horovod launch on the emulated network, each with the cycle time(s) asked for."""
+    hvdrun = lambda n: ["/env/bin/horovodrun", "-np", str(n), "-H", f"localhost:{n}", "/env/bin/python"]  # noqa: E731
+    monkeypatch.setattr(dp, "horovodrun_command", hvdrun)
+    a = dp.parser().parse_args(["--strategies", "none,horovod", "--precisions", "fp32", "--ranks", "1,2", "--networks", "loopback,1gbit",
+                                "--anchors", "ddp_plain,horovod", "--horovod_cycle_ms", "1,20"])
+    jobs = dp.plan(a, "/data", horovod_ok=True, notes=[])
+    hvd = [j for js in jobs.values() for j in js if j.horovod]
+    assert sorted({j.result.label for j in hvd}) == ["horovod", "horovod_plain"]
+    assert len(hvd) == 8  # 2 rows x 2 networks x 2 cycle times
+    for j in hvd:
+        assert j.env["HOROVOD_CYCLE_TIME"] == j.result.info["cycle_ms"] and j.result.info["note"] == f"cycle {j.result.info['cycle_ms']} ms"
+        if j.result.network == "loopback":
+            cmd = j.command(Path("/o"))
+            assert cmd[:6] == hvdrun(2) and cmd[-2:] == ["--out", "/o"]
+        else:
+            assert j.launcher is None and (j.nnodes, j.nproc_per_node) == (2, 1)
+    assert len({common.run_name(j.result) for j in hvd}) == 8  # every run its own directory
+    a = dp.parser().parse_args(["--strategies", "none,horovod", "--ranks", "2", "--networks", "loopback"])
+    notes = []
+    assert not any(j.horovod for js in dp.plan(a, "/data", horovod_ok=False, notes=notes).values() for j in js)
+    assert any("horovod strategy skipped" in n for n in notes)
+
+
 def test_quick_keeps_explicit_options():
     a = common.parse_args(dp.parser(), ["--quick", "--networks", "loopback", "--steps", "4"], dp.QUICK)
     assert a.networks == "loopback" and a.steps == 4 and a.global_batch == dp.QUICK["global_batch"]

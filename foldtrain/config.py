@@ -372,8 +372,8 @@ def validate_world(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"--model.init_from {cfg.model.init_from} does not exist; pass a Hugging Face GPT-2 directory or a foldtrain model.safetensors")
     if d.strategy == "horovod" and importlib.util.find_spec("horovod") is None:
         raise ConfigError(
-            "--dp.strategy horovod needs Horovod, which is not installed (it builds from PyPI only with patches for torch 2.x); "
-            "use --dp.strategy allreduce, foldtrain's Horovod-style ring all-reduce"
+            "--dp.strategy horovod needs Horovod, which is not installed (build it with bash scripts/install-horovod.sh); "
+            "or use --dp.strategy allreduce, foldtrain's Horovod-style ring all-reduce"
         )
     if d.strategy == "none" and world_size > 1 and cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.tp == 1:
         raise ConfigError(f"--dp.strategy none runs one process but {world_size} were launched; pick a strategy (e.g. --dp.strategy ddp) or launch one process")

@@ -227,7 +227,8 @@ def slug(*parts) -> str:
 
 
 def run_name(r) -> str:
-    return slug(r.bench, r.impl, r.variant, r.info.get("virtual", ""), r.info.get("dp_sync", ""), r.precision, f"{r.ranks}r", r.network)
+    cycle = f"cycle{r.info['cycle_ms']}ms" if r.info.get("cycle_ms") else ""  # a Horovod cycle-time sweep
+    return slug(r.bench, r.impl, r.variant, r.info.get("virtual", ""), r.info.get("dp_sync", ""), r.precision, f"{r.ranks}r", r.network, cycle)
 
 
 def execute(jobs_by_network: dict[str, list], a, ws: Workspace, max_nodes: dict[str, int], log) -> list:
@@ -299,12 +300,18 @@ def print_dry_run(jobs_by_network: dict[str, list], ws: Workspace, log=print) ->
         for job in jobs:
             r = job.result
             out = ws.run_dir(run_name(r))
+            env = " ".join(f"{k}={v}" for k, v in {"OMP_NUM_THREADS": job.threads, **job.env}.items())
             if net == LOOPBACK:
                 cmd = job.command(out)
-                log(f"{job.describe()}:\n  OMP_NUM_THREADS={job.threads} {' '.join(cmd)}")
+                log(f"{job.describe()}:\n  {env} {' '.join(cmd)}")
+            elif getattr(job, "horovod", False):
+                log(f"{job.describe()}: {job.nnodes} node(s) x {job.nproc_per_node} process(es) on the emulated {net} network, "
+                    f"Horovod's rendezvous server in node 0:\n  per process: ip netns exec <prefix>-n<k> env "
+                    f"GLOO_SOCKET_IFNAME=<prefix>-v<k> HOROVOD_RANK=r HOROVOD_SIZE={job.nnodes * job.nproc_per_node} ... {env} "
+                    f"{sys.executable} {' '.join([*job.script, *job.args])} --out {out}")
             else:
                 log(f"{job.describe()}: {job.nnodes} node(s) x {job.nproc_per_node} process(es) on the emulated {net} network:\n"
-                    f"  per node k: ip netns exec <prefix>-n<k> env GLOO_SOCKET_IFNAME=<prefix>-v<k> OMP_NUM_THREADS={job.threads} "
+                    f"  per node k: ip netns exec <prefix>-n<k> env GLOO_SOCKET_IFNAME=<prefix>-v<k> {env} "
                     f"{sys.executable} -m torch.distributed.run --nnodes {job.nnodes} --node_rank k --nproc_per_node {job.nproc_per_node} "
                     f"--master_addr 198.18.0.1 --master_port PORT {' '.join([*job.script, *job.args])} --out {out}")
 

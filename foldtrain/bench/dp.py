@@ -4,20 +4,31 @@ Every strategy x precision at 1, 2 and 4 ranks, same model and global batch, on 
 (``torchrun --standalone``) and on the emulated network (one rank per node, throttled links),
 plus the plain-PyTorch DDP anchor (and Horovod when installed); one table, then the target
 ratios computed from the same invocation.
+
+Horovod (where ``import horovod.torch`` works): foldtrain's ``--dp.strategy horovod`` (row
+``horovod``) and the minimal Horovod loop (row ``horovod_plain``, beside ``ddp_plain``) run under
+``horovodrun`` on loopback and under the same launch made by hand on the emulated network
+(:mod:`foldtrain.bench.horovod_launch`), both with ``HOROVOD_CYCLE_TIME`` = ``--horovod_cycle_ms``
+and ``HOROVOD_FUSION_THRESHOLD`` = foldtrain's ``--dp.fusion_mb`` default.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from foldtrain.bench import common
+from foldtrain.bench.horovod_launch import horovodrun_command
+from foldtrain.config import DPConfig
 from foldtrain.errors import FoldtrainError
 from foldtrain.bench.results import DP_HEADERS, RunResult, dp_ratios, dp_rows
 
 STRATEGIES = ("none", "ps", "sharded-ps", "allreduce", "ddp", "horovod")
-ANCHORS = ("ddp_plain", "horovod")
+ANCHORS = ("ddp_plain", "horovod_plain")
+ANCHOR_ALIASES = {"horovod": "horovod_plain"}
+# Horovod's background thread gathers ready gradients every HOROVOD_CYCLE_TIME ms (default 1 ms, tuned for
+# GPUs); on 2 shared CPU cores that polling competes with the compute. Measured by sweeping it (docs/benchmarks.md).
+HOROVOD_CYCLE_MS = 20.0
 DEFAULTS = dict(preset="tiny", global_batch=16, seq_len=128, steps=15, warmup=3, networks="loopback,1gbit", timeout=900.0)
 QUICK = dict(preset="tiny", n_layer=2, d_model=64, n_head=2, global_batch=8, seq_len=64, steps=6, warmup=2, ranks=[1, 2],
              precisions="fp32")
@@ -34,11 +45,24 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--strategies", default=",".join(STRATEGIES), help="comma list of --dp.strategy values (default: all)")
     g.add_argument("--precisions", default="fp32,bf16", help="comma list of --precision values (default %(default)s)")
     g.add_argument("--ranks", type=common.csv_ints, default=[1, 2, 4], help="comma list of world sizes (default 1,2,4)")
-    g.add_argument("--anchors", default=",".join(ANCHORS), help="baselines: ddp_plain, horovod; 'none' for no anchors")
+    g.add_argument("--anchors", default=",".join(ANCHORS), help="baselines: ddp_plain, horovod_plain; 'none' for no anchors")
+    g.add_argument("--horovod_cycle_ms", type=csv_floats, default=[HOROVOD_CYCLE_MS],
+                   help="HOROVOD_CYCLE_TIME of the Horovod runs, ms (default 20; Horovod's own default is 1); "
+                        "a comma list runs every Horovod row once per value (a tuning sweep)")
     g.add_argument("--ps_servers", type=int, default=0, help="--dp.ps_servers for ps runs (default 0: colocated on rank 0)")
     g.add_argument("--micro_batch", type=int, default=0, help="--train.micro_batch (0: the whole per-rank batch)")
     common.add_common(p, DEFAULTS)
     return p
+
+
+def csv_floats(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma list of positive numbers (e.g. 1,5,20)")
+    return vals
 
 
 def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = None) -> dict[str, list]:
@@ -52,7 +76,7 @@ def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = 
     bad = [s for s in strategies if s not in STRATEGIES]
     precisions = common.csv(a.precisions)
     bad += [p for p in precisions if p not in PRECISIONS]
-    anchors = [x for x in common.csv(a.anchors) if x != "none"]
+    anchors = [ANCHOR_ALIASES.get(x, x) for x in common.csv(a.anchors) if x != "none"]
     bad += [x for x in anchors if x not in ANCHORS]
     if bad:
         raise FoldtrainError(f"bench dp: unknown value(s) {', '.join(bad)}; strategies: {', '.join(STRATEGIES)}; "
@@ -64,12 +88,25 @@ def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = 
     jobs: dict[str, list] = {common.LOOPBACK: []}
     for net in networks:
         jobs.setdefault(net, [])
+    if "horovod" in strategies and not horovod_ok:
+        notes.append("horovod strategy skipped: Horovod is not installed (bash scripts/install-horovod.sh)")
+    cycles = getattr(a, "horovod_cycle_ms", [HOROVOD_CYCLE_MS])
+
     def add(net: str, impl: str, variant: str, prec: str, n: int, script: list[str], extra: list[str], workers: int,
-            launcher: list[str] | None = None, note: str = ""):
-        res = RunResult("dp", impl, variant, prec, n, net, workers, info={"note": note} if note else {})
+            horovod: bool = False, note: str = ""):
         threads = common.threads_for(a, n)
-        jobs[net].append(Job(res, script, [*base, "--precision", prec, *extra], nnodes=1 if net == common.LOOPBACK else n,
-                             nproc_per_node=n if net == common.LOOPBACK else 1, threads=threads, launcher=launcher))
+        loop = net == common.LOOPBACK
+        for c in cycles if horovod else [None]:
+            info = {"note": note} if note else {}
+            env = {}
+            if c is not None:
+                env = {"HOROVOD_CYCLE_TIME": f"{c:g}", "HOROVOD_FUSION_THRESHOLD": str(int(DPConfig().fusion_mb * 2**20))}
+                if len(cycles) > 1:  # a sweep: rows told apart by the note, runs by their directory
+                    info.update(note=f"cycle {c:g} ms", cycle_ms=f"{c:g}")
+            res = RunResult("dp", impl, variant, prec, n, net, workers, info=info)
+            launcher = horovodrun_command(n) if horovod and loop else None
+            jobs[net].append(Job(res, script, [*base, "--precision", prec, *extra], nnodes=1 if loop else n,
+                                 nproc_per_node=n if loop else 1, threads=threads, launcher=launcher, horovod=horovod, env=env))
 
     for prec in precisions:
         # the single-process reference (speed-up 1.0): always on loopback, network does not matter
@@ -83,7 +120,7 @@ def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = 
                 if n == 1:
                     continue  # one process: no network; its runs are the loopback references above
                 for s in strategies:
-                    if s == "none":
+                    if s == "none" or (s == "horovod" and not horovod_ok):
                         continue
                     extra, workers = ["--dp.strategy", s], n
                     if s == "ps" and a.ps_servers:
@@ -97,14 +134,13 @@ def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = 
                         if msg not in notes:
                             notes.append(msg)
                         continue
-                    add(net, "foldtrain", s, prec, n, ["-m", "foldtrain", "train"], extra, workers)
+                    add(net, "foldtrain", s, prec, n, ["-m", "foldtrain", "train"], extra, workers, horovod=s == "horovod")
                     if s == "ps" and a.ps_servers:
                         jobs[net][-1].result.info["ps_servers"] = a.ps_servers
                 if "ddp_plain" in anchors and a.global_batch % n == 0:  # (the strategies' note covers n)
                     add(net, "ddp_plain", "", prec, n, ["-m", "foldtrain.bench.anchors.ddp_plain"], [], n)
-                if "horovod" in anchors and horovod_ok and net == common.LOOPBACK and a.global_batch % n == 0:
-                    add(net, "horovod", "", prec, n, ["-m", "foldtrain.bench.anchors.horovod_plain"], [], n,
-                        launcher=["horovodrun", "-np", str(n), "-H", f"localhost:{n}", sys.executable])
+                if "horovod_plain" in anchors and horovod_ok and a.global_batch % n == 0:
+                    add(net, "horovod_plain", "", prec, n, ["-m", "foldtrain.bench.anchors.horovod_plain"], [], n, horovod=True)
     return jobs
 
 
@@ -114,11 +150,13 @@ def main(argv: list[str]) -> int:
     log = common.logger()
     notes: list[str] = []
     horovod_ok = False
-    anchors = common.csv(a.anchors)
-    if "horovod" in anchors:
+    anchors = [ANCHOR_ALIASES.get(x, x) for x in common.csv(a.anchors)]
+    if "horovod_plain" in anchors or "horovod" in common.csv(a.strategies):
         horovod_ok = common.optional_anchor("horovod", "horovod.torch", log, notes)
-        if horovod_ok and any(n != common.LOOPBACK for n in common.csv(a.networks)):
-            notes.append("horovod anchor runs on loopback only (horovodrun across namespaces would need ssh)")
+    if horovod_ok:
+        notes.append(f"horovod, horovod_plain: HOROVOD_CYCLE_TIME {', '.join(f'{c:g}' for c in a.horovod_cycle_ms)} ms (--horovod_cycle_ms), "
+                     f"HOROVOD_FUSION_THRESHOLD {DPConfig().fusion_mb:g} MB; horovodrun on loopback, "
+                     "its gloo launch by hand (foldtrain.bench.horovod_launch) on the emulated network")
     ws = common.Workspace(a.out, "dp")
     try:
         data_path = "" if a.dry_run else common.prepare_data(a)

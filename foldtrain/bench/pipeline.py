@@ -154,6 +154,9 @@ def main(argv: list[str]) -> int:
             "torch anchors: torch.distributed.pipelining schedules + a flat all-reduce of each stage's gradients over the "
             "dp group after the schedule (DDP-style, after the flush)",
         ]
+        if deepspeed_ok:
+            notes.append("deepspeed: DeepSpeed's PipelineModule and its 1F1B TrainSchedule, gradients all-reduced over the dp "
+                         "group after the flush, torch's AdamW (DeepSpeed compiles no op here); embeddings untied")
         common.print_results("foldtrain bench pipeline", PIPE_HEADERS, rows, ratios, notes, results, a, ws,
                              kept="runs, gantt_*.png and results.json",
                              without_out="pass --out DIR to keep the runs and each foldtrain run's gantt.png")

@@ -34,6 +34,7 @@ class Job:
     threads: int = 1  # OMP_NUM_THREADS per process
     env: dict[str, str] = field(default_factory=dict)
     launcher: list[str] | None = None  # instead of torchrun (e.g. horovodrun), loopback only
+    horovod: bool = False  # a Horovod job: horovodrun on loopback (launcher), horovod_launch on the emulated network
 
     def command(self, out_dir: Path) -> list[str]:
         """The loopback command line (for --dry_run and for running)."""
@@ -44,7 +45,7 @@ class Job:
 
     def describe(self) -> str:
         r = self.result
-        extra = " ".join(f"{k}={v}" for k, v in r.info.items() if k in ("virtual", "dp_sync"))
+        extra = " ".join(f"{k}={v}" for k, v in r.info.items() if k in ("virtual", "dp_sync", "cycle_ms"))
         return f"{r.label} {r.precision} {r.ranks} rank(s) {r.network}" + (f" {extra}" if extra else "")
 
 
@@ -113,9 +114,16 @@ def run_job(job: Job, out_dir: Path, warmup: int, steps: int, timeout_s: float, 
         else:
             sampler = WireSampler(cluster, job.nnodes, out_dir / "metrics.jsonl", warmup, steps)
             port = random.randint(20000, 39999)
-            jr = cluster.run_torchrun([*job.script, *job.args, "--out", str(out_dir)], nproc_per_node=job.nproc_per_node,
-                                      nnodes=job.nnodes, port=port, env=job.env, threads=job.threads, timeout_s=timeout_s,
-                                      log_dir=out_dir / "launch", on_poll=sampler.poll, gpus=gpus)
+            if job.horovod:
+                from foldtrain.bench.horovod_launch import run_horovod
+
+                jr = run_horovod(cluster, [*job.script, *job.args, "--out", str(out_dir)], nproc_per_node=job.nproc_per_node,
+                                 nnodes=job.nnodes, env=job.env, threads=job.threads, timeout_s=timeout_s,
+                                 log_dir=out_dir / "launch", on_poll=sampler.poll)
+            else:
+                jr = cluster.run_torchrun([*job.script, *job.args, "--out", str(out_dir)], nproc_per_node=job.nproc_per_node,
+                                          nnodes=job.nnodes, port=port, env=job.env, threads=job.threads, timeout_s=timeout_s,
+                                          log_dir=out_dir / "launch", on_poll=sampler.poll, gpus=gpus)
             codes, text, timed_out = jr.returncodes, jr.text(), jr.timed_out
             res.wire = sampler.per_step()
     except KeyboardInterrupt:

@@ -15,6 +15,11 @@
 Traffic between two processes of the same node goes over the namespace's own address (the
 kernel's loopback path) and is not shaped; traffic between nodes crosses two shaped links.
 
+As on a real cluster, the machine's host name resolves, inside node ``k``, to the node's own
+address: ``/etc/netns/<prefix>-n<k>/hosts``, which ``ip netns exec`` mounts over ``/etc/hosts``.
+(Horovod's gloo finds its address for process sets by host name, whatever ``HOROVOD_GLOO_IFACE``
+says.)
+
 Teardown (namespaces, their processes, veths, bridge) always runs: on normal exit, on an
 exception, on SIGINT/SIGTERM/SIGHUP (handlers installed while the cluster lives) and at
 interpreter exit. Leftovers of a crashed earlier cluster with the same prefix are removed at
@@ -34,6 +39,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +57,7 @@ NEEDS_ROOT = (
 )
 SUBNET = "198.18.0"  # RFC 2544 benchmarking range (198.18.0.0/15); node k = 198.18.0.(k+1)/24
 LOCK_DIR = Path("/run/foldtrain-netns")
+NETNS_ETC = Path("/etc/netns")  # per-namespace files `ip netns exec` mounts over /etc
 NETCHECK = Path(__file__).with_name("netcheck.py")
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,9}$")
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
@@ -240,6 +247,7 @@ class EmulatedCluster:
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
             _run(["ip", "-n", ns, "addr", "add", f"{self.addr(k)}/24", "dev", v])
             _run(["ip", "-n", ns, "link", "set", v, "up"])
+            _write_hosts(ns, self.addr(k))
             for argv in self._tc_args(v, with_delay=True):
                 p = _run(["ip", "netns", "exec", ns, *argv], check=False)
                 if p.returncode != 0:
@@ -416,6 +424,13 @@ def _disable_ipv6(dev: str) -> None:
         pass
 
 
+def _write_hosts(ns: str, addr: str) -> None:
+    """Inside ``ns``, this machine's host name resolves to ``addr`` (its node's address)."""
+    d = NETNS_ETC / ns
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "hosts").write_text(f"127.0.0.1\tlocalhost\n::1\tlocalhost\n{addr}\t{socket.gethostname()}\n")
+
+
 def _free_port_hint() -> int:
     import random
 
@@ -456,6 +471,9 @@ def cleanup_prefix(prefix: str) -> None:
             while live and time.monotonic() < t_end and any(_alive(p) for p in live):
                 time.sleep(0.05)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    for d in NETNS_ETC.glob(f"{prefix}-n*") if NETNS_ETC.is_dir() else []:
+        if re.fullmatch(rf"{re.escape(prefix)}-n\d+", d.name):
+            shutil.rmtree(d, ignore_errors=True)
     _, links = list_prefix(prefix)
     for link in sorted(links, key=lambda n: n.endswith("-br")):  # veths first, the bridge last
         subprocess.run(["ip", "link", "del", link], capture_output=True)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import sys
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import TINY_ARGS
 from tests.support import torchrun
+
+HOROVODRUN = Path(sys.executable).with_name("horovodrun")
 
 
 def run_anchor(n: int, module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -41,6 +48,32 @@ def test_ddp_plain_anchor_world2(small_data, tmp_path):
     out = tmp_path / "ddp"
     r = run_anchor(2, "foldtrain.bench.anchors.ddp_plain", *common(small_data, out, steps=3), "--train.micro_batch", "1")
     assert r.returncode == 0, r.stderr[-3000:]
+    rec = records(out)
+    assert [x["step"] for x in rec] == [1, 2, 3]
+    assert all(x["tokens_per_s"] > 0 and 5.0 < x["loss"] < 8.0 for x in rec)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed (pip install -e '.[bench]')")
+def test_deepspeed_pipe_anchor_world2(small_data, tmp_path):
+    """DeepSpeed's PipelineModule over 2 pipeline stages, 2 micro-batches, 2 steps (starts without compiling any op)."""
+    out = tmp_path / "ds"
+    r = run_anchor(2, "foldtrain.bench.anchors.deepspeed_pipe", *common(small_data, out), "--model.n_layer", "2", "--parallel.pp", "2",
+                 "--parallel.microbatches", "2", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "built successfully" not in r.stdout + r.stderr  # no JIT-compiled DeepSpeed op
+    rec = records(out)
+    assert [x["step"] for x in rec] == [1, 2]
+    assert all(x["tokens_per_s"] > 0 and 5.0 < x["loss"] < 8.0 for x in rec)
+
+
+@pytest.mark.skipif(not HOROVODRUN.is_file(), reason="Horovod is not installed (bash scripts/install-horovod.sh)")
+def test_horovod_plain_anchor_world2(small_data, tmp_path):
+    out = tmp_path / "hvd"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HOROVOD_CYCLE_TIME": "5"}
+    cmd = [str(HOROVODRUN), "-np", "2", "-H", "localhost:2", sys.executable, "-m", "foldtrain.bench.anchors.horovod_plain",
+           *common(small_data, out, steps=3), "--train.micro_batch", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     rec = records(out)
     assert [x["step"] for x in rec] == [1, 2, 3]
     assert all(x["tokens_per_s"] > 0 and 5.0 < x["loss"] < 8.0 for x in rec)

@@ -88,6 +88,30 @@ def test_error_line_finds_the_exception_and_falls_back():
     assert len(error_line("ValueError: " + "x" * 500)) == 200
 
 
+def test_error_line_sees_through_launcher_prefixes():
+    """torch 2.13 prefixes a child's lines with ``[rankN]:``; horovodrun with ``[N]<stderr>:`` and ends with its own RuntimeError."""
+    torch_text = """[rank1]: Traceback (most recent call last):
+[rank1]:   File "x.py", line 3, in <module>
+[rank1]: TypeError: _DistributedOptimizer.zero_grad() got an unexpected keyword argument 'set_to_none'
+E1130 torch.distributed.elastic.multiprocessing.api: failed (exitcode: 1) local_rank: 1
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+[1]:
+  exitcode  : 1 (pid: 123)"""
+    assert error_line(torch_text) == "TypeError: _DistributedOptimizer.zero_grad() got an unexpected keyword argument 'set_to_none'"
+    hvd_text = """[1]<stderr>:Traceback (most recent call last):
+[1]<stderr>:ValueError: bad shape
+[0]<stdout>:step 1
+Process 1 exit with status code 1.
+Terminating remaining workers after failure of Process 1.
+Traceback (most recent call last):
+RuntimeError: Horovod detected that one or more processes exited with non-zero status, thus causing the job to be terminated. The first process to do so was:
+Process name: 1
+Exit code: 1"""
+    assert error_line(hvd_text) == "ValueError: bad shape"
+    assert error_line("[1,0]<stderr>:foldtrain: error: no data\nRuntimeError: Horovod detected that one or more processes exited") \
+        == "foldtrain: error: no data"
+
+
 # ---------------------------------------------------------------- dp table and ratios
 
 
@@ -247,6 +271,31 @@ def test_dp_plan_shapes_the_study():
     assert notes and "16" in notes[0] and "ps" in notes[0]
     with pytest.raises(FoldtrainError, match="unknown"):
         dp.plan(dp.parser().parse_args(["--strategies", "magic"]), "")
+
+
+def test_dp_plan_horovod_rows(monkeypatch):
+    """With Horovod: foldtrain's `horovod` and the `horovod_plain` anchor, named apart, under horovodrun on loopback and
+    the hand-made Horovod launch on the emulated network, each with the cycle time(s) asked for."""
+    hvdrun = lambda n: ["/env/bin/horovodrun", "-np", str(n), "-H", f"localhost:{n}", "/env/bin/python"]  # noqa: E731
+    monkeypatch.setattr(dp, "horovodrun_command", hvdrun)
+    a = dp.parser().parse_args(["--strategies", "none,horovod", "--precisions", "fp32", "--ranks", "1,2", "--networks", "loopback,1gbit",
+                                "--anchors", "ddp_plain,horovod", "--horovod_cycle_ms", "1,20"])
+    jobs = dp.plan(a, "/data", horovod_ok=True, notes=[])
+    hvd = [j for js in jobs.values() for j in js if j.horovod]
+    assert sorted({j.result.label for j in hvd}) == ["horovod", "horovod_plain"]
+    assert len(hvd) == 8  # 2 rows x 2 networks x 2 cycle times
+    for j in hvd:
+        assert j.env["HOROVOD_CYCLE_TIME"] == j.result.info["cycle_ms"] and j.result.info["note"] == f"cycle {j.result.info['cycle_ms']} ms"
+        if j.result.network == "loopback":
+            cmd = j.command(Path("/o"))
+            assert cmd[:6] == hvdrun(2) and cmd[-2:] == ["--out", "/o"]
+        else:
+            assert j.launcher is None and (j.nnodes, j.nproc_per_node) == (2, 1)
+    assert len({common.run_name(j.result) for j in hvd}) == 8  # every run its own directory
+    a = dp.parser().parse_args(["--strategies", "none,horovod", "--ranks", "2", "--networks", "loopback"])
+    notes = []
+    assert not any(j.horovod for js in dp.plan(a, "/data", horovod_ok=False, notes=notes).values() for j in js)
+    assert any("horovod strategy skipped" in n for n in notes)
 
 
 def test_quick_keeps_explicit_options():

@@ -12,6 +12,15 @@ whole pipeline and data parallelism crosses nodes. DeepSpeed's engine runs its 1
 or 1 row) and all-reduces gradients after the flush. Tied embeddings are untied here (DeepSpeed's
 ``TiedLayerSpec`` would tie them; a small difference in communication). Rank 0 writes
 ``metrics.jsonl`` with ``step_time_s`` and ``tokens_per_s``.
+
+The optimizer is foldtrain's AdamW (torch's, weight decay on matrices, the same warm-up + cosine
+schedule) handed to ``deepspeed.initialize``: DeepSpeed's own "AdamW" would JIT-compile its
+FusedAdam C++ op at start-up (minutes on a loaded CPU; the pip install builds no ops,
+``DS_BUILD_OPS=0``). For the same reason its shared-memory collective op is not built: on CPU it
+serves only ``inference_all_reduce``, never training (and its shared memory would cross the
+emulated nodes, which share /dev/shm).
+
+Tested with DeepSpeed 0.19.8 (the ``bench`` extra) and torch 2.13 on CPU (gloo).
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import time
 
 import torch
 
-from foldtrain.bench.anchors.common import Metrics, data_and_model, loss_fn, micro_batches, untie_head
+from foldtrain.bench.anchors.common import Metrics, adamw, data_and_model, loss_fn, lr_at, micro_batches, set_lr, untie_head
 from foldtrain.config import build_config
 from foldtrain.data import SequenceSampler
 
@@ -30,10 +39,14 @@ from foldtrain.data import SequenceSampler
 def main(argv: list[str]) -> int:
     cfg = build_config(argv)
     t, o, par = cfg.train, cfg.optim, cfg.parallel
+    import importlib
+
     import deepspeed
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import ProcessTopology
 
+    # (the module, not the attribute: ``deepspeed.comm.torch`` is torch itself)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # inference-only on CPU; see the module doc
     use_cuda = torch.cuda.is_available() and t.device != "cpu"
     deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo")
     rank = int(os.environ["RANK"])
@@ -50,20 +63,19 @@ def main(argv: list[str]) -> int:
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": M,
         "gradient_clipping": o.grad_clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
-                                                  "weight_decay": o.weight_decay}},
         "bf16": {"enabled": cfg.precision.startswith("bf16")},
         "fp16": {"enabled": cfg.precision.startswith("fp16")},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
-                                           config=ds_config)
+    opt = adamw([p for p in net.parameters() if p.requires_grad], o, foreach=None)
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=ds_config)
     d = rank // P
     sampler = SequenceSampler(data.split("train"), t.seq_len, t.seed)
     metrics = Metrics(cfg, rank, torch.device("cuda" if use_cuda else "cpu"))  # "cuda": the current GPU's peak memory
     for step in range(t.steps):
         t0 = time.perf_counter()
+        set_lr(engine.optimizer, lr_at(step, o, t.steps))
         x, y = sampler.rank_batch(step, t.global_batch, d, D)
         it = iter(micro_batches(x, y, M, micro))
         loss = engine.train_batch(data_iter=it)

@@ -8,6 +8,9 @@ Same options, model, data, AdamW, schedule and metrics as :mod:`.ddp_plain`; gra
 averaged by ``hvd.DistributedOptimizer`` (``backward_passes_per_step`` = the number of
 accumulation micro-batches; ``HOROVOD_FUSION_THRESHOLD`` is taken from ``--dp.fusion_mb``);
 ``--dp.compression fp16`` maps to ``hvd.Compression.fp16``. Precision: autocast as in ddp_plain.
+Horovod's own tuning stays in its environment: ``foldtrain bench dp`` sets ``HOROVOD_CYCLE_TIME``
+(``--horovod_cycle_ms``, default 20 ms instead of Horovod's 1) for this loop and for
+``--dp.strategy horovod`` alike.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Worker for the data-parallel tests: ``torchrun --nproc-per-node W dp_worker.py SPEC.json OUT_DIR``.
+"""Worker for the data-parallel tests: ``torchrun --nproc-per-node W dp_worker.py SPEC.json OUT_DIR``
+(or ``horovodrun -np W -H localhost:W python dp_worker.py SPEC.json OUT_DIR``).
 
 SPEC.json is a list of cases (config overrides plus what to do); every rank runs them in order,
 each on a fresh engine built exactly as the trainer builds it (``build_engine``), and writes what
@@ -111,11 +112,11 @@ def main() -> int:
 
     spec, out_dir = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = min((c.get("timeout_s", 120.0) for c in spec), default=120.0)
     from foldtrain.distributed import init_distributed
 
-    env = init_distributed("cpu", timeout)
+    env = init_distributed("cpu", timeout)  # torchrun's or horovodrun's world
+    rank = env.rank
     results = {}
     try:
         for case in spec:

@@ -18,6 +18,7 @@ import functools
 import json
 import math
 import re
+import sys
 import subprocess
 from pathlib import Path
 
@@ -306,7 +307,7 @@ def test_a_dead_rank_is_named(tmp_path):
 
 
 # ---------------------------------------------------------------------- no process group needed
-def test_bad_configs_fail_before_any_process_group():
+def test_bad_configs_fail_before_any_process_group(monkeypatch):
     from foldtrain.config import build_config, validate
     from foldtrain.errors import ConfigError
 
@@ -314,6 +315,7 @@ def test_bad_configs_fail_before_any_process_group():
         with pytest.raises(ConfigError, match=needle):
             validate(build_config([*BASE, *args]), world)
 
+    monkeypatch.setitem(sys.modules, "horovod", None)  # as if Horovod were not installed (find_spec -> None)
     check(["--dp.strategy", "horovod"], 2, r"needs Horovod, which is not installed .* use --dp.strategy allreduce")
     check(["--dp.strategy", "ps", "--dp.ps_servers", "2"], 2, "leaves no worker")
     check(["--dp.strategy", "ps", "--dp.ps_servers", "1"], 6, "not divisible by data-parallel workers")  # 12 rows, 5 workers

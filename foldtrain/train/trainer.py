@@ -15,7 +15,7 @@ import torch
 
 from foldtrain.checkpoint import CheckpointManager, export_safetensors
 from foldtrain.config import Config, dp_workers, to_toml, validate
-from foldtrain.data import SequenceSampler, TokenData, load_tokenizer, resolve_data, val_batches
+from foldtrain.data import SequenceSampler, TokenData, load_tokenizer, open_dataset, val_batches
 from foldtrain.distributed import DistEnv, init_distributed, launch_world_size, shutdown
 from foldtrain.errors import CheckpointError, ConfigError
 from foldtrain.generate import sample
@@ -36,7 +36,7 @@ def check_run_dir(cfg: Config) -> CheckpointManager:
 
 
 def open_data(cfg: Config) -> TokenData:
-    data = TokenData.open(resolve_data(cfg.data))
+    data = open_dataset(cfg.data)  # --data.mix or --data.path (prepared if needed)
     if data.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"the tokenizer's vocabulary ({data.vocab_size}) is larger than the model's embedding ({cfg.model.vocab_size}); "

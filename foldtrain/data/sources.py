@@ -87,7 +87,7 @@ def iter_default_corpus(limit: int | None = None) -> Iterator[str]:
 
 
 def _is_prepared_dir(names: list[str]) -> bool:
-    return "meta.json" in names and "train.bin" in names
+    return ("meta.json" in names and ("train.bin" in names or "train-00000.bin" in names)) or ("options.json" in names and "plan.jsonl" in names)
 
 
 def walk_files(root: Path, skip_dirs: frozenset[str] = SKIP_DIRS) -> list[Path]:

@@ -156,13 +156,15 @@ def _pending(staging: Path, n: int, shard: int, num_shards: int, itemsize: int, 
 
 
 def _run(jobs: list[shards.ShardJob], workers: int, total: int, say: Any) -> None:
-    t0, done_bytes = time.perf_counter(), 0
+    t0, done_bytes, done = time.perf_counter(), 0, 0
 
     def report(rec: dict[str, Any]) -> None:
-        nonlocal done_bytes
+        nonlocal done_bytes, done
         done_bytes += rec["input_bytes"]
+        done += 1
         dt = max(time.perf_counter() - t0, 1e-9)
-        say(f"shard {rec['index'] + 1}/{total}: {rec['train']['tokens'] + rec['val']['tokens']:,} tokens; {done_bytes / 1e6:.0f} MB at {done_bytes / 1e6 / dt:.1f} MB/s")
+        say(f"shard {rec['index']} done ({done}/{len(jobs)} this run, {total} in all): {rec['train']['tokens'] + rec['val']['tokens']:,} tokens; "
+            f"{done_bytes / 1e6:.0f} MB at {done_bytes / 1e6 / dt:.1f} MB/s")
 
     if workers == 1 or len(jobs) == 1:
         for job in jobs:

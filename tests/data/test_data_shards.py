@@ -196,3 +196,16 @@ def test_hf_dataset_in_row_ranges(tmp_path, monkeypatch):
     meta = prepare(tmp_path / "hf", tmp_path / "out", vocab_size=300, val_fraction=0.2, seed=1, shard_mb=0.001, quiet=True)
     assert meta["n_documents"] == 120 and len(meta["shards"]) > 2
 
+
+
+def test_tokenizer_sample_is_bounded_and_seeded(raw, tmp_path):
+    from foldtrain.data.plan import make_plan, tokenizer_sample
+
+    plan = make_plan(raw, "text", 1 << 30, tmp_path / "plan.jsonl")
+    total = sum(len(p.read_text()) for p in raw.rglob("*.txt"))
+    budget = total // 4
+    a, b = list(tokenizer_sample(plan, "text", budget, 1)), list(tokenizer_sample(plan, "text", budget, 1))
+    c = list(tokenizer_sample(plan, "text", budget, 2))
+    longest = max(len(p.read_text()) for p in raw.rglob("*.txt"))
+    assert a == b and a != c and 0 < sum(map(len, a)) < budget + longest
+    assert len(list(tokenizer_sample(plan, "text", 10 * total, 1))) == 30  # a budget above the corpus: all of it

@@ -2,7 +2,16 @@
 
 Generates a corpus of text files under a scratch directory (default ``/tmp/foldtrain-databench``,
 ``--gb`` of input, deleted at the end unless ``--keep``), trains one tokenizer on a 20 MB sample
-that both sides load, then measures, alternating the two so machine noise hits both:
+that both sides load, then measures two things in one invocation:
+
+1. throughput, A/B: both sides on a subset of ``--subset_mb`` (hard links to the first files of
+   the corpus), ``--rounds`` times, alternating which goes first, so machine noise hits both;
+   wall-clock MB/s and MB per CPU-second (user + system time of the whole process tree, which
+   a loaded machine distorts much less than wall time);
+2. the whole corpus, ``foldtrain`` (and ``plain`` too with ``--full_plain``): peak memory and
+   throughput at full size.
+
+The two sides:
 
 - **plain**: a script that reads the same files in sorted order, 256 at a time, tokenizes them with
   ``tokenizers``' ``encode_batch`` (the library's own parallelism, all cores) and appends the ids
@@ -12,7 +21,7 @@ that both sides load, then measures, alternating the two so machine noise hits b
 Each side runs as a subprocess; a poller samples every 0.2 s the process tree's summed PSS
 (proportional set size: shared pages counted once) and the largest single-process RSS.
 
-    python benchmarks/data_prepare.py --gb 2.1 --workers 2 [--rounds 1] [--scratch DIR] [--keep]
+    python benchmarks/data_prepare.py --gb 2.1 --workers 2 [--rounds 2] [--subset_mb 100] [--full_plain] [--scratch DIR] [--keep]
 """
 
 from __future__ import annotations
@@ -72,7 +81,23 @@ def generate(root: Path, gb: float, doc_kb: int = 16) -> int:
         (d / f"doc{i:07d}.txt").write_bytes(data)
         written += len(data)
         i += 1
+    (root / "COMPLETE").write_text(str(written))
     return written
+
+
+def subset(corpus: Path, dst: Path, mb: float) -> int:
+    """Hard links to the first files of ``corpus`` (sorted walk order) totalling ``mb`` MB."""
+    dst.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for f in sorted(corpus.rglob("*.txt")):
+        if total >= mb * 1e6:
+            break
+        target = dst / f.parent.name / f.name
+        target.parent.mkdir(exist_ok=True)
+        if not target.exists():
+            os.link(f, target)
+        total += f.stat().st_size
+    return total
 
 
 def _children(pid: int) -> list[int]:
@@ -138,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=2.1)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=1, help="A/B repetitions (alternating which side goes first)")
+    ap.add_argument("--rounds", type=int, default=2, help="A/B repetitions on the subset (alternating which side goes first)")
+    ap.add_argument("--subset_mb", type=float, default=100.0)
+    ap.add_argument("--full_plain", action="store_true", help="also run the plain script on the whole corpus")
     ap.add_argument("--shard_mb", type=float, default=256.0)
     ap.add_argument("--scratch", default="/tmp/foldtrain-databench")
     ap.add_argument("--keep", action="store_true", help="keep the generated corpus and outputs")
@@ -147,12 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     corpus, tok = scratch / "corpus", scratch / "tokenizer.json"
     cores = os.cpu_count() or 1
     try:
-        if not corpus.is_dir():
+        if not (corpus / "COMPLETE").is_file():
+            shutil.rmtree(corpus, ignore_errors=True)
             t = time.perf_counter()
             size = generate(corpus, a.gb)
-            print(f"generated {size / 1e9:.2f} GB in {time.perf_counter() - t:.0f}s", file=sys.stderr)
+            print(f"generated {size / 1e9:.2f} GB in {time.perf_counter() - t:.0f}s", file=sys.stderr, flush=True)
         size = sum(f.stat().st_size for f in corpus.rglob("*.txt"))
         n_files = sum(1 for _ in corpus.rglob("*.txt"))
+        sub_size = subset(corpus, scratch / "subset", a.subset_mb)
         if not tok.is_file():
             from foldtrain.data.plan import make_plan, tokenizer_sample  # noqa: PLC0415
             from foldtrain.data.tokenizer import train_tokenizer  # noqa: PLC0415
@@ -160,37 +189,49 @@ def main(argv: list[str] | None = None) -> int:
             plan = make_plan(corpus, "text", 1 << 40, scratch / "plan.jsonl")
             train_tokenizer(tokenizer_sample(plan, "text", 20_000_000, 0), 8192).save(str(tok))
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        sides = {
-            "plain": [sys.executable, "-c", PLAIN, str(corpus), str(tok), str(scratch / "plain.bin")],
-            "foldtrain": [sys.executable, "-m", "foldtrain", "prepare", "--data.path", str(corpus), "--data.out", str(scratch / "ds"),
-                          "--data.tokenizer", str(tok), "--data.workers", str(a.workers), "--data.shard_mb", str(a.shard_mb)],
-        }
-        results: dict[str, list[dict[str, float]]] = {k: [] for k in sides}
+
+        def cmd(name: str, src: Path) -> list[str]:
+            if name == "plain":
+                return [sys.executable, "-c", PLAIN, str(src), str(tok), str(scratch / "plain.bin")]
+            return [sys.executable, "-m", "foldtrain", "prepare", "--data.path", str(src), "--data.out", str(scratch / "ds"),
+                    "--data.tokenizer", str(tok), "--data.workers", str(a.workers), "--data.shard_mb", str(a.shard_mb)]
+
+        def run(name: str, src: Path, nbytes: int, label: str) -> dict[str, float]:
+            shutil.rmtree(scratch / "ds", ignore_errors=True)
+            shutil.rmtree(scratch / "ds.partial", ignore_errors=True)
+            (scratch / "plain.bin").unlink(missing_ok=True)
+            res = measure(cmd(name, src), env)
+            res["mb_per_s"] = nbytes / 1e6 / res["wall_s"]
+            res["mb_per_cpu_s"] = nbytes / 1e6 / res["cpu_s"]
+            print(f"{label} {name}: {nbytes / 1e6:.0f} MB in {res['wall_s']:.0f}s: {res['mb_per_s']:.2f} MB/s, {res['mb_per_cpu_s']:.2f} MB per CPU-second, "
+                  f"peak PSS {res['peak_pss_mb']:.0f} MB, peak RSS {res['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
+            return res
+
+        ab: dict[str, list[dict[str, float]]] = {"plain": [], "foldtrain": []}
         for r in range(a.rounds):
             for name in (["plain", "foldtrain"] if r % 2 == 0 else ["foldtrain", "plain"]):
-                shutil.rmtree(scratch / "ds", ignore_errors=True)
-                shutil.rmtree(scratch / "ds.partial", ignore_errors=True)
-                (scratch / "plain.bin").unlink(missing_ok=True)
-                res = measure(sides[name], env)
-                res["mb_per_s"] = size / 1e6 / res["wall_s"]
-                res["mb_per_cpu_s"] = size / 1e6 / res["cpu_s"]
-                results[name].append(res)
-                print(f"round {r} {name}: {res['wall_s']:.0f}s, {res['mb_per_s']:.2f} MB/s, {res['mb_per_cpu_s']:.2f} MB per CPU-second, peak PSS {res['peak_pss_mb']:.0f} MB, "
-                      f"peak RSS {res['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
-        best = {k: min(v, key=lambda x: x["wall_s"]) for k, v in results.items()}
-        summary = {
-            "input_gb": size / 1e9, "files": n_files, "cores": cores, "workers": a.workers, "rounds": a.rounds,
-            **{f"{k}_{m}": round(v[m], 2) for k, v in best.items() for m in ("mb_per_s", "mb_per_cpu_s", "cpu_s", "peak_pss_mb", "peak_rss_mb", "wall_s")},
-            "plain_mb_per_s_per_core": round(best["plain"]["mb_per_s"] / cores, 2),
-            "foldtrain_mb_per_s_per_core": round(best["foldtrain"]["mb_per_s"] / min(cores, a.workers), 2),
-            "ratio": round(best["foldtrain"]["mb_per_s"] / best["plain"]["mb_per_s"], 3),
-            "ratio_per_cpu_s": round(best["foldtrain"]["mb_per_cpu_s"] / best["plain"]["mb_per_cpu_s"], 3),
-            "all": results,
-        }
+                ab[name].append(run(name, scratch / "subset", sub_size, f"subset round {r}"))
+        full = {"foldtrain": run("foldtrain", corpus, size, "full")}
         if (scratch / "ds" / "meta.json").is_file():
             meta = json.loads((scratch / "ds" / "meta.json").read_text())
-            summary["tokens"] = meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"]
-            summary["shards"] = len(meta["shards"])
+            full["foldtrain"]["tokens"] = meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"]
+            full["foldtrain"]["shards"] = len(meta["shards"])
+        if a.full_plain:
+            full["plain"] = run("plain", corpus, size, "full")
+
+        def total(side: str, key: str) -> float:
+            return sum(x[key] for x in ab[side])
+
+        summary = {
+            "input_gb": round(size / 1e9, 3), "files": n_files, "subset_mb": round(sub_size / 1e6, 1), "cores": cores,
+            "workers": a.workers, "rounds": a.rounds,
+            "subset_mb_per_s": {k: round(sub_size * len(v) / 1e6 / total(k, "wall_s"), 3) for k, v in ab.items()},
+            "subset_mb_per_cpu_s": {k: round(sub_size * len(v) / 1e6 / total(k, "cpu_s"), 3) for k, v in ab.items()},
+            "ratio_wall": round(total("plain", "wall_s") / total("foldtrain", "wall_s"), 3),
+            "ratio_per_cpu_s": round(total("plain", "cpu_s") / total("foldtrain", "cpu_s"), 3),
+            "full": {k: {m: round(x, 2) for m, x in v.items()} for k, v in full.items()},
+            "subset_runs": ab,
+        }
         print(json.dumps(summary, indent=2))
     finally:
         if not a.keep:

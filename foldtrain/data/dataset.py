@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from foldtrain.data.sampler import SequenceSampler, val_batches  # noqa: F401 (their old home)
 from foldtrain.data.sources import one_line
 from foldtrain.data.tokens import ShardedTokens
 from foldtrain.errors import DataError

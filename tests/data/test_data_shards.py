@@ -143,6 +143,12 @@ def test_checksums_small_or_on_request(reference, tmp_path, monkeypatch):
     TokenData.open(ds)  # sizes only
     with pytest.raises(DataError, match=f"{f.name} is corrupt"):
         TokenData.open(ds, verify=True)
+    from foldtrain.config import DataConfig
+    from foldtrain.data import open_dataset
+
+    open_dataset(DataConfig(path=str(ds)))
+    with pytest.raises(DataError, match=f"{f.name} is corrupt"):
+        open_dataset(DataConfig(path=str(ds), verify=True))  # --data.verify
 
 
 def test_sharded_stream_reads_across_boundaries(reference):

@@ -87,7 +87,8 @@ def generate(root: Path, gb: float, doc_kb: int = 16) -> int:
 
 def subset(corpus: Path, dst: Path, mb: float) -> int:
     """Hard links to the first files of ``corpus`` (sorted walk order) totalling ``mb`` MB."""
-    dst.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
     total = 0
     for f in sorted(corpus.rglob("*.txt")):
         if total >= mb * 1e6:
@@ -126,16 +127,22 @@ def _mem_kb(pid: int) -> tuple[int, int]:
     return pss, rss
 
 
-def measure(cmd: list[str], env: dict[str, str]) -> dict[str, float]:
-    """Run ``cmd``; wall time, peak summed PSS of its process tree and peak single-process RSS (MB)."""
+def measure(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, float]:
+    """Run ``cmd`` (its stderr to ``log``); wall time, CPU time, peak summed PSS of its process tree
+    and peak single-process RSS (MB). The peaks so far are printed every minute."""
     t0 = time.perf_counter()
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    errf = log.open("w")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=errf, text=True)
     peak = {"pss": 0, "rss": 0}
     done = threading.Event()
 
     def poll() -> None:
+        last = time.perf_counter()
         while not done.is_set():
+            if time.perf_counter() - last > 60:
+                last = time.perf_counter()
+                print(f"  ... {last - t0:.0f}s: peak PSS {peak['pss'] / 1024:.0f} MB, peak RSS {peak['rss'] / 1024:.0f} MB so far", file=sys.stderr, flush=True)
             tree, todo = [], [proc.pid]
             while todo:
                 p = todo.pop()
@@ -148,13 +155,14 @@ def measure(cmd: list[str], env: dict[str, str]) -> dict[str, float]:
 
     th = threading.Thread(target=poll, daemon=True)
     th.start()
-    _, err = proc.communicate()
+    proc.wait()
+    errf.close()
     wall = time.perf_counter() - t0
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the whole tree: pool workers are waited for by their parent
     done.set()
     th.join()
     if proc.returncode != 0:
-        raise SystemExit(f"{cmd[:4]} failed ({proc.returncode}): {err[-2000:]}")
+        raise SystemExit(f"{cmd[:4]} failed ({proc.returncode}): {log.read_text()[-2000:]}")
     cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
     return {"wall_s": wall, "cpu_s": cpu, "peak_pss_mb": peak["pss"] / 1024, "peak_rss_mb": peak["rss"] / 1024}
 
@@ -200,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(scratch / "ds", ignore_errors=True)
             shutil.rmtree(scratch / "ds.partial", ignore_errors=True)
             (scratch / "plain.bin").unlink(missing_ok=True)
-            res = measure(cmd(name, src), env)
+            res = measure(cmd(name, src), env, scratch / f"{label.replace(' ', '_')}_{name}.log")
             res["mb_per_s"] = nbytes / 1e6 / res["wall_s"]
             res["mb_per_cpu_s"] = nbytes / 1e6 / res["cpu_s"]
             print(f"{label} {name}: {nbytes / 1e6:.0f} MB in {res['wall_s']:.0f}s: {res['mb_per_s']:.2f} MB/s, {res['mb_per_cpu_s']:.2f} MB per CPU-second, "

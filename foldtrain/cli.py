@@ -16,7 +16,7 @@ from foldtrain.errors import CheckpointError, ConfigError, FoldtrainError
 USAGE = """foldtrain <command> [--config FILE] [--section.field VALUE ...]
 
 commands:
-  prepare    tokenize a corpus into a memory-mapped token file (--data.path IN --data.out DIR)
+  prepare    tokenize a corpus into memory-mapped token shards (--data.path IN --data.out DIR [--data.workers N])
   train      train a model (--out DIR, --resume, --model.preset, --train.steps, ...)
   eval       validation loss and perplexity of a run's latest (or --checkpoint) checkpoint
   generate   sample text from a run's checkpoint (--prompt, --max_tokens, --temperature, --top_k)
@@ -68,9 +68,14 @@ def cmd_prepare(ns, rest) -> int:
     d = cfg.data
     if not d.out:
         raise ConfigError("prepare needs an output directory; pass --data.out DIR")
-    meta = prepare(d.path or None, d.out, vocab_size=d.vocab_size, tokenizer_path=d.tokenizer, text_field=d.text_field, val_fraction=d.val_fraction, seed=d.seed)
+    meta = prepare(d.path or None, d.out, vocab_size=d.vocab_size, tokenizer_path=d.tokenizer, text_field=d.text_field, val_fraction=d.val_fraction, seed=d.seed,
+                   workers=d.workers, shard_mb=d.shard_mb, tokenizer_sample_mb=d.tokenizer_sample_mb, shard=d.shard, num_shards=d.num_shards)
+    if "part" in meta:
+        print(f"prepared part {meta['part']} of {meta['num_shards']} ({meta['shards']} shard(s)) in {meta['staging']}")
+        return 0
     splits = meta["splits"]
-    print(f"prepared {d.out}: {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} val tokens, vocab {meta['vocab_size']}, {meta['n_documents']:,} documents")
+    print(f"prepared {d.out}: {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} val tokens, vocab {meta['vocab_size']}, "
+          f"{meta['n_documents']:,} documents in {len(meta['shards'])} shard(s)")
     return 0
 
 

@@ -61,6 +61,14 @@ class DataConfig:
     text_field: str = "text"  # JSONL / HF dataset field holding the text
     val_fraction: float = 0.005
     seed: int = 1337
+    # prepared datasets blended by weight for training, "DIR=WEIGHT,DIR=WEIGHT" (instead of path)
+    mix: str = ""
+    verify: bool = False  # check every token file's sha256 on open, even above 1 GiB (smaller: always)
+    workers: int = 1  # prepare: processes encoding shards in parallel (1: in this process, all cores)
+    shard_mb: float = 256.0  # prepare: input text per shard
+    tokenizer_sample_mb: float = 100.0  # prepare: text sampled (seeded) to train the tokenizer
+    shard: int = 0  # prepare: which part of the corpus this machine prepares (0 .. num_shards-1)
+    num_shards: int = 1  # prepare: parts the corpus is prepared in (one per machine); 1: all of it
 
 
 @dataclass
@@ -346,6 +354,10 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _positive("data.vocab_size", cfg.data.vocab_size)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"--data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
+    for key in ("workers", "shard_mb", "tokenizer_sample_mb", "num_shards"):
+        _positive(f"data.{key}", getattr(cfg.data, key))
+    if not 0 <= cfg.data.shard < cfg.data.num_shards:
+        raise ConfigError(f"--data.shard {cfg.data.shard} is not in [0, --data.num_shards {cfg.data.num_shards}); number the parts 0 .. num_shards-1")
     _choice("precision", cfg.precision, PRECISIONS)
     _choice("ac", cfg.ac, AC_MODES)
     _choice("dp.strategy", d.strategy, STRATEGIES)

@@ -10,8 +10,6 @@ checkpoints, barriers and every strategy work as under torchrun.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import socket
 from dataclasses import dataclass
@@ -134,14 +132,7 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def dataset_identity(meta: dict) -> str:
-    """A short fingerprint of a prepared dataset: its ``meta.json`` checksums, token counts and vocabulary."""
-    s = meta["splits"]
-    key = json.dumps([meta.get("dtype"), meta.get("vocab_size"), meta.get("eot_id"), s["train"]["tokens"], s["train"]["sha256"], s["val"]["tokens"], s["val"]["sha256"]])
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
-
-
-def check_same_data(meta: dict) -> None:
+def check_same_data(fingerprint: str) -> None:
     """Every rank must train on the same prepared dataset; a mismatch raises on every rank (none hangs).
 
     One ``all_gather_object`` of the dataset fingerprint, right after the process group starts. Nodes
@@ -150,7 +141,7 @@ def check_same_data(meta: dict) -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     ids: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(ids, dataset_identity(meta))
+    dist.all_gather_object(ids, fingerprint)
     if len(set(ids)) > 1:
         groups: dict[str, list[int]] = {}
         for r, i in enumerate(ids):

@@ -71,7 +71,7 @@ def test_token_file_truncated(small_data, tmp_path, capsys):
 
     bad = tmp_path / "bad"
     shutil.copytree(small_data, bad)
-    f = bad / "train.bin"
+    f = bad / "train-00000.bin"  # the first shard (a one-file dataset of the v1 format names it train.bin)
     f.write_bytes(f.read_bytes()[:-7])
     assert main(["train", *tiny_run_args(bad, tmp_path / "r")]) == 2
     assert "truncated" in err_line(capsys)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import json
 
-from foldtrain.distributed import _ranges, check_same_data, dataset_identity
 from foldtrain.data import TokenData, prepare
+from foldtrain.data.dataset import fingerprint
+from foldtrain.distributed import _ranges, check_same_data
 from tests.conftest import tiny_run_args
-from tests.parallel.pipeline.test_pipeline import torchrun
+from tests.support import torchrun
 
 # each rank trains on the prepared directory named by its RANK (as if every node prepared its own copy)
 WRAPPER = """import os, sys
@@ -19,10 +20,13 @@ sys.exit(main([*sys.argv[2:], "--data.path", paths[int(os.environ["RANK"])]]))
 
 def test_identity_and_single_process(small_data):
     meta = TokenData.open(small_data).meta
-    assert dataset_identity(meta) == dataset_identity(dict(meta)) and len(dataset_identity(meta)) == 12
-    other = {**meta, "splits": {**meta["splits"], "val": {**meta["splits"]["val"], "sha256": "0" * 64}}}
-    assert dataset_identity(other) != dataset_identity(meta)
-    check_same_data(meta)  # no process group: nothing to compare
+    assert fingerprint(meta) == fingerprint(json.loads(json.dumps(meta))) == TokenData.open(small_data).fingerprint
+    assert len(fingerprint(meta)) == 12
+    shards = [dict(s) for s in meta.get("shards") or [meta["splits"]]]
+    shards[-1] = {**shards[-1], "val": {**shards[-1]["val"], "sha256": "0" * 64}}
+    other = {**meta, "shards": shards} if "shards" in meta else {**meta, "splits": shards[0]}
+    assert fingerprint(other) != fingerprint(meta)
+    check_same_data(fingerprint(meta))  # no process group: nothing to compare
     assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and _ranges([3]) == "3"
 
 
@@ -34,7 +38,7 @@ def test_ranks_with_different_data_fail_on_every_rank(small_corpus, small_data, 
     args = tiny_run_args(small_data, tmp_path / "run", "--train.steps", "2", "--dp.strategy", "ddp", "--train.device", "cpu")
     r = torchrun(2, str(wrapper), f"{small_data},{other}", "train", *args, timeout=300)
     assert r.returncode != 0
-    a, b = dataset_identity(TokenData.open(small_data).meta), dataset_identity(TokenData.open(other).meta)
+    a, b = TokenData.open(small_data).fingerprint, TokenData.open(other).fingerprint
     line = f"foldtrain: error: the ranks train on different data (dataset fingerprints from meta.json checksums: rank 0: {a}; rank 1: {b})"
     assert r.stderr.count(line) == 2, r.stderr[-4000:]  # raised on both ranks: neither waits for the other
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: foldtrain bench {dp,pipeline,overhead,memory,hashing,simulator,planner} [options]
+USAGE = """usage: foldtrain bench {dp,pipeline,overhead,memory,hashing,simulator,planner,data} [options]
 
 benchmarks:
   dp         data-parallel strategies x precisions x 1/2/4 ranks, loopback and an emulated slow network,
@@ -30,6 +30,7 @@ benchmarks:
   hashing    the cost of checkpoint checksums next to the save itself, for several hash functions
   simulator  calibrate this machine, run dp and pipeline benches, and compare the simulator's predictions
   planner    the planner's first choice among the 4-rank layouts this machine runs, against the measured best
+  data       streaming sharded prepare against plain encode_batch + tofile: MB/s per core, peak memory
 
 `foldtrain bench dp --help` / `foldtrain bench pipeline --help` list the options; --quick runs a tiny
 smoke configuration; --dry_run prints the runs without starting them. The emulated network needs root
@@ -37,7 +38,7 @@ and iproute2 (ip, tc); without them the throttled part is skipped.
 """
 
 
-BENCHMARKS = {name: f"foldtrain.bench.{name}" for name in ("dp", "pipeline", "overhead", "memory", "hashing", "simulator", "planner")}
+BENCHMARKS = {name: f"foldtrain.bench.{name}" for name in ("dp", "pipeline", "overhead", "memory", "hashing", "simulator", "planner", "data")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,39 +1,62 @@
-"""Data pipeline: raw text -> byte-level BPE tokens on disk -> deterministic batches.
+"""Data pipeline: raw text -> byte-level BPE tokens in shards on disk -> deterministic batches.
 
 Typical use::
 
-    from foldtrain.data import resolve_data, TokenData, SequenceSampler, val_batches
+    from foldtrain.data import open_dataset, SequenceSampler, val_batches
 
-    data = TokenData.open(resolve_data(cfg.data))          # prepares once, then reuses
+    data = open_dataset(cfg.data)        # --data.mix, or --data.path prepared once, then reused
     sampler = SequenceSampler(data.split("train"), cfg.train.seq_len, cfg.train.seed)
     x, y = sampler.rank_batch(step, cfg.train.global_batch, rank, world)
+
+Names are imported lazily (PEP 562), so ``foldtrain prepare`` and its worker processes never
+import torch (only the sampler needs it).
 """
 
-from foldtrain.data.dataset import SequenceSampler, TokenData, val_batches
-from foldtrain.data.prepare import FORMAT, is_prepared, prepare
-from foldtrain.data.resolve import cache_root, default_cache_dir, resolve_data
-from foldtrain.data.sources import default_corpus_files, default_corpus_root, iter_default_corpus, iter_documents
-from foldtrain.data.tokenizer import EOT, decode, encode_batch, eot_id, load_tokenizer, train_tokenizer, vocab_size
+from __future__ import annotations
 
-__all__ = [
-    "EOT",
-    "FORMAT",
-    "SequenceSampler",
-    "TokenData",
-    "cache_root",
-    "decode",
-    "default_cache_dir",
-    "default_corpus_files",
-    "default_corpus_root",
-    "encode_batch",
-    "eot_id",
-    "is_prepared",
-    "iter_default_corpus",
-    "iter_documents",
-    "load_tokenizer",
-    "prepare",
-    "resolve_data",
-    "train_tokenizer",
-    "val_batches",
-    "vocab_size",
-]
+import importlib
+from typing import Any
+
+# eager: torch-free, and ``prepare`` must be the function, not the submodule of the same name
+from foldtrain.data.prepare import FORMAT, is_prepared, prepare
+
+_EXPORTS = {
+    "TokenData": "dataset",
+    "MixedData": "mix",
+    "open_dataset": "mix",
+    "open_mix": "mix",
+    "parse_mix": "mix",
+    "cache_root": "resolve",
+    "default_cache_dir": "resolve",
+    "resolve_data": "resolve",
+    "SequenceSampler": "sampler",
+    "val_batches": "sampler",
+    "default_corpus_files": "sources",
+    "default_corpus_root": "sources",
+    "iter_default_corpus": "sources",
+    "iter_documents": "sources",
+    "EOT": "tokenizer",
+    "decode": "tokenizer",
+    "encode_batch": "tokenizer",
+    "eot_id": "tokenizer",
+    "load_tokenizer": "tokenizer",
+    "train_tokenizer": "tokenizer",
+    "vocab_size": "tokenizer",
+    "Blend": "tokens",
+    "ShardedTokens": "tokens",
+}
+
+__all__ = sorted([*_EXPORTS, "FORMAT", "is_prepared", "prepare"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'foldtrain.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"foldtrain.data.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -1,47 +1,46 @@
-"""``foldtrain prepare``: raw text in, a tokenized dataset directory out.
+"""``foldtrain prepare``: raw text in, a sharded, tokenized dataset directory out, in bounded memory.
 
-Output directory layout (format ``foldtrain-tokens-v1``)::
+Steps (every one streams; memory does not grow with the corpus):
 
-    train.bin, val.bin            token ids, raw little-endian uint16 (uint32 if vocab > 65535);
-                                  every document is followed by <|endoftext|>
-    train_docs.npy, val_docs.npy  int64 start offset of each document in its .bin
-    tokenizer.json                the tokenizer that produced the ids
-    meta.json                     format, dtype, vocab_size, eot_id, per-split token counts
-                                  and sha256, n_documents, source, tokenizer, seed, ...
+1. **plan** (``plan.py``): list the input as pieces (files, byte ranges of JSONL, row ranges of a
+   Hugging Face dataset) and group them into shards of about ``--data.shard_mb`` of input;
+2. **tokenizer**: train a byte-level BPE on a seeded sample of about ``--data.tokenizer_sample_mb``
+   of the pieces (or load ``--data.tokenizer``);
+3. **shards** (``shards.py``): each shard's documents are read, sent to ``train`` or ``val`` by a
+   seeded hash of their text, batch-encoded and written, by ``--data.workers`` processes;
+4. **finalize** (``merge.py``): check every shard, write ``meta.json``, move the directory into place.
 
-The split is by document: the document order is shuffled with ``seed`` and
-the first ``ceil(val_fraction * n)`` documents (at least one) go to ``val``.
-A single-document corpus is split at the tail of its tokens instead.
-
-Writing is atomic: everything is built in a hidden sibling directory and
-renamed into place only when complete, so a failure never leaves a
-half-written dataset and never destroys a dataset already at ``out_dir``.
-The corpus is held in memory while preparing (fine for hundreds of MB).
+Everything is built in ``<out>.partial/`` beside the output. An interrupted prepare, run again
+with the same options, keeps the shards that are complete and does the rest; run with other
+options it stops with one line and changes nothing. ``--data.shard K --data.num_shards N``
+prepares only shards ``i`` with ``i % N == K`` (one part of the corpus per machine) and stops
+before step 4; once every part's shards are in one ``<out>.partial/`` directory, the same command
+without those flags finalizes. The dataset never depends on the number of workers or parts.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
-import os
-import secrets
+import multiprocessing
 import shutil
 import sys
 import time
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
-from foldtrain.data import sources
-from foldtrain.data.tokenizer import eot_id, iter_encoded, load_tokenizer, train_tokenizer, vocab_size as tok_vocab_size
+from foldtrain.data import merge, shards, sources
+from foldtrain.data import plan as plan_mod
+from foldtrain.data.corpus_filter import RULE
+from foldtrain.data.tokenizer import load_tokenizer, train_tokenizer
+from foldtrain.data.tokenizer import vocab_size as tok_vocab_size
 from foldtrain.errors import DataError
 
-FORMAT = "foldtrain-tokens-v1"
-SPLITS = ("train", "val")
-_FLUSH_TOKENS = 1 << 20
+FORMAT = merge.FORMAT
+OPTIONS = "options.json"
+PLAN = "plan.jsonl"
 
 
 def log(msg: str) -> None:
@@ -55,49 +54,16 @@ def token_dtype(vocab: int) -> np.dtype:
 
 
 def is_prepared(path: str | Path) -> bool:
-    """Whether ``path`` looks like a prepared dataset (it has ``meta.json`` and ``train.bin``).
+    """Whether ``path`` looks like a prepared dataset (``meta.json`` and ``train.bin`` or shards).
 
     Only the layout is checked; ``TokenData.open`` validates the contents.
     """
     p = Path(path)
-    return (p / "meta.json").is_file() and (p / "train.bin").is_file()
+    return (p / "meta.json").is_file() and ((p / "train.bin").is_file() or (p / "train-00000.bin").is_file())
 
 
-class _SplitWriter:
-    """Appends documents (ids + EOT) to ``<name>.bin``, hashing and recording offsets as it goes."""
-
-    def __init__(self, directory: Path, name: str, dtype: np.dtype, eot: int) -> None:
-        self.directory, self.name, self.dtype = directory, name, dtype
-        self.eot = np.array([eot], dtype=dtype)
-        self.fh: BinaryIO = (directory / f"{name}.bin").open("wb")
-        self.sha = hashlib.sha256()
-        self.tokens = 0
-        self.offsets: list[int] = []
-        self._buf: list[np.ndarray] = []
-        self._buffered = 0
-
-    def add(self, ids: np.ndarray) -> None:
-        self.offsets.append(self.tokens + self._buffered)
-        self._buf += [ids.astype(self.dtype, copy=False), self.eot]
-        self._buffered += len(ids) + 1
-        if self._buffered >= _FLUSH_TOKENS:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self._buf:
-            data = np.concatenate(self._buf).tobytes()
-            self.fh.write(data)
-            self.sha.update(data)
-            self.tokens += self._buffered
-            self._buf, self._buffered = [], 0
-
-    def close(self) -> dict[str, Any]:
-        self._flush()
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
-        self.fh.close()
-        np.save(self.directory / f"{self.name}_docs.npy", np.asarray(self.offsets, dtype=np.int64))
-        return {"tokens": self.tokens, "sha256": self.sha.hexdigest(), "documents": len(self.offsets)}
+def staging_dir(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
 
 
 def _check_source(source: str | Path | None) -> str:
@@ -110,49 +76,108 @@ def _check_source(source: str | Path | None) -> str:
     return str(p.resolve())
 
 
-def _check_out_dir(out: Path) -> None:
+def _check_args(val_fraction: float, workers: int, shard_mb: float, sample_mb: float, shard: int, num_shards: int) -> None:
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"--data.val_fraction must be in (0, 1), got {val_fraction}; pass e.g. 0.005")
+    if workers < 1:
+        raise DataError(f"--data.workers must be at least 1, got {workers}")
+    if not shard_mb > 0 or not sample_mb > 0:
+        raise DataError(f"--data.shard_mb and --data.tokenizer_sample_mb must be > 0, got {shard_mb} and {sample_mb}")
+    if num_shards < 1 or not 0 <= shard < num_shards:
+        raise DataError(f"--data.shard {shard} is not in [0, --data.num_shards {num_shards}); number the parts 0 .. num_shards-1")
+
+
+def _check_out_dir(out: Path, staging: Path) -> None:
     if out.exists() and not out.is_dir():
         raise DataError(f"output path {out} is a file; pass a directory to --data.out")
     if out.is_dir() and not is_prepared(out) and any(out.iterdir()):
         raise DataError(f"output directory {out} is not empty and holds no prepared dataset; choose a new or empty --data.out")
+    if staging.exists() and not (staging / OPTIONS).is_file() and (not staging.is_dir() or any(staging.iterdir())):
+        raise DataError(f"{staging} exists and is not an interrupted prepare of foldtrain; move it away or choose another --data.out")
 
 
-def _install(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` to ``out``; an existing dataset there is removed only afterwards."""
-    if not out.exists():
-        os.rename(tmp, out)
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> str:
+    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    return ", ".join(f"{k} {old.get(k)!r} there, {new.get(k)!r} now" for k in keys[:3])
+
+
+def _open_staging(staging: Path, options: dict[str, Any], discard_stale: bool, say: Any) -> None:
+    """Create ``staging`` or check that the interrupted prepare in it used the same options."""
+    if (staging / OPTIONS).is_file():
+        try:
+            old = json.loads((staging / OPTIONS).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            old = {"options": "unreadable"}
+        if old == options:
+            done = len(list(staging.glob("shard-*.json")))
+            say(f"resuming the interrupted prepare in {staging} ({done} of {options['n_shards']} shards complete)")
+            return
+        if not discard_stale:
+            raise DataError(
+                f"{staging} holds an interrupted prepare with different options ({_differences(old, options)}); "
+                f"re-run with the same options to resume it, or delete {staging} to start over"
+            )
+        say(f"discarding {staging}: an interrupted prepare of other data or options")
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True, exist_ok=True)
+    shards.write_json(staging / OPTIONS, options)
+
+
+def _tokenizer(staging: Path, tokenizer_path: str | Path, vocab_size: int, plan: plan_mod.Plan, text_field: str, sample_mb: float, seed: int, say: Any) -> Any:
+    dest = staging / "tokenizer.json"
+    if dest.is_file():
+        return load_tokenizer(dest)
+    t0 = time.perf_counter()
+    if tokenizer_path:
+        tok = load_tokenizer(tokenizer_path)
+        say(f"loaded tokenizer {tokenizer_path} (vocab {tok_vocab_size(tok):,})")
+    else:
+        sample = plan_mod.tokenizer_sample(plan, text_field, int(sample_mb * 1e6), seed)
+        tok = train_tokenizer(sample, vocab_size)
+        say(f"trained byte-level BPE tokenizer (vocab {tok_vocab_size(tok):,}) on a sample of <= {sample_mb:g} MB in {time.perf_counter() - t0:.1f}s")
+    tmp = staging / "tokenizer.json.tmp"
+    tok.save(str(tmp))
+    tmp.replace(dest)
+    return load_tokenizer(dest)
+
+
+def _pending(staging: Path, n: int, shard: int, num_shards: int, itemsize: int, say: Any) -> list[int]:
+    todo = []
+    for i in range(shard, n, num_shards):
+        rec = shards.record_path(staging, i)
+        if rec.is_file():
+            problem = shards.check_shard_files(staging, json.loads(rec.read_text(encoding="utf-8")), itemsize)
+            if problem is None:
+                continue
+            say(f"shard {i} is incomplete ({problem}); preparing it again")
+            rec.unlink()
+        todo.append(i)
+    return todo
+
+
+def _run(jobs: list[shards.ShardJob], workers: int, total: int, say: Any) -> None:
+    t0, done_bytes, done = time.perf_counter(), 0, 0
+
+    def report(rec: dict[str, Any]) -> None:
+        nonlocal done_bytes, done
+        done_bytes += rec["input_bytes"]
+        done += 1
+        dt = max(time.perf_counter() - t0, 1e-9)
+        say(f"shard {rec['index']} done ({done}/{len(jobs)} this run, {total} in all): {rec['train']['tokens'] + rec['val']['tokens']:,} tokens; "
+            f"{done_bytes / 1e6:.0f} MB at {done_bytes / 1e6 / dt:.1f} MB/s")
+
+    if workers == 1 or len(jobs) == 1:
+        for job in jobs:
+            report(shards.run_shard(job))
         return
-    old = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_documents(tmp: Path, tok: Any, docs: list[str], order: Iterable[int], name: str, dtype: np.dtype, eot: int) -> dict[str, Any]:
-    w = _SplitWriter(tmp, name, dtype, eot)
-    try:
-        for ids in iter_encoded(tok, (docs[i] for i in order), dtype=dtype):
-            w.add(ids)
-    except BaseException:
-        w.fh.close()
-        raise
-    return w.close()
-
-
-def _write_single(tmp: Path, tok: Any, doc: str, val_fraction: float, dtype: np.dtype, eot: int) -> dict[str, dict[str, Any]]:
-    """One document: its last ``ceil(val_fraction * n)`` tokens (at least one) become ``val``."""
-    (ids,) = list(iter_encoded(tok, [doc], dtype=dtype))
-    k = min(max(1, math.ceil(val_fraction * len(ids))), len(ids) - 1) if len(ids) >= 2 else 0
-    out = {}
-    for name, part in (("train", ids[: len(ids) - k]), ("val", ids[len(ids) - k :])):
-        w = _SplitWriter(tmp, name, dtype, eot)
-        w.add(part)
-        out[name] = w.close()
-    return out
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(min(workers, len(jobs)), initializer=shards.worker_init, maxtasksperchild=16) as pool:
+        try:
+            for rec in pool.imap_unordered(shards.run_shard_dict, [shards.job_dict(j) for j in jobs]):
+                report(rec)
+        except BaseException:
+            pool.terminate()
+            raise
 
 
 def prepare(
@@ -164,80 +189,74 @@ def prepare(
     val_fraction: float = 0.005,
     seed: int = 1337,
     quiet: bool = False,
+    *,
+    workers: int = 1,
+    shard_mb: float = 256.0,
+    tokenizer_sample_mb: float = 100.0,
+    shard: int = 0,
+    num_shards: int = 1,
+    discard_stale: bool = False,
 ) -> dict[str, Any]:
     """Tokenize ``source`` (``None``/``""``: the default corpus) into ``out_dir``; returns the meta.
 
-    Trains a byte-level BPE of ``vocab_size`` on the corpus unless
-    ``tokenizer_path`` names an existing ``tokenizer.json``.
+    With ``num_shards > 1`` only part ``shard`` is prepared and ``{"part": ..., ...}`` is returned.
+    ``discard_stale``: throw away an interrupted prepare of other options instead of refusing.
     """
     say = (lambda _msg: None) if quiet else log
     t0 = time.perf_counter()
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"--data.val_fraction must be in (0, 1), got {val_fraction}; pass e.g. 0.005")
+    _check_args(val_fraction, workers, shard_mb, tokenizer_sample_mb, shard, num_shards)
     out = Path(out_dir).expanduser().absolute()
-    _check_out_dir(out)
+    staging = staging_dir(out)
+    _check_out_dir(out, staging)
     label = _check_source(source)
     fingerprint = sources.fingerprint(source)
-
-    docs = [d for d in sources.iter_documents(source, text_field) if d]
-    n_chars = sum(map(len, docs))
-    if not docs:
-        raise DataError(f"{label} yielded no tokens (no non-empty documents); point --data.path at text files")
-    t_read = time.perf_counter()
-    say(f"read {len(docs):,} documents ({n_chars / 1e6:.1f}M characters) from {label} in {t_read - t0:.1f}s")
-
-    if tokenizer_path:
-        tok = load_tokenizer(tokenizer_path)
-        say(f"loaded tokenizer {tokenizer_path} (vocab {tok_vocab_size(tok):,})")
-    else:
-        tok = train_tokenizer(docs, vocab_size)
-        say(f"trained byte-level BPE tokenizer (vocab {tok_vocab_size(tok):,}) in {time.perf_counter() - t_read:.1f}s")
-    t_tok = time.perf_counter()
-    vocab, eot = tok_vocab_size(tok), eot_id(tok)
-    dtype = token_dtype(vocab)
-
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    tmp.mkdir()
+
+    plan_tmp = out.with_name(f".{out.name}.plan.tmp")
     try:
-        if len(docs) >= 2:
-            order = np.random.default_rng(seed).permutation(len(docs))
-            n_val = min(len(docs) - 1, max(1, math.ceil(val_fraction * len(docs))))
-            splits = {
-                "val": _write_documents(tmp, tok, docs, order[:n_val].tolist(), "val", dtype, eot),
-                "train": _write_documents(tmp, tok, docs, order[n_val:].tolist(), "train", dtype, eot),
-            }
-        else:
-            splits = _write_single(tmp, tok, docs[0], val_fraction, dtype, eot)
-        tok.save(str(tmp / "tokenizer.json"))
-        meta: dict[str, Any] = {
-            "format": FORMAT,
-            "dtype": dtype.name,
-            "vocab_size": vocab,
-            "eot_id": eot,
-            "splits": {name: splits[name] for name in SPLITS},
-            "n_documents": len(docs),
-            "source": label,
-            "tokenizer": "tokenizer.json",
-            "seed": seed,
-            "val_fraction": val_fraction,
-            "text_field": text_field,
-            "requested_vocab_size": vocab_size,
-            "tokenizer_source": str(Path(tokenizer_path).expanduser().absolute()) if tokenizer_path else "",
-            "source_fingerprint": fingerprint,
-        }
-        with (tmp / "meta.json").open("w", encoding="utf-8") as fh:
-            json.dump(meta, fh, indent=2)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        _install(tmp, out)
+        plan = plan_mod.make_plan(source, text_field, max(1, int(shard_mb * 1e6)), plan_tmp)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        plan_tmp.unlink(missing_ok=True)
         raise
-    n_train, n_val_tok = meta["splits"]["train"]["tokens"], meta["splits"]["val"]["tokens"]
-    say(
-        f"wrote {n_train:,} train + {n_val_tok:,} val tokens ({dtype.name}) to {out} in {time.perf_counter() - t_tok:.1f}s; "
-        f"total {time.perf_counter() - t0:.1f}s"
-    )
+    options = {
+        "format": FORMAT,
+        "plan_sha256": plan.sha256,
+        "n_shards": len(plan.shards),
+        "requested_vocab_size": vocab_size,
+        "tokenizer_source": str(Path(tokenizer_path).expanduser().absolute()) if tokenizer_path else "",
+        "tokenizer_sample_mb": tokenizer_sample_mb,
+        "text_field": text_field,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "shard_mb": shard_mb,
+        "corpus_filter": RULE if source is None or str(source) == "" else "",
+    }
+    try:
+        _open_staging(staging, options, discard_stale, say)
+    except BaseException:
+        plan_tmp.unlink(missing_ok=True)
+        raise
+    plan_tmp.replace(staging / PLAN)
+    plan.path = staging / PLAN
+    say(f"planned {len(plan.shards)} shard(s) of <= ~{shard_mb:g} MB from {plan.input_bytes / 1e6:.1f} MB of input ({label}) in {time.perf_counter() - t0:.1f}s")
+    options_sha = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()
+
+    tok = _tokenizer(staging, tokenizer_path, vocab_size, plan, text_field, tokenizer_sample_mb, seed, say)
+    dtype = token_dtype(tok_vocab_size(tok))
+
+    def job(i: int, cut: int) -> shards.ShardJob:
+        off, count, _ = plan.shards[i]
+        return shards.ShardJob(str(staging), i, str(plan.path), off, count, plan.root, text_field, seed, cut, dtype.str, str(staging / "tokenizer.json"), options_sha)
+
+    todo = _pending(staging, len(plan.shards), shard, num_shards, dtype.itemsize, say)
+    _run([job(i, shards.default_cut(val_fraction)) for i in todo], workers, len(plan.shards), say)
+    if num_shards > 1:
+        mine = len(range(shard, len(plan.shards), num_shards))
+        say(f"part {shard} of {num_shards} done ({mine} shard(s)) in {staging}; when every part's shards are in one "
+            f"{staging.name}/ directory, run this command without --data.shard/--data.num_shards to finalize")
+        return {"part": shard, "num_shards": num_shards, "shards": mine, "staging": str(staging)}
+    info = {"source": label, "source_fingerprint": fingerprint, "input_bytes": plan.input_bytes}
+    meta = merge.finalize(staging, out, options, options_sha, info, tok, dtype, job, say)
+    n_train, n_val = meta["splits"]["train"]["tokens"], meta["splits"]["val"]["tokens"]
+    say(f"wrote {n_train:,} train + {n_val:,} val tokens ({dtype.name}) of {meta['n_documents']:,} documents in {len(meta['shards'])} shard(s) to {out}; total {time.perf_counter() - t0:.1f}s")
     return meta

@@ -1,15 +1,17 @@
 """Turn ``[data]`` settings into a prepared dataset directory, preparing (once) when needed.
 
 - ``data.path`` names a prepared directory (it has ``meta.json``): used as is.
-- ``data.path`` is empty: the default corpus (the interpreter's stdlib source),
-  prepared into ``data.out`` or ``$FOLDTRAIN_CACHE/stdlib-py{major}{minor}-v{vocab}``
+- ``data.path`` is empty: the default corpus (the interpreter's stdlib source, generated
+  tables left out by ``corpus_filter``), prepared into ``data.out`` or
+  ``$FOLDTRAIN_CACHE/stdlib-py{major}{minor}-f{filter rule version}-v{vocab}``
   (``FOLDTRAIN_CACHE`` defaults to ``~/.cache/foldtrain``).
 - ``data.path`` is raw input: prepared into ``data.out`` or a cache directory
   keyed by a short hash of the absolute path, vocab size and tokenizer.
 
 A cached preparation is reused only if it was made from the same request
-(source, its file sizes and mtimes, vocab size, tokenizer, text field,
-val_fraction, seed); otherwise it is rebuilt (atomically). Preparation holds
+(source, its file sizes and mtimes, the corpus filter rule, vocab size, tokenizer, text field,
+val_fraction, seed, shard size, tokenizer sample); otherwise it is rebuilt (atomically; an
+interrupted preparation of the same request is resumed, one of another is discarded). Preparation holds
 an ``fcntl.flock`` lock on a file beside the output directory, so when several
 ranks start at once one prepares and the others wait, then reuse the result.
 """
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from foldtrain.data import sources
+from foldtrain.data.corpus_filter import RULE, RULE_VERSION
 from foldtrain.data.prepare import is_prepared, log, prepare
 from foldtrain.errors import DataError
 
@@ -47,7 +50,7 @@ def _abs(path: str) -> str:
 
 def default_cache_dir(vocab_size: int, tokenizer: str = "") -> Path:
     """Where the default corpus is cached for this interpreter and vocabulary size."""
-    name = f"stdlib-py{sys.version_info.major}{sys.version_info.minor}-v{vocab_size}"
+    name = f"stdlib-py{sys.version_info.major}{sys.version_info.minor}-f{RULE_VERSION}-v{vocab_size}"
     if tokenizer:
         name += f"-tok{_short_hash(_abs(tokenizer))}"
     return cache_root() / name
@@ -70,6 +73,9 @@ def _request(source: Path | None, cfg: DataConfig) -> dict[str, Any]:
         "text_field": cfg.text_field,
         "val_fraction": cfg.val_fraction,
         "seed": cfg.seed,
+        "shard_mb": cfg.shard_mb,
+        "tokenizer_sample_mb": cfg.tokenizer_sample_mb,
+        "corpus_filter": {"rule": RULE} if source is None else None,
     }
 
 
@@ -80,7 +86,12 @@ def _matches(out: Path, want: dict[str, Any]) -> bool:
         meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
-    return isinstance(meta, dict) and all(meta.get(k) == v for k, v in want.items())
+    if not isinstance(meta, dict):
+        return False
+    got = dict(meta)
+    if isinstance(got.get("corpus_filter"), dict):  # the counts of what was left out are not part of the request
+        got["corpus_filter"] = {"rule": got["corpus_filter"].get("rule")}
+    return all(got.get(k) == v for k, v in want.items())
 
 
 def _prepare_once(source: Path | None, out: Path, cfg: DataConfig, quiet: bool) -> Path:
@@ -101,7 +112,8 @@ def _prepare_once(source: Path | None, out: Path, cfg: DataConfig, quiet: bool) 
                 return out
             if is_prepared(out) and not quiet:
                 log(f"{out} was prepared from different data or settings; preparing it again")
-            prepare(source, out, cfg.vocab_size, cfg.tokenizer, cfg.text_field, cfg.val_fraction, cfg.seed, quiet=quiet)
+            prepare(source, out, cfg.vocab_size, cfg.tokenizer, cfg.text_field, cfg.val_fraction, cfg.seed, quiet=quiet,
+                    workers=cfg.workers, shard_mb=cfg.shard_mb, tokenizer_sample_mb=cfg.tokenizer_sample_mb, discard_stale=cache_root().absolute() in out.parents)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return out

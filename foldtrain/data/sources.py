@@ -16,7 +16,9 @@ import sys
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+from foldtrain.data.corpus_filter import RULE, is_generated_table
 from foldtrain.errors import DataError
 
 BINARY_PROBE_BYTES = 8192
@@ -63,19 +65,29 @@ def default_corpus_files(limit: int | None = None) -> list[Path]:
     return files[:limit] if limit is not None else files
 
 
+def read_default_file(path: Path) -> str | None:
+    """The text of one default-corpus file, or ``None`` if it is unreadable, binary or a generated table."""
+    data = _read_quietly(path)
+    if data is None or is_binary(data):
+        return None
+    text = decode_bytes(data)
+    return None if is_generated_table(text) else text
+
+
 def iter_default_corpus(limit: int | None = None) -> Iterator[str]:
-    """Documents of the default corpus (one per stdlib source file); ``limit`` caps the file count."""
+    """Documents of the default corpus (one per stdlib source file, generated tables left out,
+    see ``corpus_filter``); ``limit`` caps the number of files looked at."""
     for path in default_corpus_files(limit):
-        data = _read_quietly(path)
-        if data is not None and not is_binary(data):
-            yield decode_bytes(data)
+        text = read_default_file(path)
+        if text is not None:
+            yield text
 
 
 # ---------------------------------------------------------------- walking
 
 
 def _is_prepared_dir(names: list[str]) -> bool:
-    return "meta.json" in names and "train.bin" in names
+    return ("meta.json" in names and ("train.bin" in names or "train-00000.bin" in names)) or ("options.json" in names and "plan.jsonl" in names)
 
 
 def walk_files(root: Path, skip_dirs: frozenset[str] = SKIP_DIRS) -> list[Path]:
@@ -85,7 +97,11 @@ def walk_files(root: Path, skip_dirs: frozenset[str] = SKIP_DIRS) -> list[Path]:
     foldtrain datasets found inside the tree are skipped. Symbolic links to
     files are followed; links to directories are not.
     """
-    out: list[Path] = []
+    return list(iter_files(root, skip_dirs))
+
+
+def iter_files(root: Path, skip_dirs: frozenset[str] = SKIP_DIRS) -> Iterator[Path]:
+    """``walk_files`` as a generator: memory for one directory's listing at a time."""
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in skip_dirs)
         if Path(dirpath) != root and _is_prepared_dir(filenames):
@@ -96,8 +112,7 @@ def walk_files(root: Path, skip_dirs: frozenset[str] = SKIP_DIRS) -> list[Path]:
                 continue
             p = Path(dirpath, name)
             if p.is_file():
-                out.append(p)
-    return out
+                yield p
 
 
 def _read_quietly(path: Path) -> bytes | None:
@@ -111,36 +126,50 @@ def _read_quietly(path: Path) -> bytes | None:
 # ---------------------------------------------------------------- formats
 
 
-def iter_jsonl(path: Path, text_field: str = "text") -> Iterator[str]:
-    """One document per line: the string in ``text_field`` of each JSON object (blank lines skipped)."""
+def iter_jsonl(path: Path, text_field: str = "text", start: int = 0, end: int | None = None) -> Iterator[str]:
+    """One document per line: the string in ``text_field`` of each JSON object (blank lines skipped).
+
+    ``start``/``end`` read only the lines that begin at a byte offset in ``[start, end)``, so
+    consecutive byte ranges of one file together read every line exactly once.
+    """
     try:
         fh = path.open("rb")
     except OSError as e:
         raise DataError(f"cannot read {path} ({e.strerror or e}); check the file's permissions") from None
     with fh:
-        for lineno, raw in enumerate(fh, 1):
-            line = decode_bytes(raw).strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path} line {lineno} is not valid JSON ({e.msg}); fix or remove that line") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path} line {lineno} is a JSON {type(obj).__name__}, not an object; write one JSON object per line")
-            if text_field not in obj:
-                found = ", ".join(sorted(map(str, obj))[:8]) or "none"
-                raise DataError(
-                    f"{path} line {lineno} has no field '{text_field}' (fields: {found}); "
-                    f"set --data.text_field to the field holding the text"
-                )
-            value = obj[text_field]
-            if not isinstance(value, str):
-                raise DataError(
-                    f"{path} line {lineno}: field '{text_field}' is {type(value).__name__}, not a string; "
-                    f"fix the line or set --data.text_field to a text field"
-                )
-            yield value
+        if start > 0:
+            fh.seek(start - 1)
+            fh.readline()  # the rest of the line that began before ``start`` (just "\n" if one ended there)
+        lineno = 0
+        while end is None or fh.tell() < end:
+            where = fh.tell()
+            raw = fh.readline()
+            if not raw:
+                break
+            lineno += 1
+            value = parse_jsonl_line(raw, text_field, f"{path} line {lineno}" if start == 0 else f"{path} line at byte {where}")
+            if value is not None:
+                yield value
+
+
+def parse_jsonl_line(raw: bytes, text_field: str, where: str) -> str | None:
+    """The text of one JSONL line (``None`` for a blank line); ``where`` names the line in errors."""
+    line = decode_bytes(raw).strip()
+    if not line:
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where} is not valid JSON ({e.msg}); fix or remove that line") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{where} is a JSON {type(obj).__name__}, not an object; write one JSON object per line")
+    if text_field not in obj:
+        found = ", ".join(sorted(map(str, obj))[:8]) or "none"
+        raise DataError(f"{where} has no field '{text_field}' (fields: {found}); set --data.text_field to the field holding the text")
+    value = obj[text_field]
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field '{text_field}' is {type(value).__name__}, not a string; fix the line or set --data.text_field to a text field")
+    return value
 
 
 def is_hf_dataset(path: Path) -> bool:
@@ -148,8 +177,8 @@ def is_hf_dataset(path: Path) -> bool:
     return path.is_dir() and any((path / m).is_file() for m in HF_MARKERS)
 
 
-def iter_hf_dataset(path: Path, text_field: str = "text") -> Iterator[str]:
-    """Documents from a Hugging Face dataset saved with ``save_to_disk`` (its ``train`` split if a DatasetDict)."""
+def load_hf_dataset(path: Path, text_field: str = "text") -> Any:
+    """The ``datasets.Dataset`` saved at ``path`` (its ``train`` split if a DatasetDict), holding ``text_field``."""
     try:
         import datasets  # noqa: PLC0415 (optional dependency)
     except ImportError:
@@ -167,6 +196,14 @@ def iter_hf_dataset(path: Path, text_field: str = "text") -> Iterator[str]:
             f"the dataset at {path} has no column '{text_field}' (columns: {', '.join(ds.column_names)}); "
             f"set --data.text_field to the column holding the text"
         )
+    return ds
+
+
+def iter_hf_dataset(path: Path, text_field: str = "text", start: int = 0, end: int | None = None) -> Iterator[str]:
+    """Documents from a Hugging Face dataset saved with ``save_to_disk`` (rows ``[start, end)``)."""
+    ds = load_hf_dataset(path, text_field)
+    if start or end is not None:
+        ds = ds.select(range(start, len(ds) if end is None else min(end, len(ds))))
     for batch in ds.select_columns([text_field]).iter(batch_size=1000):
         for value in batch[text_field]:
             if value is None:
@@ -238,19 +275,22 @@ def fingerprint(path: str | Path | None) -> str:
     h = hashlib.sha256()
     if path is None or str(path) == "":
         root = default_corpus_root()
-        files = default_corpus_files()
+        files: Iterator[Path] | list[Path] = default_corpus_files()
+        h.update(f"filter {RULE}\n".encode())
     else:
         root = Path(path).expanduser().resolve()
         if not root.exists():
             raise DataError(f"data path {root} does not exist; pass an existing file or directory to --data.path")
-        files = [root] if root.is_file() else walk_files(root)
-        if not files:
-            raise DataError(f"directory {root} is empty (no non-hidden files); put text files in it or pass another --data.path")
+        files = [root] if root.is_file() else iter_files(root)
+    n = 0
     for f in files:
+        n += 1
         try:
             st = f.stat()
         except OSError:
             continue
         rel = f.relative_to(root) if f != root else Path(f.name)
         h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
+    if n == 0:
+        raise DataError(f"directory {root} is empty (no non-hidden files); put text files in it or pass another --data.path")
     return h.hexdigest()[:16]

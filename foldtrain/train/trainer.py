@@ -16,7 +16,7 @@ import torch
 from foldtrain import faults
 from foldtrain.checkpoint import RunPlan, export_safetensors, plan_run
 from foldtrain.config import Config, dp_workers, to_toml, validate
-from foldtrain.data import SequenceSampler, TokenData, load_tokenizer, resolve_data, val_batches
+from foldtrain.data import SequenceSampler, TokenData, load_tokenizer, open_dataset, val_batches
 from foldtrain.distributed import DistEnv, check_same_data, gather_floats, init_distributed, launch_world_size, shutdown
 from foldtrain.errors import ConfigError
 from foldtrain.model.generate import sample
@@ -34,7 +34,7 @@ def check_run_dir(cfg: Config, world: int = 1) -> RunPlan:
 
 
 def open_data(cfg: Config) -> TokenData:
-    data = TokenData.open(resolve_data(cfg.data))
+    data = open_dataset(cfg.data)  # --data.mix or --data.path (prepared if needed)
     if data.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"the tokenizer's vocabulary ({data.vocab_size}) is larger than the model's embedding ({cfg.model.vocab_size}); "
@@ -64,7 +64,7 @@ def train(cfg: Config) -> dict:
     data = open_data(cfg)
     env = init_distributed(cfg.train.device, cfg.dp.timeout_s)
     try:
-        check_same_data(data.meta)  # every rank trains on the same prepared dataset (meta.json checksums)
+        check_same_data(data.fingerprint)  # every rank trains on the same prepared data (meta.json checksums)
         return _train(cfg, env, data, plan)
     finally:
         shutdown()

@@ -13,15 +13,31 @@ from foldtrain.data import SequenceSampler, TokenData, val_batches
 from foldtrain.errors import DataError
 
 
+@pytest.fixture(params=["v1", "v2"])
+def fmt(request):
+    return request.param
+
+
 @pytest.fixture
-def copy(prepared, tmp_path):
+def one_file(fmt, prepared, prepared_v1):
+    """The one-shard dataset in the one-file format (v1) and in the sharded format (v2)."""
+    return prepared_v1 if fmt == "v1" else prepared
+
+
+@pytest.fixture
+def copy(one_file, tmp_path):
     """A private copy of the prepared dataset that a test may damage."""
     dst = tmp_path / "data"
-    shutil.copytree(prepared, dst)
+    shutil.copytree(one_file, dst)
     return dst
 
 
-def test_open(prepared):
+def bin_name(copy, split):
+    return f"{split}.bin" if (copy / f"{split}.bin").exists() else f"{split}-00000.bin"
+
+
+def test_open(one_file):
+    prepared = one_file
     data = TokenData.open(prepared)
     meta = json.loads((prepared / "meta.json").read_text())
     assert data.meta == meta and data.vocab_size == meta["vocab_size"] and data.eot_id == meta["eot_id"]
@@ -51,16 +67,16 @@ def test_missing_or_bad_meta(tmp_path, copy):
 
 
 def test_truncated(copy):
-    f = copy / "train.bin"
+    f = copy / bin_name(copy, "train")
     size = f.stat().st_size
     with f.open("r+b") as fh:
         fh.truncate(size - 2)
-    with pytest.raises(DataError, match=rf"token file .*train.bin is truncated \({size - 2} bytes, expected {size}\); re-run foldtrain prepare"):
+    with pytest.raises(DataError, match=rf"token file .*{f.name} is truncated \({size - 2} bytes, expected {size}\); re-run foldtrain prepare"):
         TokenData.open(copy)
 
 
 def test_corrupted_byte(copy):
-    f = copy / "val.bin"
+    f = copy / bin_name(copy, "val")
     data = bytearray(f.read_bytes())
     data[5] ^= 0xFF
     f.write_bytes(bytes(data))

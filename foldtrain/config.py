@@ -120,6 +120,7 @@ class ParallelConfig:
 @dataclass
 class FoldConfig:
     defer_reduce: bool = False
+    bucket_mb: float = 2.0  # deferred chunk reductions travel in buckets of this size, in deadline order
 
 
 @dataclass
@@ -344,6 +345,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _positive("dp.cycle_ms", d.cycle_ms, allow_zero=True)
     _positive("dp.bucket_mb", d.bucket_mb)
     _positive("dp.timeout_s", d.timeout_s)
+    _positive("fold.bucket_mb", cfg.fold.bucket_mb)
     for key in ("dp", "pp", "tp", "virtual"):
         _positive(f"parallel.{key}", getattr(p, key))
     _positive("parallel.microbatches", p.microbatches, allow_zero=True)

@@ -40,6 +40,7 @@ from foldtrain.errors import ConfigError
 from foldtrain.model.gpt import GPT, GPTShape
 from foldtrain.optim import Precision, WarmupCosine, build_optimizer
 from foldtrain.parallel.mesh import get_topology
+from foldtrain.parallel.pipeline.deadlines import DeadlineQueue
 from foldtrain.parallel.pipeline.executor import Executor
 from foldtrain.parallel.pipeline.p2p import P2P, local_part
 from foldtrain.parallel.pipeline.reducer import ChunkReducer
@@ -123,6 +124,10 @@ class PipelineEngine:
             self.chunks, lay.segments, topo, self.p2p, reducers, self._step_chunk, self._before_steps,
             self.precision, loss_fn, torch.float32, self.shape.d_model, self.timeline, sync,
         )
+        if lay.dp > 1:  # deadline-ordered reductions: a second dp group when any chunk is deferred
+            queue = DeadlineQueue(topo, self.timeline, cfg.fold.bucket_mb * 2**20, timeout, cfg.fold.defer_reduce and lay.virtual > 1)
+            queue.hold_back(cfg.optim.grad_clip == 0)
+            self.executor.attach_queue(queue)
         # checkpoint keys and the full model: the single-process names, whatever the layout
         self.states = ChunkStates(full_params, self.n_parts, self.chunks, self.optimizers, self.lr_schedulers, self.schedule, self.precision,
                                   self.topo, self.split_tie, self.executor)
@@ -142,11 +147,12 @@ class PipelineEngine:
             flag = torch.tensor([1.0 if finite else 0.0], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             self._step_ok = bool(flag.item() > 0)
-        if self.any_deferred:
-            # the deferred chunks' gradients of this iteration are not reduced yet: no global norm
-            # (grad_clip must be 0, checked by validate_layout)
+        if self.any_deferred and self.cfg.optim.grad_clip == 0:
+            # the deferred chunks' gradients of this iteration are not reduced yet: no global norm needed
             self.last_grad_norm = 0.0
             return
+        if self.any_deferred:  # clipping: the norm needs every chunk's reduced gradient, deferred ones too;
+            self.executor.complete_reductions()  # their steps stay where they are (next iteration, before their forward)
         if not self._step_ok:
             return  # overflow: the step is skipped (as in Engine, the logged norm keeps its last value)
         head_copy = self.tied.get(self.layout.segments - 1) if self.split_tie else None

@@ -227,7 +227,7 @@ def slug(*parts) -> str:
 
 
 def run_name(r) -> str:
-    return slug(r.bench, r.impl, r.variant, r.info.get("virtual", ""), r.info.get("dp_sync", ""), r.precision, f"{r.ranks}r", r.network)
+    return slug(r.bench, r.impl, r.variant, r.info.get("virtual", ""), r.info.get("dp_sync", ""), r.info.get("tag", ""), r.precision, f"{r.ranks}r", r.network)
 
 
 def execute(jobs_by_network: dict[str, list], a, ws: Workspace, max_nodes: dict[str, int], log) -> list:

@@ -14,6 +14,7 @@ import sys
 
 from foldtrain.bench import common
 from foldtrain.errors import FoldtrainError
+from foldtrain.bench.overlap import dp_overlap
 from foldtrain.bench.results import DP_HEADERS, RunResult, dp_ratios, dp_rows
 
 STRATEGIES = ("none", "ps", "sharded-ps", "allreduce", "ddp", "horovod")
@@ -134,7 +135,7 @@ def main(argv: list[str]) -> int:
         load_before = os.getloadavg()
         results = common.execute(jobs, a, ws, max_nodes, log)
         rows = dp_rows(results)
-        ratios = dp_ratios(results)
+        ratios = dp_ratios(results) + dp_overlap(results)
         notes += common.run_notes(a, load_before)
         notes += [
             "medians over the steps after warm-up; tokens/s = global batch x seq_len / step time",

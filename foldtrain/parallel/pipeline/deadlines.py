@@ -137,17 +137,17 @@ class DeadlineQueue:
         return b
 
     # ------------------------------------------------------------------ progress
-    def pump(self) -> None:
-        """Issue the next deferred bucket if the previous one is done and nothing urgent is in flight."""
+    def pump(self) -> bool:
+        """Issue the next deferred bucket if the previous one is done and nothing urgent is in flight;
+        returns whether deferred buckets are still waiting to be issued."""
         self.urgent = [b for b in self.urgent if not b.done(self.clock)]
         if not self.window:
             while self.queued:
                 self._issue(self.queued.pop(0))
-            return
-        if self.current is not None and not self.current.done(self.clock):
-            return
-        if self.queued and not self.urgent:
+            return False
+        if self.queued and not self.urgent and (self.current is None or self.current.done(self.clock)):
             self._issue(self.queued.pop(0))
+        return bool(self.queued)
 
     def _issue(self, b: Bucket) -> None:
         b.issue(self.group, self.clock)

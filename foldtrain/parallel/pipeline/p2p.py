@@ -40,17 +40,16 @@ def bounded_wait(work, timeout_s: float, bounded: bool, problem, pump=None) -> N
     """Wait for ``work`` at most ``timeout_s`` (where the backend supports a bounded wait); on a
     timeout or a broken connection raise one DistributedError line, ``problem(cause)``.
 
-    ``pump`` (CPU only): called while waiting, so deferred reductions keep being issued
+    ``pump`` (CPU only): called while waiting (it returns whether anything is left to issue), so deferred reductions keep being issued
     (:mod:`.deadlines`) while the executor is blocked on a collective. (Not for point-to-point
     receives: a gloo receive reports ``is_completed()`` only after ``wait()``.)"""
     try:
         if pump is not None and bounded:
             limit = time.perf_counter() + timeout_s
-            while not work.is_completed():
-                pump()
+            while not work.is_completed() and pump():  # poll only while deferred buckets wait to be issued
                 if time.perf_counter() > limit:
                     raise RuntimeError(f"timed out after {timeout_s:g} s")
-                time.sleep(0.0002)
+                time.sleep(0.001)
         work.wait(timedelta(seconds=timeout_s)) if bounded else work.wait()
     except Exception as e:  # gloo: RuntimeError / DistBackendError on timeout or a closed connection
         raise DistributedError(problem(_first_line(e))) from None

@@ -128,6 +128,9 @@ class PipelineEngine:
             queue = DeadlineQueue(topo, self.timeline, cfg.fold.bucket_mb * 2**20, timeout, cfg.fold.defer_reduce and lay.virtual > 1)
             queue.hold_back(cfg.optim.grad_clip == 0)
             self.executor.attach_queue(queue)
+        # no clip, no loss scaler: a chunk steps the moment its reduction lands (executor.early_steps)
+        self.executor.early_steps = cfg.optim.grad_clip == 0 and not self.precision.scaler.enabled and lay.tp == 1
+        self.executor.chunk_norm_sq = self._chunk_norm_sq
         # checkpoint keys and the full model: the single-process names, whatever the layout
         self.states = ChunkStates(full_params, self.n_parts, self.chunks, self.optimizers, self.lr_schedulers, self.schedule, self.precision,
                                   self.topo, self.split_tie, self.executor)
@@ -164,7 +167,8 @@ class PipelineEngine:
         else:
             grads = [p.grad for p in norm_params if p.grad is not None]
             local = torch.nn.utils.get_total_norm(grads, foreach=True).float() if grads else torch.zeros((), device=self.device)
-        sq = (local**2).reshape(1).to(self.device)
+        sq = (local**2 + sum(self.executor.partial_sq.values(), torch.zeros((), device=self.device))).reshape(1).to(self.device)
+        self.executor.partial_sq.clear()  # chunks stepped early (executor.early_steps): their norms, kept before the step
         if self.layout.pp > 1:
             work = dist.all_reduce(sq, group=self.topo.pp_group, async_op=True)
             self.p2p.wait_collective(work, "all-reduce of the gradient norm over pipeline ranks")
@@ -178,6 +182,12 @@ class PipelineEngine:
                         g = local_part(p.grad)
                         g.mul_(coef.to(g.device, g.dtype))
         self.last_grad_norm = float(norm)
+
+    def _chunk_norm_sq(self, s: int) -> torch.Tensor:
+        """Squared gradient norm of local chunk ``s`` (the head's tied copy left out, as in the global norm)."""
+        head_copy = self.tied.get(self.layout.segments - 1) if self.split_tie else None
+        grads = [p.grad for p in self.chunks[s].parameters() if p.grad is not None and p is not head_copy]
+        return torch.nn.utils.get_total_norm(grads, foreach=True).float() ** 2 if grads else torch.zeros((), device=self.device)
 
     def _step_chunk(self, s: int) -> None:
         if self._step_ok:

@@ -23,7 +23,9 @@ Schedules are data (:mod:`foldtrain.schedules`); this module gives each action i
   ``WR(c)`` waits and unpacks; ``OS(c)`` steps the chunk's
   own optimizer and LR schedule. Gradient clipping (global norm over every chunk, pipeline rank
   and TP rank) and the fp16 overflow check happen once, just before the first ``OS`` at the end of
-  the iteration, when all ``WR`` are done.
+  the iteration, when all ``WR`` are done. Without them (``early_steps``, set by the engine) a
+  chunk steps right after its ``WR``, while later reductions are still in flight, its partial
+  squared norm kept for the logged gradient norm.
 * With ``defer_reduce`` the ``WR(c)`` / ``OS(c)`` placed before chunk ``c``'s first forward
   complete the reduction launched in the PREVIOUS iteration (skipped when none is pending);
   :meth:`Executor.flush` completes the pending ones (end of training, checkpoints, evaluation).
@@ -79,6 +81,12 @@ class Executor:
         self.sync = sync or (lambda: None)
         self.step_pending: set[int] = set()  # chunks whose reduction was launched but not yet stepped
         self.queue = None  # DeadlineQueue (attach_queue): deadline-ordered data-parallel reductions
+        # a chunk stepped as soon as its reduction lands (set by the engine when no global norm or
+        # loss-scaler verdict has to come first); its squared gradient norm is kept for the log
+        self.early_steps = False
+        self.chunk_norm_sq: Callable[[int], torch.Tensor] | None = None
+        self.partial_sq: dict[int, torch.Tensor] = {}
+        self._early: set[int] = set()
 
     def attach_queue(self, queue) -> None:
         """Route the chunk reductions through ``queue`` (:mod:`foldtrain.parallel.pipeline.deadlines`)."""
@@ -189,6 +197,12 @@ class Executor:
                     continue  # first iteration, or flushed: nothing launched last iteration
                 with self._span(f"WR c{s}", "reduce_wait", chunk=s, deferred=s in deferred):
                     self.reducers[s].wait()
+                if self.early_steps and s not in deferred:  # its optimizer needs nothing else: step now
+                    if self.chunk_norm_sq is not None:
+                        self.partial_sq[s] = self.chunk_norm_sq(s)
+                    with self._span(f"OS c{s}", "optim", chunk=s, early=True):
+                        self.step_chunk(s)
+                    self._early.add(s)
             elif op is Op.OPTIM_STEP:
                 if s in deferred:
                     if s in self.step_pending:
@@ -200,6 +214,10 @@ class Executor:
                     stepped = True
                     with self._span("clip", "optim"):
                         self.before_steps()
+                if s in self._early:
+                    self._early.discard(s)
+                    self.step_pending.discard(s)
+                    continue
                 with self._span(f"OS c{s}", "optim", chunk=s):
                     self.step_chunk(s)
                 self.step_pending.discard(s)

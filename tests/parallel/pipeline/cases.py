@@ -67,6 +67,8 @@ def equivalence_cases(world: int) -> list[dict]:
             _one((1, 2, 1, 2), "fold", "per-chunk", "ac", ac="full"),
             _one((1, 2, 1, 1), "1f1b", "after-flush", "bf16", precision="bf16"),
             _one((1, 2, 1, 1), "1f1b", "per-chunk", "fp16", precision="fp16"),
+            # no clipping: every chunk steps as soon as its reduction lands (executor.early_steps)
+            _one((1, 2, 1, 2), "fold", "per-chunk", "noclip", clip=0.0),
         ]
     if world == 4:
         return [

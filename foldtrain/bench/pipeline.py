@@ -149,7 +149,7 @@ def main(argv: list[str]) -> int:
             for r in results:
                 g = Path(r.info.get("profiled_out", r.out_dir)) / "gantt.png"
                 if r.impl == "foldtrain" and g.is_file():
-                    dst = ws.root / f"gantt_{common.slug(r.variant, r.info.get('dp_sync', ''), r.network)}.png"
+                    dst = ws.root / f"gantt_{common.slug(r.variant, r.info.get('dp_sync', ''), 'defer' if r.info.get('defer') else '', r.network)}.png"
                     shutil.copy(g, dst)
                     r.info["gantt"] = str(dst)
         rows = pipeline_rows(results)

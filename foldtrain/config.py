@@ -113,6 +113,8 @@ class DPConfig:
     ps_servers: int = 0  # dedicated parameter-server processes; 0: colocated on rank 0
     ps_staleness: int = 0  # >0: bounded-staleness asynchronous parameter server
     fusion_mb: float = 64.0  # allreduce tensor-fusion threshold
+    first_bucket_mb: float = 1.0  # allreduce / sharded-ps: the first bucket closes here (the link starts early)
+    cycle_ms: float = 5.0  # allreduce: a bucket also closes this long after the last launch (Horovod's cycle time); 0: off
     compression: str = "none"  # allreduce wire compression: none, fp16, bf16
     bucket_mb: float = 25.0  # ddp bucket size
     timeout_s: float = 120.0  # a rank that stalls this long makes every rank fail
@@ -133,6 +135,7 @@ class ParallelConfig:
 @dataclass
 class FoldConfig:
     defer_reduce: bool = False
+    bucket_mb: float = 2.0  # deferred chunk reductions travel in buckets of this size, in deadline order
 
 
 @dataclass
@@ -365,8 +368,11 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _positive("dp.ps_servers", d.ps_servers, allow_zero=True)
     _positive("dp.ps_staleness", d.ps_staleness, allow_zero=True)
     _positive("dp.fusion_mb", d.fusion_mb)
+    _positive("dp.first_bucket_mb", d.first_bucket_mb)
+    _positive("dp.cycle_ms", d.cycle_ms, allow_zero=True)
     _positive("dp.bucket_mb", d.bucket_mb)
     _positive("dp.timeout_s", d.timeout_s)
+    _positive("fold.bucket_mb", cfg.fold.bucket_mb)
     for key in ("dp", "pp", "tp", "virtual"):
         _positive(f"parallel.{key}", getattr(p, key))
     _positive("parallel.microbatches", p.microbatches, allow_zero=True)

@@ -228,7 +228,7 @@ def slug(*parts) -> str:
 
 def run_name(r) -> str:
     cycle = f"cycle{r.info['cycle_ms']}ms" if r.info.get("cycle_ms") else ""  # a Horovod cycle-time sweep
-    return slug(r.bench, r.impl, r.variant, r.info.get("virtual", ""), r.info.get("dp_sync", ""), r.precision, f"{r.ranks}r", r.network, cycle)
+    return slug(r.bench, r.impl, r.variant, r.info.get("virtual", ""), r.info.get("dp_sync", ""), r.info.get("tag", ""), r.precision, f"{r.ranks}r", r.network, cycle)
 
 
 def execute(jobs_by_network: dict[str, list], a, ws: Workspace, max_nodes: dict[str, int], log) -> list:

@@ -21,6 +21,7 @@ from foldtrain.bench import common
 from foldtrain.bench.horovod_launch import horovodrun_command
 from foldtrain.config import DPConfig
 from foldtrain.errors import FoldtrainError
+from foldtrain.bench.overlap import dp_overlap
 from foldtrain.bench.results import DP_HEADERS, RunResult, dp_ratios, dp_rows
 
 STRATEGIES = ("none", "ps", "sharded-ps", "allreduce", "ddp", "horovod")
@@ -172,7 +173,7 @@ def main(argv: list[str]) -> int:
         load_before = os.getloadavg()
         results = common.execute(jobs, a, ws, max_nodes, log)
         rows = dp_rows(results)
-        ratios = dp_ratios(results)
+        ratios = dp_ratios(results) + dp_overlap(results)
         notes += common.run_notes(a, load_before)
         notes += [
             "medians over the steps after warm-up; tokens/s = global batch x seq_len / step time",

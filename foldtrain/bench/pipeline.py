@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 from foldtrain.bench import common
+from foldtrain.bench.overlap import defer_ratios, merge_profiled, pipeline_overlap
 from foldtrain.bench.results import PIPE_HEADERS, RunResult, pipeline_ratios, pipeline_rows
 from foldtrain.errors import FoldtrainError
 
@@ -39,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
         epilog="Schedules take an optional ':DP_SYNC', e.g. --schedules fold,fold:after-flush,interleaved-1f1b:per-chunk.",
     )
     g = p.add_argument_group("what to compare")
-    g.add_argument("--schedules", default=",".join(SCHEDULES), help="foldtrain schedules (default: %(default)s)")
+    g.add_argument("--schedules", default=",".join(SCHEDULES), help="foldtrain schedules, fold+defer for --fold.defer_reduce (default: %(default)s)")
     g.add_argument("--torch_schedules", default=",".join(TORCH_SCHEDULES), help="torch.distributed.pipelining schedules (default: %(default)s)")
     g.add_argument("--anchors", default="torch,deepspeed", help="baselines: torch, deepspeed; 'none' for none")
     g.add_argument("--dp", type=int, default=2, help="data-parallel degree = emulated nodes (default %(default)s)")
@@ -52,9 +53,13 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_schedule(spec: str, virtual: int) -> tuple[str, int, str]:
-    """``fold`` -> ("fold", V, "per-chunk"); ``interleaved-1f1b`` -> (..., V, "after-flush");
-    ``gpipe`` / ``1f1b`` -> (..., 1, "after-flush"); ``NAME:DP_SYNC`` overrides the sync."""
+def parse_schedule(spec: str, virtual: int) -> tuple[str, int, str, bool]:
+    """``fold`` -> ("fold", V, "per-chunk", False); ``interleaved-1f1b`` -> (..., V, "after-flush", False);
+    ``gpipe`` / ``1f1b`` -> (..., 1, "after-flush", False); ``NAME:DP_SYNC`` overrides the sync;
+    ``fold+defer`` adds ``--fold.defer_reduce``."""
+    spec, plus, what = spec.partition("+")
+    if plus and what != "defer":
+        raise FoldtrainError(f"bench pipeline: unknown schedule option '+{what}'; the only one is +defer (fold+defer)")
     name, _, sync = spec.partition(":")
     if name not in SCHEDULES:
         raise FoldtrainError(f"bench pipeline: unknown schedule '{name}'; choose from {', '.join(SCHEDULES)}")
@@ -62,7 +67,7 @@ def parse_schedule(spec: str, virtual: int) -> tuple[str, int, str]:
     sync = sync or ("per-chunk" if name == "fold" else "after-flush")
     if sync not in ("after-flush", "per-chunk"):
         raise FoldtrainError(f"bench pipeline: unknown dp_sync '{sync}' in '{spec}'; use after-flush or per-chunk")
-    return name, v, sync
+    return name, v, sync, bool(plus)
 
 
 def plan(a, data_path: str, deepspeed_ok: bool = False) -> dict[str, list]:
@@ -90,18 +95,22 @@ def plan(a, data_path: str, deepspeed_ok: bool = False) -> dict[str, list]:
         threads = common.threads_for(a, world)
         js = jobs.setdefault(net, [])
 
-        def add(impl, variant, v, sync, script, extra, note=""):
-            info = {"virtual": v, "dp_sync": sync}
+        def add(impl, variant, v, sync, script, extra, note="", **more):
+            info = {"virtual": v, "dp_sync": sync, **more}
             if note:
                 info["note"] = note
             res = RunResult("pipeline", impl, variant, a.precision, world, net, a.dp, info=info)
             js.append(common_job(Job, res, script, [*base, "--parallel.virtual", str(v), *extra], loop, a, threads))
 
-        for name, v, sync in specs:
-            extra = ["--parallel.schedule", name, "--parallel.dp_sync", sync]
+        for name, v, sync, defer in specs:
+            extra = ["--parallel.schedule", name, "--parallel.dp_sync", sync] + (["--fold.defer_reduce", "true"] if defer else [])
+            more = {"defer": True, "tag": "defer"} if defer else {}
+            # tokens/s from a run without --profile; the idle figures from a profiled twin (merged after)
+            note = "--fold.defer_reduce" if defer else ""
+            add("foldtrain", name, v, sync, ["-m", "foldtrain", "train"], extra, note, **more)
             if not a.no_profile:
-                extra.append("--profile")
-            add("foldtrain", name, v, sync, ["-m", "foldtrain", "train"], extra)
+                add("foldtrain", name, v, sync, ["-m", "foldtrain", "train"], [*extra, "--profile"], note,
+                    **{**more, "profiled_twin": True, "tag": more.get("tag", "") + "profiled"})
         if "torch" in anchors:
             for s in common.csv(a.torch_schedules):
                 v = a.virtual if s in ("interleaved-1f1b", "looped-bfs") else 1
@@ -135,22 +144,22 @@ def main(argv: list[str]) -> int:
             return 0
         max_nodes = {net: a.dp for net in jobs}
         load_before = os.getloadavg()
-        results = common.execute(jobs, a, ws, max_nodes, log)
+        results = merge_profiled(common.execute(jobs, a, ws, max_nodes, log))
         if a.out:
             for r in results:
-                g = Path(r.out_dir) / "gantt.png"
+                g = Path(r.info.get("profiled_out", r.out_dir)) / "gantt.png"
                 if r.impl == "foldtrain" and g.is_file():
-                    dst = ws.root / f"gantt_{common.slug(r.variant, r.info.get('dp_sync', ''), r.network)}.png"
+                    dst = ws.root / f"gantt_{common.slug(r.variant, r.info.get('dp_sync', ''), 'defer' if r.info.get('defer') else '', r.network)}.png"
                     shutil.copy(g, dst)
                     r.info["gantt"] = str(dst)
         rows = pipeline_rows(results)
-        ratios = pipeline_ratios(results)
+        ratios = pipeline_ratios(results) + defer_ratios(results) + pipeline_overlap(results)
         notes += common.run_notes(a, load_before)
         notes += [
             f"world {a.dp * a.pp}: dp={a.dp} across emulated nodes x pp={a.pp} inside each; micro-batches per dp rank: "
             f"{a.microbatches or a.global_batch // a.dp}",
-            "medians over the steps after warm-up; all-rank idle / bubble / exposed DP comm come from foldtrain's --profile "
-            "timelines (the anchors do not log them); foldtrain runs carry the profiler's per-step gather",
+            "medians over the steps after warm-up; tokens/s and time/step of foldtrain rows come from runs without --profile; "
+            "all-rank idle / bubble / exposed DP comm from a separate --profile run of the same configuration (the anchors do not log them)",
             "torch anchors: torch.distributed.pipelining schedules + a flat all-reduce of each stage's gradients over the "
             "dp group after the schedule (DDP-style, after the flush)",
         ]

@@ -483,7 +483,7 @@ def pipeline_ratios(runs: list[RunResult], baseline: str = "interleaved-1f1b") -
     runs = [r for r in runs if r.bench == "pipeline"]
     out: list[Ratio] = []
     def pick(impl: str, variant: str, net: str, sync: str) -> RunResult | None:
-        hits = [r for r in runs if r.impl == impl and r.variant == variant and r.network == net]
+        hits = [r for r in runs if r.impl == impl and r.variant == variant and r.network == net and not r.info.get("defer")]
         return next((r for r in hits if r.info.get("dp_sync") == sync), hits[0] if hits else None)
 
     for net in dict.fromkeys(r.network for r in runs):

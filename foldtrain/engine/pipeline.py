@@ -40,6 +40,7 @@ from foldtrain.errors import ConfigError
 from foldtrain.model.gpt import GPT, GPTShape
 from foldtrain.optim import Precision, WarmupCosine, build_optimizer
 from foldtrain.parallel.mesh import get_topology
+from foldtrain.parallel.pipeline.deadlines import DeadlineQueue
 from foldtrain.parallel.pipeline.executor import Executor
 from foldtrain.parallel.pipeline.p2p import P2P, local_part
 from foldtrain.parallel.pipeline.reducer import ChunkReducer
@@ -124,6 +125,13 @@ class PipelineEngine:
             self.chunks, lay.segments, topo, self.p2p, reducers, self._step_chunk, self._before_steps,
             self.precision, loss_fn, torch.float32, self.shape.d_model, self.timeline, sync,
         )
+        if lay.dp > 1:  # deadline-ordered reductions: a second dp group when any chunk is deferred
+            queue = DeadlineQueue(topo, self.timeline, cfg.fold.bucket_mb * 2**20, timeout, cfg.fold.defer_reduce and lay.virtual > 1)
+            queue.hold_back(cfg.optim.grad_clip == 0)
+            self.executor.attach_queue(queue)
+        # no clip, no loss scaler: a chunk steps the moment its reduction lands (executor.early_steps)
+        self.executor.early_steps = cfg.optim.grad_clip == 0 and not self.precision.scaler.enabled and lay.tp == 1
+        self.executor.chunk_norm_sq = self._chunk_norm_sq
         # checkpoint keys and the full model: the single-process names, whatever the layout
         self.states = ChunkStates(full_params, self.n_parts, self.chunks, self.optimizers, self.lr_schedulers, self.schedule, self.precision,
                                   self.topo, self.split_tie, self.executor)
@@ -143,11 +151,12 @@ class PipelineEngine:
             flag = torch.tensor([1.0 if finite else 0.0], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             self._step_ok = bool(flag.item() > 0)
-        if self.any_deferred:
-            # the deferred chunks' gradients of this iteration are not reduced yet: no global norm
-            # (grad_clip must be 0, checked by validate_layout)
+        if self.any_deferred and self.cfg.optim.grad_clip == 0:
+            # the deferred chunks' gradients of this iteration are not reduced yet: no global norm needed
             self.last_grad_norm = 0.0
             return
+        if self.any_deferred:  # clipping: the norm needs every chunk's reduced gradient, deferred ones too;
+            self.executor.complete_reductions()  # their steps stay where they are (next iteration, before their forward)
         if not self._step_ok:
             return  # overflow: the step is skipped (as in Engine, the logged norm keeps its last value)
         head_copy = self.tied.get(self.layout.segments - 1) if self.split_tie else None
@@ -159,7 +168,8 @@ class PipelineEngine:
         else:
             grads = [p.grad for p in norm_params if p.grad is not None]
             local = torch.nn.utils.get_total_norm(grads, foreach=True).float() if grads else torch.zeros((), device=self.device)
-        sq = (local**2).reshape(1).to(self.device)
+        sq = (local**2 + sum(self.executor.partial_sq.values(), torch.zeros((), device=self.device))).reshape(1).to(self.device)
+        self.executor.partial_sq.clear()  # chunks stepped early (executor.early_steps): their norms, kept before the step
         if self.layout.pp > 1:
             work = dist.all_reduce(sq, group=self.topo.pp_group, async_op=True)
             self.p2p.wait_collective(work, "all-reduce of the gradient norm over pipeline ranks")
@@ -173,6 +183,12 @@ class PipelineEngine:
                         g = local_part(p.grad)
                         g.mul_(coef.to(g.device, g.dtype))
         self.last_grad_norm = float(norm)
+
+    def _chunk_norm_sq(self, s: int) -> torch.Tensor:
+        """Squared gradient norm of local chunk ``s`` (the head's tied copy left out, as in the global norm)."""
+        head_copy = self.tied.get(self.layout.segments - 1) if self.split_tie else None
+        grads = [p.grad for p in self.chunks[s].parameters() if p.grad is not None and p is not head_copy]
+        return torch.nn.utils.get_total_norm(grads, foreach=True).float() ** 2 if grads else torch.zeros((), device=self.device)
 
     def _step_chunk(self, s: int) -> None:
         if self._step_ok:

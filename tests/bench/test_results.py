@@ -304,19 +304,52 @@ def test_quick_keeps_explicit_options():
 
 
 def test_pipeline_plan():
-    a = pipeline.parser().parse_args(["--schedules", "gpipe,fold,fold:after-flush", "--torch_schedules", "1f1b,looped-bfs",
+    a = pipeline.parser().parse_args(["--schedules", "gpipe,fold,fold:after-flush,fold+defer", "--torch_schedules", "1f1b,looped-bfs",
                                       "--networks", "1gbit,loopback"])
     jobs = pipeline.plan(a, "/data", deepspeed_ok=False)
     slow = jobs["1gbit"]
-    assert [(j.result.impl, j.result.variant, j.result.info["virtual"], j.result.info["dp_sync"]) for j in slow] == [
-        ("foldtrain", "gpipe", 1, "after-flush"), ("foldtrain", "fold", 2, "per-chunk"), ("foldtrain", "fold", 2, "after-flush"),
-        ("torch", "1f1b", 1, "after-flush"), ("torch", "looped-bfs", 2, "after-flush")]
+    # every foldtrain run twice: plain (its speed is reported) and a profiled twin (its idle figures)
+    assert [(j.result.impl, j.result.variant, j.result.info["virtual"], j.result.info["dp_sync"], bool(j.result.info.get("profiled_twin")))
+            for j in slow] == [
+        ("foldtrain", "gpipe", 1, "after-flush", False), ("foldtrain", "gpipe", 1, "after-flush", True),
+        ("foldtrain", "fold", 2, "per-chunk", False), ("foldtrain", "fold", 2, "per-chunk", True),
+        ("foldtrain", "fold", 2, "after-flush", False), ("foldtrain", "fold", 2, "after-flush", True),
+        ("foldtrain", "fold", 2, "per-chunk", False), ("foldtrain", "fold", 2, "per-chunk", True),
+        ("torch", "1f1b", 1, "after-flush", False), ("torch", "looped-bfs", 2, "after-flush", False)]
     assert all(j.nnodes == 2 and j.nproc_per_node == 2 for j in slow)
     assert all(j.nnodes == 1 and j.nproc_per_node == 4 for j in jobs["loopback"])
-    fold = slow[1]
-    assert "--profile" in fold.args and fold.args[fold.args.index("--parallel.microbatches") + 1] == "4"
+    fold, twin, defer = slow[2], slow[3], slow[6]
+    assert "--profile" not in fold.args and "--profile" in twin.args and fold.args[fold.args.index("--parallel.microbatches") + 1] == "4"
+    assert "--fold.defer_reduce" in defer.args and defer.result.info["defer"]
+    assert len({common.run_name(j.result) for j in slow}) == len(slow)  # every run its own directory
     with pytest.raises(FoldtrainError, match="unknown schedule"):
         pipeline.parse_schedule("zigzag", 2)
+    with pytest.raises(FoldtrainError, match="unknown schedule option"):
+        pipeline.parse_schedule("fold+later", 2)
+
+
+def test_overlap_efficiency_from_the_runs():
+    from foldtrain.bench.overlap import dp_overlap, efficiency, merge_profiled, pipeline_overlap
+
+    # T_af 1.0 s, T_run 0.7 s, compute 0.5 s, link 0.6 s: 0.3 of the 0.4 s that could be hidden
+    v, detail = efficiency(1.0, 0.7, 0.5, 0.6)
+    assert v == pytest.approx(0.75) and "max(compute 500, link 600)" in detail
+    assert efficiency(0.5, 0.5, 0.5, 0.1)[0] is None  # nothing to hide
+    info = {"virtual": 2, "dp_sync": "per-chunk"}
+    base = RunResult("pipeline", "foldtrain", "interleaved-1f1b", network="1gbit", metrics={"step_time_s": 1.0},
+                     info={"virtual": 2, "dp_sync": "after-flush"})
+    fold = RunResult("pipeline", "foldtrain", "fold", network="1gbit", metrics={"step_time_s": 0.7}, info=dict(info),
+                     wire=[(75e6, 70e6), (60e6, 75e6)])  # 75 MB at 125 MB/s: 0.6 s
+    twin = RunResult("pipeline", "foldtrain", "fold", network="1gbit", info={**info, "profiled_twin": True},
+                     metrics={"step_time_s": 0.9, "profiled_step_s": 0.8, "exposed_dp_comm_s": 0.3, "all_rank_idle_fraction": 0.2})
+    runs = merge_profiled([base, fold, twin])
+    assert runs == [base, fold] and fold.metrics["all_rank_idle_fraction"] == 0.2 and fold.metrics["step_time_s"] == 0.7
+    (r,) = pipeline_overlap(runs)
+    assert r.value == pytest.approx(0.75), r.line()  # compute = 0.8 - 0.3 s
+    dp = RunResult("dp", "foldtrain", "allreduce", ranks=4, workers=4, network="1gbit", wire=[(12.5e6, 12.5e6)],
+                   metrics={"step_time_s": 0.25, "compute_s": 0.2})  # link 0.1 s: after-flush 0.3, bound 0.2
+    (r,) = dp_overlap([dp])
+    assert r.value == pytest.approx(0.5)
 
 
 def test_bench_cli_help(capsys):

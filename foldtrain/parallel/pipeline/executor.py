@@ -15,11 +15,17 @@ Schedules are data (:mod:`foldtrain.schedules`); this module gives each action i
 * ``RA`` / ``RG``  ``irecv`` into a buffer of the known shape ``(rows, seq, d_model)``, then a
   wait bounded by ``--dp.timeout_s``: a peer that stalls or dies turns into a
   :class:`~foldtrain.errors.DistributedError` naming it and the transfer.
-* ``LR(c)`` launches chunk ``c``'s data-parallel gradient all-reduce (one flat fused buffer per
-  chunk, averaged over dp) asynchronously; ``WR(c)`` waits and unpacks; ``OS(c)`` steps the chunk's
+* ``LR(c)`` launches chunk ``c``'s data-parallel gradient all-reduce (averaged over dp)
+  asynchronously, with a deadline: the position of the ``WR(c)`` that needs it, in the next
+  iteration for a deferred chunk. Urgent (same-iteration) reductions are issued at once; deferred
+  ones in buckets, in deadline order, never ahead of an urgent one (:mod:`.deadlines`; the
+  ``--profile`` trace shows each bucket as a ``reduce`` event with its deadline and issue order).
+  ``WR(c)`` waits and unpacks; ``OS(c)`` steps the chunk's
   own optimizer and LR schedule. Gradient clipping (global norm over every chunk, pipeline rank
   and TP rank) and the fp16 overflow check happen once, just before the first ``OS`` at the end of
-  the iteration, when all ``WR`` are done.
+  the iteration, when all ``WR`` are done. Without them (``early_steps``, set by the engine) a
+  chunk steps right after its ``WR``, while later reductions are still in flight, its partial
+  squared norm kept for the logged gradient norm.
 * With ``defer_reduce`` the ``WR(c)`` / ``OS(c)`` placed before chunk ``c``'s first forward
   complete the reduction launched in the PREVIOUS iteration (skipped when none is pending);
   :meth:`Executor.flush` completes the pending ones (end of training, checkpoints, evaluation).
@@ -74,6 +80,27 @@ class Executor:
         self.tl = timeline
         self.sync = sync or (lambda: None)
         self.step_pending: set[int] = set()  # chunks whose reduction was launched but not yet stepped
+        self.queue = None  # DeadlineQueue (attach_queue): deadline-ordered data-parallel reductions
+        # a chunk stepped as soon as its reduction lands (set by the engine when no global norm or
+        # loss-scaler verdict has to come first); its squared gradient norm is kept for the log
+        self.early_steps = False
+        self.chunk_norm_sq: Callable[[int], torch.Tensor] | None = None
+        self.partial_sq: dict[int, torch.Tensor] = {}
+        self._early: set[int] = set()
+
+    def attach_queue(self, queue) -> None:
+        """Route the chunk reductions through ``queue`` (:mod:`foldtrain.parallel.pipeline.deadlines`)."""
+        self.queue = queue
+        for r in self.reducers.values():
+            r.queue = queue
+        if queue.group is not None:
+            self.p2p.pump = queue.pump
+
+    def complete_reductions(self) -> None:
+        """Wait for every launched reduction, deferred ones included (a global norm needs them all)."""
+        for s in sorted(self.reducers):
+            with self._span(f"WR c{s}", "reduce_wait", chunk=s, for_norm=True):
+                self.reducers[s].wait()
 
     # ------------------------------------------------------------------ helpers
     def _peer(self, s: int) -> int:
@@ -99,11 +126,18 @@ class Executor:
         sends: list = []
         loss_sum = torch.zeros((), dtype=torch.float32, device=xs[0].device)
         stepped = False
+        queue = self.queue
+        # each chunk reduction's deadline: the position of the WR that needs it (next iteration's for deferred ones)
+        deadline = {a.chunk: i + (len(actions) if a.chunk in deferred else 0) for i, a in enumerate(actions) if a.op is Op.WAIT_REDUCE}
+        if queue is not None:
+            queue.pump()
 
         def shape(m: int) -> tuple[int, int, int]:
             return (xs[m].shape[0], xs[m].shape[1], self.d_model)
 
         for a in actions:
+            if queue is not None:
+                queue.pump()
             op, s, m = a.op, a.chunk, a.mb
             if op is Op.FORWARD:
                 chunk = self.chunks[s]
@@ -155,14 +189,20 @@ class Executor:
                         f"gradients of chunk {s} microbatch {m}",
                     )
             elif op is Op.LAUNCH_REDUCE:
-                with self._span(f"LR c{s}", "reduce_launch", chunk=s):
-                    self.reducers[s].launch()
+                with self._span(f"LR c{s}", "reduce_launch", chunk=s, deadline=deadline.get(s, len(actions)), deferred=s in deferred):
+                    self.reducers[s].launch(deadline.get(s, len(actions)), s in deferred)
                 self.step_pending.add(s)
             elif op is Op.WAIT_REDUCE:
                 if s in deferred and not self.reducers[s].pending:
                     continue  # first iteration, or flushed: nothing launched last iteration
                 with self._span(f"WR c{s}", "reduce_wait", chunk=s, deferred=s in deferred):
                     self.reducers[s].wait()
+                if self.early_steps and s not in deferred:  # its optimizer needs nothing else: step now
+                    if self.chunk_norm_sq is not None:
+                        self.partial_sq[s] = self.chunk_norm_sq(s)
+                    with self._span(f"OS c{s}", "optim", chunk=s, early=True):
+                        self.step_chunk(s)
+                    self._early.add(s)
             elif op is Op.OPTIM_STEP:
                 if s in deferred:
                     if s in self.step_pending:
@@ -174,6 +214,10 @@ class Executor:
                     stepped = True
                     with self._span("clip", "optim"):
                         self.before_steps()
+                if s in self._early:
+                    self._early.discard(s)
+                    self.step_pending.discard(s)
+                    continue
                 with self._span(f"OS c{s}", "optim", chunk=s):
                     self.step_chunk(s)
                 self.step_pending.discard(s)
@@ -184,6 +228,8 @@ class Executor:
             self.p2p.wait(work, f"its receive of the {kind} of chunk {a.chunk} microbatch {a.mb} (send completion)", a.peer)
         if inputs or outputs or acts_in or grads_in or in_grads:  # pragma: no cover - validated schedules
             raise RuntimeError(f"pipeline rank {self.p}: schedule left unfinished work {list(inputs)[:4]}")
+        if queue is not None:
+            queue.end_iteration()
         return loss_sum
 
     def reset(self) -> None:

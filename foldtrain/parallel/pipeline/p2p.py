@@ -16,6 +16,7 @@ peers would share one stream again and interleaved / fold could stall: check the
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
@@ -36,10 +37,20 @@ def _first_line(e: BaseException) -> str:
     return type(e).__name__
 
 
-def bounded_wait(work, timeout_s: float, bounded: bool, problem) -> None:
+def bounded_wait(work, timeout_s: float, bounded: bool, problem, pump=None) -> None:
     """Wait for ``work`` at most ``timeout_s`` (where the backend supports a bounded wait); on a
-    timeout or a broken connection raise one DistributedError line, ``problem(cause)``."""
+    timeout or a broken connection raise one DistributedError line, ``problem(cause)``.
+
+    ``pump`` (CPU only): called while waiting (it returns whether anything is left to issue), so deferred reductions keep being issued
+    (:mod:`.deadlines`) while the executor is blocked on a collective. (Not for point-to-point
+    receives: a gloo receive reports ``is_completed()`` only after ``wait()``.)"""
     try:
+        if pump is not None and bounded:
+            limit = time.perf_counter() + timeout_s
+            while not work.is_completed() and pump():  # poll only while deferred buckets wait to be issued
+                if time.perf_counter() > limit:
+                    raise RuntimeError(f"timed out after {timeout_s:g} s")
+                time.sleep(0.001)
         work.wait(timedelta(seconds=timeout_s)) if bounded else work.wait()
     except Exception as e:  # gloo: RuntimeError / DistBackendError on timeout or a closed connection
         raise DistributedError(problem(_first_line(e))) from None
@@ -54,6 +65,7 @@ class P2P:
         self.device = device
         self.p = topo.pp_rank
         self.cpu_timeout = device.type != "cuda"
+        self.pump = None  # set by the executor: deferred reductions progress during collective waits
 
     def tag(self, kind: int, seg: int, mb: int, n_seg: int, n_mb: int) -> int:
         return (kind * n_seg + seg) * n_mb + mb
@@ -71,7 +83,7 @@ class P2P:
         """Wait for a collective of this rank's pipeline group, bounded by ``--dp.timeout_s``."""
         bounded_wait(work, self.timeout_s, self.cpu_timeout, lambda cause: (
             f"pipeline rank {self.p} (global rank {self.topo.rank}) waited up to {self.timeout_s:g} s for the {what}; "
-            f"another pipeline rank stalled or died ({cause}); check the other ranks' logs"))
+            f"another pipeline rank stalled or died ({cause}); check the other ranks' logs"), self.pump)
 
     def wait(self, work, what: str, peer_p: int) -> None:
         bounded_wait(work, self.timeout_s, self.cpu_timeout, lambda cause: (

@@ -5,12 +5,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from foldtrain.parallel.flat import flatten, unflatten_into
+from foldtrain.parallel.pipeline.deadlines import Bucket, DeadlineQueue
 from foldtrain.parallel.pipeline.p2p import bounded_wait, local_part
 
 
 class ChunkReducer:
-    """A chunk's data-parallel gradient all-reduce: one flat fused buffer, averaged over dp, async.
+    """A chunk's data-parallel gradient all-reduce, averaged over dp, async.
+
+    Without a :class:`~foldtrain.parallel.pipeline.deadlines.DeadlineQueue` (one data-parallel
+    replica) or for an urgent chunk it is one flat fused buffer issued at once; a deferred chunk's
+    gradients go to the queue in buckets, issued in deadline order.
 
     ``tied`` (the embedding / output-projection copy this chunk holds when the pipeline splits the
     tie) is reduced separately over the tie group (both copies, all dp replicas: sum / dp).
@@ -24,8 +28,9 @@ class ChunkReducer:
         self.dp = topo.dp
         self.timeout_s = timeout_s
         self.cpu_timeout = cpu_timeout
-        self.flat = None
-        self.work = None
+        self.queue: DeadlineQueue | None = None  # set by the executor when dp > 1
+        self.buckets: list[Bucket] = []
+        self.deferred = False
         self.tie_work = None
         self.pending = False  # launched, not yet waited
 
@@ -50,13 +55,23 @@ class ChunkReducer:
 
     def reset(self) -> None:
         """Forget a launched reduction (before loading a checkpoint)."""
-        self.pending, self.work, self.tie_work, self.flat = False, None, None, None
+        if self.queue is not None:
+            self.queue.drop(self.segment)
+        self.pending, self.buckets, self.tie_work = False, [], None
 
-    def launch(self) -> None:
+    def launch(self, deadline: int = 0, deferred: bool = False) -> None:
+        """Start the reduction; ``deadline`` orders it against the others (the action that needs it)."""
+        self.deferred = deferred and self.queue is not None and self.queue.group is not None
         if self.dp > 1:
             grads = self._grads(self.params)
-            self.flat = flatten(grads, grads[0].dtype).div_(self.dp)
-            self.work = dist.all_reduce(self.flat, group=self.topo.dp_group, async_op=True)
+            if self.deferred:
+                self.buckets = self.queue.submit_deferred(self.segment, grads, deadline, self.dp)
+            elif self.queue is not None:
+                self.buckets = [self.queue.launch_urgent(self.segment, grads, deadline, self.dp, self.topo.dp_group)]
+            else:
+                b = Bucket(self.segment, 0, grads, deadline, self.dp)
+                b.issue(self.topo.dp_group, lambda: 0.0)
+                self.buckets = [b]
         if self.tied is not None:
             (g,) = self._grads([self.tied])
             if self.dp > 1:
@@ -65,17 +80,23 @@ class ChunkReducer:
         self.pending = True
 
     def _wait(self, work, what: str) -> None:
+        pump = self.queue.pump if (self.queue is not None and self.queue.group is not None) else None
         bounded_wait(work, self.timeout_s, self.cpu_timeout, lambda cause: (
             f"global rank {self.topo.rank} waited up to {self.timeout_s:g} s for the {what} of segment {self.segment}; "
-            f"a rank of that group stalled or died ({cause}); check the other ranks' logs"))
+            f"a rank of that group stalled or died ({cause}); check the other ranks' logs"), pump)
 
     def wait(self) -> None:
         if not self.pending:
             return
-        if self.work is not None:
-            self._wait(self.work, "data-parallel gradient all-reduce")
-            unflatten_into(self.flat, self._grads(self.params))
-            self.work, self.flat = None, None
+        if self.deferred:
+            self.queue.hurry(self.segment)
+        for b in self.buckets:
+            self._wait(b.work, "data-parallel gradient all-reduce")
+            if self.queue is not None:
+                b.done(self.queue.clock)
+                self.queue.record(b, urgent=not self.deferred)
+            b.unpack()
+        self.buckets = []
         if self.tie_work is not None:
             self._wait(self.tie_work, "tied-embedding gradient all-reduce")
             self.tie_work = None

@@ -96,6 +96,12 @@ def run_case(case: dict, env: DistEnv, tmp: Path | None = None) -> dict:
     out["dp_rank"], out["dp_world"], out["engine"] = engine.dp_rank, engine.dp_world, type(engine.strategy).__name__
     out["batch_rows"] = int(engine.batch(sampler, 0)[0].shape[0])
     out["scale"] = engine.precision.scaler.scale
+    strat = engine.strategy
+    if hasattr(strat, "launch_log"):  # allreduce: its bucket plan and the order buckets were launched, per step
+        out["plan"], out["launch_log"] = strat.plan, strat.launch_log
+    if hasattr(strat, "grad_optim_bytes"):  # sharded-ps: what its memory figure is made of
+        out["memory"] = {"bytes": strat.grad_optim_bytes(), "shard_elems": strat.n_decay + strat.n_plain, "total": strat.total,
+                         "bucket_elems": [b.n_decay + b.n_plain for b in strat.buckets], "bucket_padded": [strat.world * b.width for b in strat.buckets]}
     if ckpt is not None:
         _, again = make_engine(case["args"], env)
         state = again.state_dict()

@@ -63,6 +63,7 @@ def spec(world: int) -> list[dict]:
                 cases.append(s(f"{prec}/{name}", [*args, "--precision", prec], 3, **half_extras(prec)))
         cases.append(s("async/colocated", ["--dp.strategy", "ps", "--dp.ps_staleness", "1", "--train.steps", "6"], 6, ckpt_at=3))
     else:
+        cases += overlap_cases()
         cases.append(s("clip/ps-2servers", ["--dp.strategy", "ps", "--dp.ps_servers", "2", "--train.micro_batch", "2", "--optim.grad_clip", "0.05"], 6))
         for prec in ("bf16", "fp16-master"):
             for name in ("sharded-ps", "ps-1server"):
@@ -71,6 +72,16 @@ def spec(world: int) -> list[dict]:
         cases.append(s("async/dedicated", toy, 40, toy=True, lag={"rank": 1, "steps": 2, "peers": [2, 3]}))
         cases.append(s("async/2servers-bf16-master", ["--dp.strategy", "ps", "--dp.ps_servers", "2", "--dp.ps_staleness", "1", "--precision", "bf16-master", "--train.steps", "4"], 4))
     return cases
+
+
+# Bucketed overlap at 4 ranks: allreduce with a cycle time so short that (nearly) every gradient
+# closes a bucket, and ZeRO-2 with buckets of a few kilobytes, with accumulation and clipping.
+CYCLE = ["--dp.strategy", "allreduce", "--dp.first_bucket_mb", "0.001", "--dp.fusion_mb", "0.02", "--dp.cycle_ms", "0.001"]
+ZERO2 = ["--dp.strategy", "sharded-ps", "--dp.first_bucket_mb", "0.002", "--dp.bucket_mb", "0.02"]
+
+
+def overlap_cases() -> list[dict]:
+    return [s("overlap/allreduce-cycle", CYCLE, 4), s("overlap/zero2", [*ZERO2, "--train.micro_batch", "1", "--optim.grad_clip", "0.05"], 4)]
 
 
 def half_extras(prec: str) -> dict:
@@ -304,6 +315,50 @@ def test_a_dead_rank_is_named(tmp_path):
     assert re.fullmatch(r"rank 1 stopped responding during all-reduce at step 3 \(timeout 10 s\); check that rank's log", line.group(1)), line.group(1)
     took = float(re.search(r"error after ([0-9.]+) s of the step", proc.stderr).group(1))
     assert took < 10 + 5, took  # within the timeout (plus the naming grace), measured on the survivor's own clock
+
+
+def test_overlap_cases_equal_single_process(world4):
+    for case in overlap_cases():
+        ref = reference_of(case)
+        for r, res in enumerate(world4):
+            got = res[case["name"]]
+            assert "error" not in got, got.get("error")
+            worst = max(rel(a, b) for a, b in zip(got["losses"], ref["losses"]))
+            assert worst < TOL, f"{case['name']} rank {r}: loss off by {worst:.2e}"
+        worst, tensor = param_rel(world4[0][case["name"]]["params"], ref["params"])
+        assert worst < TOL, f"{case['name']}: {tensor} off by {worst:.2e}"
+
+
+def test_allreduce_buckets_identical_on_every_rank(world4):
+    """The cycle-time flush cuts buckets from rank 0's clock once; every rank gets that plan and
+    launches the buckets in one order, every step, although each rank's own clock differs."""
+    got = [res["overlap/allreduce-cycle"] for res in world4]
+    plan = got[0]["plan"]
+    assert len(plan) >= 4  # the cycle time really cut (the model fits one 0.02 MB fusion buffer ~5 times)
+    assert sorted(i for b in plan for i in b) == list(range(sum(len(b) for b in plan)))  # each parameter once
+    for g in got[1:]:
+        assert g["plan"] == plan
+        assert g["launch_log"] == got[0]["launch_log"]
+    assert all(log == list(range(len(plan))) for log in got[0]["launch_log"])  # the plan's order, every step
+    for fixed in ("fp32/allreduce", "clip/allreduce"):  # default flags: the whole tiny model still splits
+        assert all(res[fixed]["plan"] == world4[0][fixed]["plan"] for res in world4)
+
+
+def test_zero2_memory_is_a_shard_plus_a_bucket(world4):
+    """Gradient shard + fp32 shard weights + two AdamW moments = 16 bytes per shard element (+ the two
+    step counters), the shard being 1/W of the parameters plus padding; transient: at most one bucket
+    in flight (packed and padded, plus its 1/W output) and one bucket's gradients filling."""
+    for r, res in enumerate(world4):
+        m = res["overlap/zero2"]["memory"]
+        persistent, transient = m["bytes"]
+        assert persistent == 16 * m["shard_elems"] + 2 * 4, (r, persistent, m["shard_elems"])
+        assert m["total"] / 4 <= m["shard_elems"] <= m["total"] / 4 + 2 * len(m["bucket_elems"])
+        biggest = max(m["bucket_padded"])
+        assert 0 < transient <= 4 * (biggest + biggest // 4 + biggest), (r, transient, biggest)
+        assert len(m["bucket_elems"]) >= 4
+        mb = res["overlap/zero2"]["stats"][-1]["grad_optim_mem_mb"]
+        assert mb == pytest.approx((persistent + transient) / 2**20)
+        assert mb < 0.5 * 16 * m["total"] / 2**20  # well under a replica's gradients + optimizer
 
 
 # ---------------------------------------------------------------------- no process group needed

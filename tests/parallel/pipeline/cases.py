@@ -68,12 +68,16 @@ def equivalence_cases(world: int) -> list[dict]:
             _one((1, 2, 1, 2), "fold", "per-chunk", "ac", ac="full"),
             _one((1, 2, 1, 1), "1f1b", "after-flush", "bf16", precision="bf16"),
             _one((1, 2, 1, 1), "1f1b", "per-chunk", "fp16", precision="fp16"),
+            # no clipping: every chunk steps as soon as its reduction lands (executor.early_steps)
+            _one((1, 2, 1, 2), "fold", "per-chunk", "noclip", clip=0.0),
         ]
     if world == 4:
         return [
             *_cases_for((1, 4, 1, 2)),
             *_cases_for((2, 2, 1, 2)),
             _one((4, 1, 1, 1), "gpipe", "per-chunk", "dponly"),
+            # deferral with clipping: the global norm waits for every chunk, the steps stay deferred
+            _one((2, 2, 1, 2), "fold", "per-chunk", "clip", defer=True, clip=1.0),
         ]
     if world == 8:
         return _cases_for((2, 2, 2, 1), n_layer=2, m=2)  # 8 processes on few cores: 2 micro-batches
@@ -88,6 +92,11 @@ CKPT_CASES = [
     dict(id="ckpt-dp1-pp2-tp2-v1-1f1b-after-flush", layout=(1, 2, 2, 1), schedule="1f1b", dp_sync="after-flush", defer=False, n_layer=2),
 ]
 
+# deadline-ordered reductions (world 4): fold V=4 with deferral, profiled; also checked against one process
+DEADLINE_CASES = [
+    dict(id="deadline-dp2-pp2-tp1-v4-fold-defer", layout=(2, 2, 1, 4), schedule="fold", dp_sync="per-chunk", defer=True, n_layer=8),
+]
+
 # profile cases (world 2): sleep-based blocks of fixed duration
 PROFILE_CASES = [
     dict(id="profile-gpipe-p2-m4", layout=(1, 2, 1, 1), schedule="gpipe", n_layer=2),
@@ -99,7 +108,7 @@ PROFILE_CASES = [
 def all_ids(world: int) -> list[str]:
     ids = [c["id"] for c in equivalence_cases(world)]
     if world == 4:
-        ids += [c["id"] for c in CKPT_CASES]
+        ids += [c["id"] for c in CKPT_CASES] + [c["id"] for c in DEADLINE_CASES]
     if world == 2:
         ids += [c["id"] for c in PROFILE_CASES]
     return ids

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.parallel.pipeline.cases import CKPT_CASES, MICRO, PROFILE_CASES, equivalence_cases
+from tests.parallel.pipeline.cases import CKPT_CASES, DEADLINE_CASES, MICRO, PROFILE_CASES, equivalence_cases
 from tests.support import torchrun
 
 HERE = Path(__file__).resolve().parent
@@ -126,6 +126,33 @@ def test_profile_records_the_schedule(suite, case):
     assert any(n.startswith("F c0 m0") for n in names) and any(n.startswith("B c") for n in names)
     assert (out / "gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {"bubble_fraction", "all_rank_idle_fraction", "exposed_dp_comm_s"} <= r["stats"].keys()
+
+
+@pytest.mark.parametrize("case", DEADLINE_CASES, ids=[c["id"] for c in DEADLINE_CASES])
+def test_deadline_order_in_the_trace(suite, case):
+    """Fold V=4 with deferral over 2 data-parallel replicas: the single-process result, and in the
+    --profile trace of every rank: deferred reductions travel in several buckets; no deferred bucket
+    is issued while an urgent (same-iteration) reduction is in flight; the deferred buckets still
+    queued when the iteration ends (after the ranks agreed on the prefix already issued) are issued
+    in deadline order (chunk 1 first)."""
+    r = result(suite, 4, case["id"])
+    assert r["loss_err"] <= FP32_TOL and r["param_err"] <= FP32_TOL and r["eval_err"] <= FP32_TOL
+    sorted_groups = 0
+    for rank, evs in enumerate(r["events"]):
+        red = sorted((e for e in evs if e["kind"] == "reduce"), key=lambda e: e["args"]["order"])
+        urgent = [e for e in red if not e["args"]["deferred"]]
+        deferred = [e for e in red if e["args"]["deferred"]]
+        assert urgent and len(deferred) > 3 * len({e["args"]["chunk"] for e in deferred}), rank  # buckets
+        for d in deferred:
+            assert not any(u["start"] <= d["start"] < u["end"] for u in urgent), (rank, d, urgent)
+        launches = sorted(e["start"] for e in evs if e["kind"] == "reduce_launch")
+        for u in urgent:  # deferred buckets issued after an urgent reduction, before the next launch: by deadline
+            nxt = min((t for t in launches if t > u["end"]), default=float("inf"))
+            tail = [d for d in deferred if u["end"] <= d["start"] < nxt and d["args"]["by_deadline"]]
+            deadlines = [d["args"]["deadline"] for d in tail]
+            assert deadlines == sorted(deadlines), (rank, deadlines)
+            sorted_groups += len({d["args"]["chunk"] for d in tail}) > 1
+    assert sorted_groups > 0  # some iteration really had several deferred chunks to reorder
 
 
 def test_stalled_rank_fails_fast(suite):

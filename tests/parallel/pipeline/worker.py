@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from foldtrain.config import build_config  # noqa: E402
 from foldtrain.model.gpt import GPT, GPTShape  # noqa: E402
 from tests import support  # noqa: E402
-from tests.parallel.pipeline.cases import CKPT_CASES, M, MICRO, PROFILE_CASES, STEPS, equivalence_cases  # noqa: E402
+from tests.parallel.pipeline.cases import CKPT_CASES, DEADLINE_CASES, M, MICRO, PROFILE_CASES, STEPS, equivalence_cases  # noqa: E402
 
 VOCAB, SEQ, D, HEADS = 64, 8, 16, 2
 DEVICE = torch.device("cpu")
@@ -42,7 +42,7 @@ PROFILE_STEPS = 3  # steps (the timelines of all of them are kept)
 
 def make_cfg(c: dict, steps: int = STEPS, out: str = "", **over):
     dp, pp, tp, v = c["layout"]
-    clip = 0.0 if c.get("defer") else c.get("grad_clip", 1.0)
+    clip = c.get("clip", 0.0 if c.get("defer") else c.get("grad_clip", 1.0))
     args = {
         "model.n_layer": c.get("n_layer", 8), "model.n_head": HEADS, "model.d_model": D, "model.context": 16,
         "model.vocab_size": VOCAB, "train.seq_len": SEQ, "train.steps": steps, "train.global_batch": dp * c.get("m", M) * MICRO,
@@ -207,6 +207,22 @@ def profile_case(case: dict, out: Path) -> dict | None:
             "bubble": mean["bubble"], "all_idle": mean["all_idle"], "stats": engine.stats(), "out": str(root), "losses": losses}
 
 
+def deadline_case(case: dict, out: Path) -> dict | None:
+    """Train STEPS profiled steps (fold, deferral, dp 2, bucket 1 KB): equivalence, and every rank's
+    reduction buckets (issue -> completion, deadline, issue order) and reduction launches."""
+    from foldtrain.engine.pipeline import PipelineEngine
+
+    root = out / case["id"]
+    cfg = make_cfg(case, out=str(root), profile=True, **{"fold.bucket_mb": 0.001})
+    engine, losses = run_engine(cfg, range(STEPS), PipelineEngine(build_model(cfg), cfg, DEVICE))
+    ev = engine.eval_loss(val_data())
+    full = engine.eval_model()
+    if dist.get_rank() != 0:
+        return None
+    keep = [[e for e in evs if e["kind"] in ("reduce", "reduce_launch")] for evs in engine.profile_events()]
+    return {**compare(case, cfg, losses, full, ev), "events": keep, "deferred": [engine.pipeline_schedule.deferred_chunks(p) for p in range(2)]}
+
+
 def stall_suite(out: Path) -> None:
     """Rank 1 stops answering at step 2 (``--dp.timeout_s 5``); rank 0 must fail with a
     DistributedError naming it, shut down cleanly, and exit. Never returns (it ends the launch)."""
@@ -247,7 +263,7 @@ def main() -> None:
     only = os.environ.get("FOLDTRAIN_TEST_ONLY")
     jobs = [("equiv", c) for c in equivalence_cases(world)]
     if world == 4:
-        jobs += [("ckpt", c) for c in CKPT_CASES]
+        jobs += [("ckpt", c) for c in CKPT_CASES] + [("deadline", c) for c in DEADLINE_CASES]
     if world == 2:
         jobs += [("profile", c) for c in PROFILE_CASES]
     results = {}
@@ -256,7 +272,8 @@ def main() -> None:
             continue
         t0 = time.time()
         try:
-            fn = {"equiv": equivalence_case, "ckpt": lambda c: checkpoint_case(c, out), "profile": lambda c: profile_case(c, out)}[kind]
+            fn = {"equiv": equivalence_case, "ckpt": lambda c: checkpoint_case(c, out), "profile": lambda c: profile_case(c, out),
+                  "deadline": lambda c: deadline_case(c, out)}[kind]
             r = fn(c)
             ok = True
         except Exception:

@@ -1,0 +1,130 @@
+"""Overlap efficiency: how much of the communication that could be hidden was hidden.
+
+    efficiency = (T_after_flush - T_run) / (T_after_flush - T_bound)
+    T_bound    = max(T_compute, T_link)
+
+* ``T_run``: the run's step time, from a run WITHOUT ``--profile`` (the profiler's per-step
+  gather slows foldtrain's runs);
+* ``T_compute``: the step with its data-parallel communication free, from the run's profiled
+  twin: the step window minus the longest blocking data-parallel wait of any rank (for a pipeline
+  this keeps its bubbles, which no overlap removes); for ``bench dp`` (no timeline): the step time
+  minus the blocked communication time (``compute_s``);
+* ``T_link``: the busiest node's bytes on the wire per step (the larger of sent / received, from
+  the NIC counters of the emulated cluster) at the link's rate;
+* ``T_after_flush``: ``bench pipeline``: the after-flush baseline of the same invocation and
+  network (measured); ``bench dp``: ``T_compute + T_link``, nothing overlapped (a bound, not a run).
+
+1.0 means the step is as short as the slower of computation and link allows; 0 means nothing was
+gained over reducing after the flush. Undefined when ``T_after_flush <= T_bound`` (nothing to hide).
+"""
+
+from __future__ import annotations
+
+from foldtrain.bench.results import Ratio, RunResult
+
+
+def rate_bytes(network: str) -> float | None:
+    from foldtrain.errors import FoldtrainError
+    from foldtrain.netem.cluster import parse_rate
+
+    try:
+        return parse_rate(network) / 8.0
+    except FoldtrainError:
+        return None  # loopback
+
+
+def link_s(run: RunResult) -> float | None:
+    rate = rate_bytes(run.network)
+    if not rate or not run.wire:
+        return None
+    return max(max(s, r) for s, r in run.wire) / rate
+
+
+def efficiency(t_af: float, t_run: float, t_compute: float, t_link: float) -> tuple[float | None, str]:
+    bound = max(t_compute, t_link)
+    detail = (f"T_after-flush {1e3 * t_af:.0f} ms, T_run {1e3 * t_run:.0f} ms, T_bound {1e3 * bound:.0f} ms = "
+              f"max(compute {1e3 * t_compute:.0f}, link {1e3 * t_link:.0f})")
+    if t_af - bound <= 1e-9:
+        return None, detail + "; nothing to hide"
+    return (t_af - t_run) / (t_af - bound), detail
+
+
+def pipeline_overlap(runs: list[RunResult], baseline: str = "interleaved-1f1b") -> list[Ratio]:
+    """One line per foldtrain run that reduces per chunk, against the after-flush baseline."""
+    out = []
+    for r in runs:
+        if r.bench != "pipeline" or r.impl != "foldtrain" or r.info.get("dp_sync") == "after-flush" or not r.ok:
+            continue
+        base = next((b for b in runs if b.bench == "pipeline" and b.impl == "foldtrain" and b.variant == baseline and b.network == r.network
+                     and b.info.get("dp_sync") == "after-flush" and b.ok), None)
+        name = f"overlap efficiency {r.variant} V={r.info.get('virtual')} {r.info.get('dp_sync')}" + (
+            " defer" if r.info.get("defer") else "") + f" [{r.network}]"
+        m = r.metrics
+        t_link = link_s(r)
+        needed = (base, m.get("step_time_s"), m.get("profiled_step_s"), t_link)
+        if any(x is None for x in needed):
+            out.append(Ratio(name, None, "needs the after-flush baseline, a profiled twin and an emulated network"))
+            continue
+        t_compute = m["profiled_step_s"] - m.get("exposed_dp_comm_s", 0.0)
+        v, detail = efficiency(base.metrics["step_time_s"], m["step_time_s"], t_compute, t_link)
+        out.append(Ratio(name, v, detail))
+    return out
+
+
+def dp_overlap(runs: list[RunResult]) -> list[Ratio]:
+    out = []
+    for r in runs:
+        if r.bench != "dp" or not r.ok or r.workers < 2:
+            continue
+        m = r.metrics
+        t_link = link_s(r)
+        if t_link is None or m.get("step_time_s") is None or m.get("compute_s") is None:
+            continue
+        t_compute = m["compute_s"]
+        v, detail = efficiency(t_compute + t_link, m["step_time_s"], t_compute, t_link)
+        out.append(Ratio(f"overlap efficiency {r.label} [{r.network}, {r.precision}, {r.ranks} ranks]", v, detail + " (T_after-flush = compute + link)"))
+    return out
+
+
+PROFILED_KEYS = ("all_rank_idle_fraction", "bubble_fraction", "bubble_fraction_max", "exposed_dp_comm_s", "profiled_step_s", "busy_max_s")
+
+
+def _same_config(a: RunResult, b: RunResult) -> bool:
+    keys = ("virtual", "dp_sync", "defer")
+    return (a.impl, a.variant, a.network, a.precision) == (b.impl, b.variant, b.network, b.precision) and all(
+        a.info.get(k) == b.info.get(k) for k in keys)
+
+
+def merge_profiled(runs: list[RunResult]) -> list[RunResult]:
+    """Fold each profiled twin's timeline figures into its plain run (whose speed is the one reported)."""
+    twins = [r for r in runs if r.info.get("profiled_twin")]
+    plain = [r for r in runs if not r.info.get("profiled_twin")]
+    for t in twins:
+        r = next((p for p in plain if _same_config(p, t)), None)
+        if r is None:
+            continue
+        r.info["profiled_out"] = t.out_dir
+        if t.ok:
+            r.metrics.update({k: t.metrics[k] for k in PROFILED_KEYS if k in t.metrics})
+        else:
+            r.info["note"] = (r.info.get("note", "") + "; " if r.info.get("note") else "") + f"profiled run failed: {t.error}"
+    return plain
+
+
+def defer_ratios(runs: list[RunResult], baseline: str = "interleaved-1f1b") -> list[Ratio]:
+    """fold + deferral against the after-flush baseline and against the best torch anchor."""
+    out = []
+    for net in dict.fromkeys(r.network for r in runs if r.bench == "pipeline"):
+        d = next((r for r in runs if r.impl == "foldtrain" and r.variant == "fold" and r.info.get("defer") and r.network == net), None)
+        if d is None:
+            continue
+        base = next((r for r in runs if r.impl == "foldtrain" and r.variant == baseline and r.network == net
+                     and r.info.get("dp_sync") == "after-flush"), None)
+        torch_runs = [r for r in runs if r.impl == "torch" and r.network == net and r.ok and r.metrics.get("tokens_per_s")]
+        best = max(torch_runs, key=lambda r: r.metrics["tokens_per_s"], default=None)
+        for other, label in ((base, f"{baseline} (after-flush)"), (best, f"best torch anchor ({best.variant})" if best else "best torch anchor")):
+            if d.ok and other is not None and other.ok and other.metrics.get("tokens_per_s"):
+                out.append(Ratio(f"fold+defer / {label} tokens/s [{net}]", d.metrics["tokens_per_s"] / other.metrics["tokens_per_s"]))
+            else:
+                out.append(Ratio(f"fold+defer / {label} tokens/s [{net}]", None, "not run or failed"))
+    return out

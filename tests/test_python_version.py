@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_declared_version_and_dependency():
-    from foldtrain.config import tomllib
+    from foldtrain.config.load import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["requires-python"] == ">=3.10"
@@ -30,13 +30,13 @@ def test_config_loads_toml_without_tomllib(tmp_path):
     toml.write_text('precision = "bf16"\n[train]\nsteps = 7\n')
     code = (
         "import sys; sys.modules['tomllib'] = None\n"  # makes `import tomllib` raise ModuleNotFoundError
-        "from foldtrain import config\n"
-        "assert config.tomllib.__name__ == 'tomli', config.tomllib\n"
+        "from foldtrain import config\nfrom foldtrain.config import load\n"
+        "assert load.tomllib.__name__ == 'tomli', load.tomllib\n"
         f"cfg = config.build_config([], {str(toml)!r})\n"
         "assert (cfg.precision, cfg.train.steps) == ('bf16', 7)\n"
         "try:\n"
         "    config.load_toml(config.Config(), __import__('pathlib').Path(sys.argv[1]))\n"
-        "except config.ConfigError as e:\n"
+        "except __import__('foldtrain.errors').errors.ConfigError as e:\n"
         "    print('error:', e)\n"
     )
     bad = tmp_path / "bad.toml"

@@ -320,7 +320,8 @@ def print_results(title: str, headers, rows, ratios, notes: list[str], results: 
                   kept: str = "runs and results.json", without_out: str = "") -> None:
     """The table, the ratios and the notes on stdout; results.json in ``--out`` (saying that ``kept``
     is there, or printing ``without_out`` when there is no ``--out``); the Markdown ``--report``."""
-    from foldtrain.bench.results import report_markdown, save_results, text_table
+    from foldtrain.bench.results import save_results
+    from foldtrain.bench.tables import report_markdown, text_table
 
     print()
     print(text_table(headers, rows))

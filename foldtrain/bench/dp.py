@@ -22,7 +22,8 @@ from foldtrain.bench.horovod_launch import horovodrun_command
 from foldtrain.config import DPConfig
 from foldtrain.errors import FoldtrainError
 from foldtrain.bench.overlap import dp_overlap
-from foldtrain.bench.results import DP_HEADERS, RunResult, dp_ratios, dp_rows
+from foldtrain.bench.results import RunResult
+from foldtrain.bench.tables import DP_HEADERS, dp_ratios, dp_rows
 
 STRATEGIES = ("none", "ps", "sharded-ps", "allreduce", "ddp", "horovod")
 ANCHORS = ("ddp_plain", "horovod_plain")

@@ -20,7 +20,8 @@ gained over reducing after the flush. Undefined when ``T_after_flush <= T_bound`
 
 from __future__ import annotations
 
-from foldtrain.bench.results import Ratio, RunResult
+from foldtrain.bench.results import RunResult
+from foldtrain.bench.tables import Ratio
 
 
 def rate_bytes(network: str) -> float | None:

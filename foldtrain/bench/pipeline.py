@@ -19,7 +19,8 @@ from pathlib import Path
 
 from foldtrain.bench import common
 from foldtrain.bench.overlap import defer_ratios, merge_profiled, pipeline_overlap
-from foldtrain.bench.results import PIPE_HEADERS, RunResult, pipeline_ratios, pipeline_rows
+from foldtrain.bench.results import RunResult
+from foldtrain.bench.tables import PIPE_HEADERS, pipeline_ratios, pipeline_rows
 from foldtrain.errors import FoldtrainError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "fold")

@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import difflib
 import math
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from foldtrain.config.load import tomllib  # tomli on Python 3.10
 from foldtrain.errors import ConfigError
 
 PRESET_DIR = Path(__file__).with_name("clusters")

@@ -11,9 +11,9 @@ import pytest
 
 from foldtrain.bench import common, dp, pipeline
 from foldtrain.netem.cluster import format_rate, parse_rate, tbf_burst_bytes
-from foldtrain.bench.results import (DP_HEADERS, PIPE_HEADERS, RunResult, bytes_per_step, dp_ratios, dp_rows, error_line,
-                                     load_results, markdown_table, pipeline_ratios, pipeline_rows, read_metrics, report_markdown,
-                                     save_results, summarize_records, text_table)
+from foldtrain.bench.results import RunResult, error_line, load_results, read_metrics, save_results, summarize_records
+from foldtrain.bench.tables import (DP_HEADERS, PIPE_HEADERS, bytes_per_step, dp_ratios, dp_rows, markdown_table, pipeline_ratios,
+                                    pipeline_rows, report_markdown, text_table)
 from foldtrain.bench.runner import Job, run_job
 from foldtrain.errors import FoldtrainError
 

@@ -1,0 +1,111 @@
+"""Every check on a config that needs no data and no process group, in one place: one-line
+:class:`~foldtrain.errors.ConfigError` naming the problem and the fix."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from foldtrain.config.schema import AC_MODES, COMPRESSIONS, DEVICES, DP_SYNCS, PRECISIONS, SCHEDULES, STRATEGIES, Config
+from foldtrain.errors import ConfigError
+
+
+def _choice(key: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ConfigError(f"--{key} '{value}' is not valid; choose one of: {', '.join(valid)}")
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"--{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}; give a {'non-negative' if allow_zero else 'positive'} value")
+
+
+def validate(cfg: Config, world_size: int | None = None) -> Config:
+    """Every check on values that needs no data or process group. Raises ConfigError."""
+    m, t, o, d, p = cfg.model, cfg.train, cfg.optim, cfg.dp, cfg.parallel
+    for key in ("n_layer", "n_head", "d_model", "context", "vocab_size"):
+        _positive(f"model.{key}", getattr(m, key))
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"--model.dropout must be in [0, 1), got {m.dropout}")
+    if m.d_model % m.n_head:
+        raise ConfigError(f"--model.d_model {m.d_model} is not divisible by --model.n_head {m.n_head}; pick sizes where it is")
+    for key in ("steps", "global_batch", "seq_len", "log_every", "eval_batches"):
+        _positive(f"train.{key}", getattr(t, key))
+    for key in ("micro_batch", "eval_every", "sample_tokens", "stop_at"):
+        _positive(f"train.{key}", getattr(t, key), allow_zero=True)
+    if t.seq_len > m.context:
+        raise ConfigError(f"--train.seq_len {t.seq_len} is larger than the model's context {m.context}; lower --train.seq_len or raise --model.context")
+    _choice("train.device", t.device, DEVICES)
+    _positive("optim.lr", o.lr)
+    _positive("optim.min_lr", o.min_lr, allow_zero=True)
+    _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+    _positive("optim.grad_clip", o.grad_clip, allow_zero=True)
+    _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
+    _positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
+    _positive("data.vocab_size", cfg.data.vocab_size)
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"--data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
+    for key in ("workers", "shard_mb", "tokenizer_sample_mb", "num_shards"):
+        _positive(f"data.{key}", getattr(cfg.data, key))
+    if not 0 <= cfg.data.shard < cfg.data.num_shards:
+        raise ConfigError(f"--data.shard {cfg.data.shard} is not in [0, --data.num_shards {cfg.data.num_shards}); number the parts 0 .. num_shards-1")
+    _choice("precision", cfg.precision, PRECISIONS)
+    _choice("ac", cfg.ac, AC_MODES)
+    _choice("dp.strategy", d.strategy, STRATEGIES)
+    _choice("dp.compression", d.compression, COMPRESSIONS)
+    _positive("dp.ps_servers", d.ps_servers, allow_zero=True)
+    _positive("dp.ps_staleness", d.ps_staleness, allow_zero=True)
+    _positive("dp.fusion_mb", d.fusion_mb)
+    _positive("dp.first_bucket_mb", d.first_bucket_mb)
+    _positive("dp.cycle_ms", d.cycle_ms, allow_zero=True)
+    _positive("dp.bucket_mb", d.bucket_mb)
+    _positive("dp.timeout_s", d.timeout_s)
+    _positive("fold.bucket_mb", cfg.fold.bucket_mb)
+    for key in ("dp", "pp", "tp", "virtual"):
+        _positive(f"parallel.{key}", getattr(p, key))
+    _positive("parallel.microbatches", p.microbatches, allow_zero=True)
+    _choice("parallel.schedule", p.schedule, SCHEDULES)
+    _choice("parallel.dp_sync", p.dp_sync, DP_SYNCS)
+    if world_size is not None:
+        validate_world(cfg, world_size)
+    return cfg
+
+
+def validate_world(cfg: Config, world_size: int) -> None:
+    """Checks that need the launch's world size; run on every rank before any collective."""
+    d, t = cfg.dp, cfg.train
+    if cfg.model.init_from and not cfg.resume and not Path(cfg.model.init_from).expanduser().exists():
+        raise ConfigError(f"--model.init_from {cfg.model.init_from} does not exist; pass a Hugging Face GPT-2 directory or a foldtrain model.safetensors")
+    if d.strategy == "horovod" and importlib.util.find_spec("horovod") is None:
+        raise ConfigError(
+            "--dp.strategy horovod needs Horovod, which is not installed (build it with bash scripts/install-horovod.sh); "
+            "or use --dp.strategy allreduce, foldtrain's Horovod-style ring all-reduce"
+        )
+    if d.strategy == "none" and world_size > 1 and cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.tp == 1:
+        raise ConfigError(f"--dp.strategy none runs one process but {world_size} were launched; pick a strategy (e.g. --dp.strategy ddp) or launch one process")
+    if d.ps_servers and d.strategy != "ps":
+        raise ConfigError("--dp.ps_servers only applies to --dp.strategy ps; remove it or choose ps")
+    if d.ps_servers >= world_size and d.strategy == "ps":
+        raise ConfigError(f"--dp.ps_servers {d.ps_servers} leaves no worker among {world_size} ranks; use fewer servers or launch more ranks")
+    from foldtrain.schedules.layout import uses_3d_engine, validate_layout
+
+    if uses_3d_engine(cfg):  # mesh sizes, schedule, chunk split, tensor-parallel divisibility
+        validate_layout(cfg, world_size)
+        return
+    workers = dp_workers(cfg, world_size)
+    micro = t.micro_batch or max(1, t.global_batch // workers)
+    if t.global_batch % (workers * micro):
+        raise ConfigError(
+            f"--train.global_batch {t.global_batch} is not divisible by data-parallel workers x micro-batch "
+            f"({workers} x {micro}); pick a global batch that is a multiple of {workers * micro}"
+        )
+
+
+def dp_workers(cfg: Config, world_size: int) -> int:
+    """Number of ranks that compute gradients on distinct data (parameter servers excluded)."""
+    if cfg.parallel.pp * cfg.parallel.tp > 1 or cfg.parallel.dp > 1:
+        return cfg.parallel.dp
+    if cfg.dp.strategy == "ps":
+        return world_size - cfg.dp.ps_servers
+    return world_size

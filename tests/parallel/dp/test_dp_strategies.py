@@ -157,6 +157,22 @@ def param_rel(got: dict, ref: dict) -> tuple[float, str]:
     return worst
 
 
+def assert_matches_single_process(results: list[dict], name: str, case: dict) -> dict:
+    """Every rank's losses, rank 0's gradient norms and parameters equal the single-process run of
+    ``case`` (fp32: 1e-5 relative); returns rank 0's record."""
+    ref = reference_of(case)
+    for r, res in enumerate(results):
+        got = res[name]
+        assert len(got["losses"]) == case["steps"]
+        worst = max(rel(a, b) for a, b in zip(got["losses"], ref["losses"]))
+        assert worst < TOL, f"{name} rank {r}: loss off by {worst:.2e}"
+    rank0 = results[0][name]
+    assert max(rel(a, b) for a, b in zip(rank0["grad_norms"], ref["grad_norms"])) < TOL, name
+    worst, tensor = param_rel(rank0["params"], ref["params"])
+    assert worst < TOL, f"{name}: {tensor} off by {worst:.2e}"
+    return rank0
+
+
 def cases_of(results: list[dict], prefix: str) -> list[str]:
     return [k for k in results[0] if k.startswith(prefix)]
 
@@ -186,16 +202,7 @@ def test_fp32_equals_single_process(world, group, request):
     assert len(names) >= 4
     for name in names:
         case = spec_of[name]
-        ref = reference_of(case)
-        for r, res in enumerate(results):
-            got = res[name]
-            assert len(got["losses"]) == case["steps"]
-            worst = max(rel(a, b) for a, b in zip(got["losses"], ref["losses"]))
-            assert worst < TOL, f"{name} rank {r}: loss off by {worst:.2e}"
-        rank0 = results[0][name]
-        assert max(rel(a, b) for a, b in zip(rank0["grad_norms"], ref["grad_norms"])) < TOL, name
-        worst, tensor = param_rel(rank0["params"], ref["params"])
-        assert worst < TOL, f"{name}: {tensor} off by {worst:.2e}"
+        rank0 = assert_matches_single_process(results, name, case)
         for got in workers(results, name):  # every computing replica holds the same weights
             assert all(torch.equal(got["replica"][k], rank0["params"][k]) for k in rank0["params"]), name
         if group == "clip/":  # the clip (0.05) really scaled the gradients

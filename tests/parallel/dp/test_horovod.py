@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_run_args
-from tests.parallel.dp.test_dp_strategies import HALF_TOL, TOL, param_rel, reference_of, rel, s
+from tests.parallel.dp.test_dp_strategies import HALF_TOL, TOL, assert_matches_single_process, param_rel, reference_of, rel, s
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -94,15 +94,7 @@ def test_fp32_equals_single_process(results, name):
     """Every step's loss, the gradient norm and every parameter equal the single-process run (1e-5)."""
     case = next(c for c in CASES if c["name"] == name)
     ref = reference_of(case)
-    for r, res in enumerate(results):
-        got = res[name]
-        assert len(got["losses"]) == case["steps"]
-        worst = max(rel(a, b) for a, b in zip(got["losses"], ref["losses"]))
-        assert worst < TOL, f"{name} rank {r}: loss off by {worst:.2e}"
-    rank0 = results[0][name]
-    assert max(rel(a, b) for a, b in zip(rank0["grad_norms"], ref["grad_norms"])) < TOL, name
-    worst, tensor = param_rel(rank0["params"], ref["params"])
-    assert worst < TOL, f"{name}: {tensor} off by {worst:.2e}"
+    rank0 = assert_matches_single_process(results, name, case)
     assert all(torch.equal(results[1][name]["params"][k], v) for k, v in rank0["params"].items())  # one replica
     if name.startswith("clip/"):
         assert min(ref["grad_norms"]) > 0.05  # the clip really scaled the gradients

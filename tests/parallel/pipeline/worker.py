@@ -220,7 +220,7 @@ def deadline_case(case: dict, out: Path) -> dict | None:
     if dist.get_rank() != 0:
         return None
     keep = [[e for e in evs if e["kind"] in ("reduce", "reduce_launch")] for evs in engine.profile_events()]
-    return {**compare(case, cfg, losses, full, ev), "events": keep, "deferred": [engine.pipeline_schedule.deferred_chunks(p) for p in range(2)]}
+    return {**compare(case, cfg, losses, full, ev, engine.test_grad_norms), "events": keep, "deferred": [engine.pipeline_schedule.deferred_chunks(p) for p in range(2)]}
 
 
 def stall_suite(out: Path) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from foldtrain.cli import main
-from tests.conftest import TINY_ARGS, tiny_run_args
+from tests.conftest import tiny_run_args
 
 
 def err_line(capsys) -> str:

@@ -34,8 +34,6 @@ chunk, every bucket up to its last is issued at once (``hurry``): the queue orde
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 

@@ -12,7 +12,7 @@ rank ``RANK`` arms the fault when training step ``STEP`` (1-based) begins, and k
 =========  ==========================================================================
 ``step``   immediately (the start of the step)
 ``forward`` forward call of any module (a global forward pre-hook)
-``reduce`` collective of a reduction (``all_reduce``, ``reduce_scatter_tensor``, ``all_gather_into_tensor``)
+``reduce`` collective of a reduction (``all_reduce``, reduce-scatter, all-gather, ``all_to_all_single``)
 ``p2p``    point-to-point transfer (``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``)
 ``save``   checkpoint save, after this rank's files are written and before the checkpoint is complete
 ``export`` final export, after the weights are written to a temporary file and before the rename
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 ENV = "FOLDTRAIN_FAULT"
 POINTS = ("step", "forward", "reduce", "p2p", "save", "export")
-_REDUCE = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
+_REDUCE = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "reduce_scatter_single", "all_gather_single", "all_to_all_single")
 _P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 

@@ -15,7 +15,7 @@ from foldtrain.netem.cluster import EmulatedCluster
 from tests.netem.test_cluster import needs_root
 from tests.support import ROOT
 
-STRATEGIES = ["allreduce", "ddp", "ps"]
+STRATEGIES = ["allreduce", "ddp", "ps", "sharded-ps"]  # sharded-ps: reduce-scatter + all-gather, (W-1)/W each
 
 
 @needs_root

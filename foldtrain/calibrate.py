@@ -3,9 +3,13 @@
 Writes a cluster file (:mod:`foldtrain.sim.cluster`) for ``foldtrain simulate --cluster FILE``:
 
 * compute: matrix products ``(512 x n) @ (n x 4n)`` for ``n`` in 32..512 per dtype, run by
-  ``N x R`` processes at once (the ranks the runs will have share the cores), fitted to
-  ``rate(n) = peak * n / (n + half_size)``; memory bandwidth from a 64 MB copy, and the fixed
-  cost of a transformer block from a tiny one, under the same concurrency;
+  ``min(N x R, cores)`` processes at once (each on a core of its own, as busy as the runs'
+  ranks; ``node.shared_cores`` tells the simulator that more ranks than cores share them), fitted to
+  ``rate(n) = peak * n / (n + half_size)``; memory bandwidth from a 64 MB copy, the fixed
+  cost of a transformer block from a tiny one, a real block's backward / forward time ratio
+  (2 by FLOPs), the element-wise bandwidth that makes the cost model's block forward equal a
+  real one (on a CPU, exp/erf/tanh bind it, not memory), and the loss's log-softmax rate, under
+  the same concurrency;
 * communication: gloo point-to-point latency (ping-pong), and all-reduce bandwidth over the
   ``R`` ranks of one node (``torchrun --standalone``): the ``intra`` link;
 * with ``--network RATE``: the same over ``N`` emulated nodes on throttled links
@@ -50,6 +54,22 @@ def _time(fn, min_s: float = 0.15, reps: int = 2) -> float:
     return best
 
 
+def _micro_step() -> None:
+    """Three training steps of a negligible model (forward, backward, fused AdamW): what autograd,
+    the optimizer kernels and the allocator add to a process's resident size the first time."""
+    import torch
+
+    from foldtrain.model.gpt import GPT, GPTShape
+
+    m = GPT(GPTShape(1, 2, 16, 32, 64))
+    opt = torch.optim.AdamW(m.parameters(), fused=True)
+    x = torch.randint(0, 64, (2, 32))
+    for _ in range(3):
+        out = m(x)
+        (out[0] if isinstance(out, tuple) else out).float().mean().backward()
+        opt.step()
+
+
 def _compute_probe(barrier, queue) -> None:
     import torch
 
@@ -58,6 +78,7 @@ def _compute_probe(barrier, queue) -> None:
     import foldtrain.train.trainer  # noqa: F401 - what a training process imports, for its resident size
 
     torch.set_num_threads(1)
+    _micro_step()
     out: dict = {"runtime": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     barrier.wait()
     for name in DTYPES:
@@ -80,7 +101,47 @@ def _compute_probe(barrier, queue) -> None:
     blk = Block(GPTShape(1, 2, 16, 8, 16))
     h = torch.randn(1, 4, 16, requires_grad=True)
     out["block_overhead"] = _time(lambda: blk(h).sum().backward()) / 3  # forward + backward ~ 3 passes
+    out["blocks"] = [_block_times(Block, GPTShape, *shape) for shape in RATIO_SHAPES]
+    logits = torch.randn(512, 8192, requires_grad=True)
+    target = torch.randint(0, 8192, (512,))
+    out["softmax_rate"] = logits.numel() / _time(lambda: torch.nn.functional.cross_entropy(logits, target).backward())
     queue.put(out)
+
+
+RATIO_SHAPES = ((96, 4, 4, 128), (256, 4, 1, 64))  # (d_model, heads, batch, seq): a block of tiny's width, and a wider one
+
+
+def _block_times(Block, GPTShape, d: int, heads: int, b: int, seq: int) -> tuple[float, float]:
+    """A real block's forward (with autograd recording, as in training) and backward time."""
+    import torch
+
+    blk = Block(GPTShape(1, heads, d, seq, 16))
+    h = torch.randn(b, seq, d, requires_grad=True)
+    fwd = _time(lambda: blk(h), min_s=0.1, reps=3)
+    both = _time(lambda: blk(h).sum().backward(), min_s=0.1, reps=3)
+    return fwd, max(both - fwd, 0.1 * fwd)
+
+
+def fit_elem_bw(peak: float, half: float, overhead: float, blocks: list) -> float:
+    """The element-wise bandwidth that makes the cost model's block forward (:mod:`foldtrain.sim.costs`)
+    equal the measured ones: their time beyond the matrix products and the fixed cost, over the
+    element-wise bytes the model counts (mean over ``RATIO_SHAPES``); 0 when nothing is left."""
+    from foldtrain.config import build_config
+    from foldtrain.sim.cluster import Cluster, Link
+    from foldtrain.sim.costs import CostModel
+    from foldtrain.sim.setup import resolve_setup
+
+    c = Cluster(name="fit", gpus_per_node=1, memory=1e15, tflops={d: peak for d in DTYPES}, mem_bw=1e30, efficiency=1.0,
+                half_size=half, layer_overhead=overhead, intra=Link(1e9, 1e-6), inter=Link(1e9, 1e-6))
+    fits = []
+    for (d, heads, b, seq), (fwd, _) in zip(RATIO_SHAPES, blocks):
+        cfg = build_config(["--model.n_layer", "1", "--model.d_model", str(d), "--model.n_head", str(heads), "--model.context", str(seq),
+                            "--model.vocab_size", "64", "--train.seq_len", str(seq), "--train.global_batch", str(b)])
+        cm = CostModel(resolve_setup(cfg), c)
+        left = fwd - cm.t_block_f
+        if left > 0:
+            fits.append(2 * cm.act_bytes_block(recompute=False) / left)
+    return sum(fits) / len(fits) if fits else 0.0
 
 
 def _comm_probe() -> None:
@@ -161,6 +222,11 @@ def measure_compute(concurrency: int) -> dict:
         out[name] = fit_rate(SIZES, rates) + (rates,)
     out["mem_bw"] = sum(r["mem_bw"] for r in res) / len(res)
     out["block_overhead"] = sum(r["block_overhead"] for r in res) / len(res)
+    blocks = [[sum(r["blocks"][i][j] for r in res) / len(res) for j in (0, 1)] for i in range(len(RATIO_SHAPES))]
+    out["backward_ratio"] = sum(b / f for f, b in blocks) / len(blocks)
+    out["elem_bw"] = fit_elem_bw(out["fp32"][0], out["fp32"][1], out["block_overhead"], blocks)
+    out["softmax_rate"] = sum(r["softmax_rate"] for r in res) / len(res)
+    out["blocks"] = blocks
     out["runtime"] = max(r["runtime"] for r in res)
     return out
 
@@ -224,8 +290,10 @@ def main(argv: list[str]) -> int:
         check_network_prerequisites()
     from foldtrain.sim.cluster import Cluster, Link, to_toml
 
-    conc = a.nodes * a.ranks_per_node
-    print(f"calibrate: compute with {conc} concurrent ranks ...", flush=True)
+    ranks = a.nodes * a.ranks_per_node
+    cores = os.cpu_count() or 1
+    conc = min(ranks, cores)  # each process on a core of its own; the simulator shares the cores among more ranks
+    print(f"calibrate: compute with {conc} concurrent processes ...", flush=True)
     comp = measure_compute(conc)
     print("calibrate: gloo on loopback ...", flush=True)
     loop = measure_loopback(a.ranks_per_node)
@@ -240,20 +308,25 @@ def main(argv: list[str]) -> int:
     intra = Link(loop["allreduce_bw"], loop["latency_s"])
     inter = Link(net["allreduce_bw"] * (1 if a.ranks_per_node == 1 else 1), net["latency_s"]) if net else intra
     name = a.name or os.path.splitext(os.path.basename(a.out))[0]
-    c = Cluster(name=name, gpus_per_node=a.ranks_per_node, memory=total / conc,
+    c = Cluster(name=name, gpus_per_node=a.ranks_per_node, memory=total / ranks, shared_cores=float(cores),
                 tflops={d: comp[d][0] for d in DTYPES}, mem_bw=comp["mem_bw"], efficiency=1.0, half_size=fp32_h,
-                layer_overhead=comp["block_overhead"], intra=intra, inter=inter, runtime=comp["runtime"])
-    src = f"foldtrain calibrate, {when}, {conc} concurrent ranks"
+                layer_overhead=comp["block_overhead"], intra=intra, inter=inter, runtime=comp["runtime"],
+                backward_ratio=comp["backward_ratio"], elem_bw=comp["elem_bw"], softmax_rate=comp["softmax_rate"])
+    src = f"foldtrain calibrate, {when}, {conc} concurrent processes"
     notes = {f"device.{d}_tflops": f"{src}: fitted peak of (512 x n) @ (n x 4n), n = {SIZES}; measured "
              + ", ".join(f"{r / 1e9:.1f}" for r in comp[d][2]) + " GFLOP/s" for d in DTYPES}
     notes.update({
         "node.gpus": f"--ranks_per_node ({src})",
+        "node.shared_cores": "os.cpu_count(): every emulated node's ranks run on this machine's cores",
         "device.memory_gb": "MemTotal / concurrent ranks",
         "device.mem_bw_gbs": f"{src}: 64 MB copy",
         "device.efficiency": "folded into the fitted peaks",
         "device.half_size": f"{src}: fp32 fit (the half-precision fits give " + ", ".join(f"{comp[d][1]:.0f}" for d in ("bf16", "fp16")) + ")",
         "device.layer_overhead_us": f"{src}: forward + backward of a tiny block / 3",
-        "device.runtime_gb": f"{src}: resident size of a process that imported the trainer",
+        "device.backward_ratio": f"{src}: backward / forward time of a block, mean over (d, heads, batch, seq) = {RATIO_SHAPES}",
+        "device.elem_gbs": f"{src}: fitted so that the cost model's block forward equals the measured one at {RATIO_SHAPES}",
+        "device.softmax_gelems": f"{src}: cross-entropy forward + backward over 512 x 8192 fp32 logits",
+        "device.runtime_gb": f"{src}: resident size of a process that imported the trainer and ran 3 steps of a negligible model",
         "intra.bw_gbs": f"{src}: gloo all-reduce of 16 MB over {max(a.ranks_per_node, 2)} local ranks (p2p {loop['p2p_bw'] / 1e9:.2f} GB/s)",
         "intra.latency_us": f"{src}: gloo ping-pong / 2",
         "inter.bw_gbs": (f"{src}: gloo all-reduce over {a.nodes} emulated nodes at {a.network} (p2p {net['p2p_bw'] / 1e9:.3f} GB/s)"

@@ -3,14 +3,15 @@
     foldtrain bench planner [--calibration /tmp/ft-simval/calibration.json]
 
 Plans the ``tiny`` model (global batch 16 x 128) on 4 ranks of this machine with the cluster
-calibrated by ``foldtrain bench simulator`` (compute under 4 concurrent processes, gloo on
-loopback), launches the plan's top 4 distinct layouts for a few steps each (4 launches), and
+calibrated by ``foldtrain bench simulator`` (as its runs: compute calibrated with a core per
+process, the cores shared among the 4 ranks; gloo on loopback), launches the plan's top 4 distinct layouts for a few steps each (4 launches), and
 appends the result to ``docs/simulator.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -21,8 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (docs/ lives there)
 
+from foldtrain.bench.simulator import cluster_of
 from foldtrain.config import to_toml
-from foldtrain.sim.cluster import Cluster, Link
 from foldtrain.sim.plan import plan
 
 BASE = ["--model.preset", "tiny", "--train.global_batch", "16", "--train.seq_len", "128"]
@@ -53,11 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", default=str(ROOT / "docs"))
     a = ap.parse_args(argv)
     cal = json.loads(Path(a.calibration).read_text())
-    comp, loop = cal["compute"]["4"], cal["loopback"]["4"]
-    c = Cluster(name="this machine, 4 ranks", gpus_per_node=4, memory=6e9, tflops={k: comp[k][0] for k in ("fp32", "bf16", "fp16")},
-                mem_bw=comp["mem_bw"], efficiency=1.0, half_size=comp["fp32"][1], layer_overhead=comp["block_overhead"],
-                intra=Link(loop["allreduce_bw"], loop["latency_s"]), inter=Link(loop["allreduce_bw"], loop["latency_s"]),
-                runtime=comp["runtime"])
+    comps = {int(k): v for k, v in cal["compute"].items()}
+    cores = int(cal.get("cores", os.cpu_count() or 1))
+    c = cluster_of(comps, 4, cores, cal["loopback"]["4"], None, 4, "this machine, 4 ranks")
+    c = dataclasses.replace(c, memory=6e9)
     res = plan(BASE, None, c, 4)
     picks, seen = [], set()
     for cand in res.top:

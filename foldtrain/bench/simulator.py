@@ -37,12 +37,18 @@ PIPE_MODEL = ["--model.preset", "tiny", "--model.n_layer", "8", "--model.d_model
 DP_MODEL = ["--model.preset", "tiny", "--train.global_batch", "16", "--train.seq_len", "128"]
 
 
-def cluster_of(comp: dict, loop: dict, net: dict | None, per_node: int, name: str) -> Cluster:
+def cluster_of(comps: dict, ranks: int, cores: int, loop: dict, net: dict | None, per_node: int, name: str) -> Cluster:
+    """This machine as a cluster for a run of ``ranks`` processes: compute as calibrated with as many
+    concurrent processes as run at once with a core each (``min(ranks, cores)``), and the ``cores``
+    shared by every rank (the simulator slows ranks down when more of them compute than there are cores)."""
+    comp = comps[min(ranks, cores)] if min(ranks, cores) in comps else comps[min(comps, key=lambda k: abs(k - min(ranks, cores)))]
     intra = Link(loop["allreduce_bw"], loop["latency_s"])
     inter = Link(net["allreduce_bw"], net["latency_s"]) if net else intra
     return Cluster(name=name, gpus_per_node=per_node, memory=1e12, tflops={d: comp[d][0] for d in ("fp32", "bf16", "fp16")},
                    mem_bw=comp["mem_bw"], efficiency=1.0, half_size=comp["fp32"][1], layer_overhead=comp["block_overhead"],
-                   intra=intra, inter=inter, runtime=comp["runtime"])
+                   intra=intra, inter=inter, runtime=comp["runtime"], backward_ratio=comp.get("backward_ratio", 2.0),
+                   elem_bw=comp.get("elem_bw", 0.0), softmax_rate=comp.get("softmax_rate", 0.0),
+                   shared_cores=float(cores))
 
 
 def bench(kind: str, args: list[str], out: Path) -> list[dict]:
@@ -74,26 +80,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="/tmp/ft-simval")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--docs", default=str(ROOT / "docs"))
+    ap.add_argument("--reuse", action="store_true",
+                    help="do not calibrate or run: simulate again the calibration and runs an earlier invocation left in --out")
     a = ap.parse_args(argv)
     out, docs = Path(a.out), Path(a.docs)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     load0 = os.getloadavg()
-    print("calibrating ...", flush=True)
-    comp = {n: measure_compute(n) for n in (1, 2, 4)}
-    loop = {n: measure_loopback(n) for n in (2, 4)}
-    net = measure_network("1gbit", 2)
-    (out / "calibration.json").write_text(json.dumps({"compute": {str(k): v for k, v in comp.items()}, "loopback": loop, "net": net}, default=str))
-    steps = ["--steps", str(a.steps), "--warmup", "3"]
-    print("bench dp ...", flush=True)
-    dp_runs = bench("dp", ["--strategies", "none,ps,sharded-ps,allreduce,ddp", "--precisions", "fp32", "--ranks", "1,2,4",
-                           "--networks", "loopback,1gbit", "--anchors", "none", *steps], out / "dp")
-    print("bench pipeline ...", flush=True)
-    pp_runs = bench("pipeline", ["--schedules", "gpipe,1f1b,interleaved-1f1b,interleaved-1f1b:per-chunk,fold:after-flush,fold",
-                                 "--anchors", "none", "--networks", "1gbit", *steps], out / "pp")
-    pp_runs += [dict(r, defer=True) for r in bench("pipeline", ["--schedules", "fold", "--anchors", "none", "--networks", "1gbit",
-                                                               "--set", "fold.defer_reduce=true", "--set", "optim.grad_clip=0", *steps],
-                                                   out / "ppdefer")]
+    if a.reuse:
+        saved = json.loads((out / "calibration.json").read_text())
+        comp = {int(k): v for k, v in saved["compute"].items()}
+        loop = {int(k): v for k, v in saved["loopback"].items()}
+        net, cores = saved["net"], int(saved.get("cores", os.cpu_count() or 1))
+        load0 = tuple(saved.get("load", (float("nan"), float("nan"))))
+        read = lambda d: json.loads((out / d / "results.json").read_text())  # noqa: E731
+        dp_runs, pp_runs = read("dp"), read("pp") + [dict(r, defer=True) for r in read("ppdefer")]
+    else:
+        print("calibrating ...", flush=True)
+        cores = os.cpu_count() or 1
+        comp = {n: measure_compute(n) for n in (1, 2, 4)}
+        loop = {n: measure_loopback(n) for n in (2, 4)}
+        net = measure_network("1gbit", 2)
+        steps = ["--steps", str(a.steps), "--warmup", "3"]
+        print("bench dp ...", flush=True)
+        dp_runs = bench("dp", ["--strategies", "none,ps,sharded-ps,allreduce,ddp", "--precisions", "fp32", "--ranks", "1,2,4",
+                               "--networks", "loopback,1gbit", "--anchors", "none", *steps], out / "dp")
+        print("bench pipeline ...", flush=True)
+        pp_runs = bench("pipeline", ["--schedules", "gpipe,1f1b,interleaved-1f1b,interleaved-1f1b:per-chunk,fold:after-flush,fold",
+                                     "--anchors", "none", "--networks", "1gbit", *steps], out / "pp")
+        pp_runs += [dict(r, defer=True) for r in bench("pipeline", ["--schedules", "fold", "--anchors", "none", "--networks", "1gbit",
+                                                                   "--set", "fold.defer_reduce=true", "--set", "optim.grad_clip=0", *steps],
+                                                       out / "ppdefer")]
+        (out / "calibration.json").write_text(json.dumps({"compute": {str(k): v for k, v in comp.items()}, "loopback": loop, "net": net,
+                                                          "cores": cores, "load": [load0[0], os.getloadavg()[0]]}, default=str))
+        load0 = (load0[0], os.getloadavg()[0])
     rows = []
     gantt_pair = None
     for r in dp_runs + pp_runs:
@@ -103,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         n = r["ranks"]
         if r["bench"] == "dp":
             args = DP_MODEL + (["--dp.strategy", r["variant"], "--parallel.dp", str(r["workers"])] if r["variant"] != "none" else [])
-            c = cluster_of(comp[n], loop[max(n, 2)], net if r["network"] != "loopback" else None,
+            c = cluster_of(comp, n, cores, loop[max(n, 2)], net if r["network"] != "loopback" else None,
                            n if r["network"] == "loopback" else 1, f"this machine, {n} ranks, {r['network']}")
             label = f"dp {r['variant']} x{n} {r['network']}"
         else:
@@ -112,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "--parallel.schedule", r["variant"], "--parallel.dp_sync", sync]
             if r.get("defer"):
                 args += ["--fold.defer_reduce", "--optim.grad_clip", "0"]
-            c = cluster_of(comp[4], loop[2], net, 2, "this machine, 2 nodes x 2 ranks, 1gbit")
+            c = cluster_of(comp, 4, cores, loop[2], net, 2, "this machine, 2 nodes x 2 ranks, 1gbit")
             label = f"pp {r['variant']} V{v} {sync}" + (" defer" if r.get("defer") else "")
         sim = simulate(build_config(args), c, keep_events=True)
         rows.append((r, sim, label))
@@ -139,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
          "It calibrates this machine (`foldtrain.calibrate`: compute with 1, 2 and 4 concurrent processes, gloo on loopback "
          "and across two emulated nodes at 1 Gbit/s), runs `foldtrain bench dp` and `foldtrain bench pipeline`, and "
          "simulates every run with the calibrated numbers.", "",
-         f"Conditions: 2 CPU cores shared with other jobs (load average {load0[0]:.1f} at the start, "
-         f"{os.getloadavg()[0]:.1f} at the end); calibration and runs were made in the same invocation, minutes apart, "
+         f"Conditions: {cores} CPU cores (load average {load0[0]:.1f} at the start, "
+         f"{load0[1]:.1f} at the end of the runs); calibration and runs were made in the same invocation, minutes apart, "
          "so both see similar contention, but contention changes from run to run.", "",
          "| configuration | measured tokens/s | predicted tokens/s | error | measured peak MB (rank 0) | predicted (rank 0) | error |",
          "|---|---|---|---|---|---|---|"]

@@ -64,7 +64,9 @@ class ReplicatedEngine:
         return self.strategy.stats()
 
     def flush(self) -> None:
-        """Nothing is ever left pending between steps here."""
+        """Complete what the strategy left in flight into the next step (sharded-ps: the all-gathers
+        of the updated parameters, which the next forward would otherwise wait for)."""
+        self.strategy.flush()
 
     # ------------------------------------------------------------------ the step
     def micro_batches(self, x: torch.Tensor, y: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

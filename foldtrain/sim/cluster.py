@@ -5,6 +5,8 @@ A cluster file (copy a preset and edit it; every number is required and positive
     name = "my-cluster"
     [node]
     gpus = 8                 # devices (ranks) per node
+    shared_cores = 2         # optional: every rank of every node shares this many CPU cores
+                             # (a cluster emulated on one machine; absent or 0: own devices)
     [device]
     memory_gb = 80           # usable device memory per rank
     fp32_tflops = 19.5       # peak dense throughput per dtype, TFLOP/s
@@ -15,6 +17,9 @@ A cluster file (copy a preset and edit it; every number is required and positive
     half_size = 256          # matrix dimension at which the efficiency is half of that
     layer_overhead_us = 60   # fixed cost per transformer block and pass (kernel launches, Python)
     runtime_gb = 1.0         # optional: memory the framework takes per rank (CUDA context, ...)
+    backward_ratio = 2.0     # optional: a block's backward time / its forward time (FLOPs: 2)
+    elem_gbs = 2039          # optional: effective bandwidth of element-wise work (absent: mem_bw_gbs)
+    softmax_gelems = 50      # optional: log-softmax forward + backward, G elements/s (absent: memory-bound)
     [intra]                  # between ranks of one node (NVLink, or loopback here)
     bw_gbs = 300             # GB/s per rank and direction
     latency_us = 5
@@ -67,6 +72,10 @@ class Cluster:
     inter: Link
     source: str = ""
     runtime: float = 0.0  # bytes per rank the framework itself takes (CUDA context, interpreter)
+    backward_ratio: float = 2.0  # a block's backward / forward time (2: the FLOP ratio)
+    shared_cores: float = 0.0  # > 0: all ranks share this many CPU cores (an emulated cluster on one machine)
+    elem_bw: float = 0.0  # bytes/s of element-wise work (norms, GELU, softmax, residuals); 0: mem_bw
+    softmax_rate: float = 0.0  # elements/s of the loss's log-softmax forward + backward; 0: memory-bound at mem_bw
 
     def matmul_efficiency(self, n: float) -> float:
         return self.efficiency * n / (n + self.half_size)
@@ -118,13 +127,18 @@ def from_dict(data: dict, src: str = "<dict>") -> Cluster:
         inter=Link(vals["inter.bw_gbs"] * 1e9, vals["inter.latency_us"] * 1e-6),
         source=src,
         runtime=_optional(data, "device", "runtime_gb", src) * 1e9,
+        backward_ratio=_optional(data, "device", "backward_ratio", src, default=2.0, positive=True),
+        shared_cores=_optional(data, "node", "shared_cores", src),
+        elem_bw=_optional(data, "device", "elem_gbs", src) * 1e9,
+        softmax_rate=_optional(data, "device", "softmax_gelems", src) * 1e9,
     )
 
 
-def _optional(data: dict, sec: str, k: str, src: str) -> float:
-    v = data.get(sec, {}).get(k, 0.0)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise _bad(src, f"{sec}.{k}", f"must be a non-negative number, got {v!r}")
+def _optional(data: dict, sec: str, k: str, src: str, default: float = 0.0, positive: bool = False) -> float:
+    v = data.get(sec, {}).get(k, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (positive and v == 0):
+        kind = "positive" if positive else "non-negative"
+        raise _bad(src, f"{sec}.{k}", f"must be a {kind} number, got {v!r}")
     return float(v)
 
 
@@ -151,17 +165,19 @@ def to_toml(c: Cluster, comments: dict[str, str] | None = None) -> str:
     """A cluster file for ``c`` (``comments``: ``"section.field" -> source``)."""
     comments = comments or {}
     vals = {
-        "node.gpus": c.gpus_per_node, "device.memory_gb": c.memory / 1e9,
+        "node.gpus": c.gpus_per_node, "node.shared_cores": c.shared_cores, "device.memory_gb": c.memory / 1e9,
         "device.fp32_tflops": c.tflops["fp32"] / 1e12, "device.bf16_tflops": c.tflops["bf16"] / 1e12,
         "device.fp16_tflops": c.tflops["fp16"] / 1e12, "device.mem_bw_gbs": c.mem_bw / 1e9,
         "device.efficiency": c.efficiency, "device.half_size": c.half_size,
         "device.layer_overhead_us": c.layer_overhead * 1e6, "device.runtime_gb": c.runtime / 1e9,
+        "device.backward_ratio": c.backward_ratio, "device.elem_gbs": c.elem_bw / 1e9,
+        "device.softmax_gelems": c.softmax_rate / 1e9,
         "intra.bw_gbs": c.intra.bw / 1e9, "intra.latency_us": c.intra.latency * 1e6,
         "inter.bw_gbs": c.inter.bw / 1e9, "inter.latency_us": c.inter.latency * 1e6,
     }
     lines = [f'name = "{c.name}"']
     for sec, keys in FIELDS.items():
-        keys = keys + (("runtime_gb",) if sec == "device" else ())
+        keys = keys + {"device": ("runtime_gb", "backward_ratio", "elem_gbs", "softmax_gelems"), "node": ("shared_cores",)}.get(sec, ())
         lines += ["", f"[{sec}]"]
         for k in keys:
             v = vals[f"{sec}.{k}"]

@@ -2,11 +2,15 @@
 
 Per transformer block and token (``d`` = d_model, ``L`` = sequence, ``t`` = tensor-parallel size),
 forward: ``(24 d^2 + 4 L d) / t`` FLOPs (qkv, projection, MLP; scores and values); the LM head
-``2 d V / t``; backward twice the forward, plus one more forward of every block with ``--ac full``
+``2 d V / t``; a block's backward takes ``backward_ratio`` times its forward (2, the FLOP ratio, on the
+GPU presets; ``foldtrain calibrate`` measures it), plus one more forward of every block with ``--ac full``
 (recomputation). The last segment's forward runs the fused head (head forward + backward) and its
 backward skips it. A matrix product of smallest dimension ``n`` runs at
 ``peak(dtype) * efficiency * n / (n + half_size)``; element-wise work (layer norms, GELU, softmax,
-residuals) moves about the activation bytes of Korthikanti et al. (2022) through device memory;
+residuals) moves about the activation bytes of Korthikanti et al. (2022) through device memory
+(at ``elem_bw``, which ``foldtrain calibrate`` fits to a real block's forward: on a CPU
+transcendental functions, not bytes, bound it); the loss's log-softmax runs at ``softmax_rate``
+elements/s when calibrated, else it is memory-bound;
 each block and pass pays ``layer_overhead``. Tensor parallelism adds Megatron's two all-reduces
 of the ``(b, L, d)`` activation per block in the forward and two in the backward (two more with
 recomputation) on the node's link, inside F and B.
@@ -76,10 +80,13 @@ class CostModel:
         lin = 24 * d * d / t * tokens / (self.peak * eff(n_lin))
         attn = 4 * L * d / t * tokens / (self.peak * eff(min(L, head_dim)))
         # element-wise traffic: Korthikanti et al.'s activation bytes per block, written and read once
-        elem = 2 * self.act_bytes_block(recompute=False) / c.mem_bw
+        elem = 2 * self.act_bytes_block(recompute=False) / (c.elem_bw or c.mem_bw)
         self.t_block_f = lin + attn + elem + c.layer_overhead
         self.t_head_f = 2 * d * s.vocab / t * tokens / (self.peak * eff(min(tokens, d, s.vocab / t)))
-        self.t_head_f += 2 * tokens * s.vocab * 4 / c.mem_bw  # logits and softmax in fp32
+        # the loss's log-softmax over fp32 logits, forward and backward: memory-bound on a GPU (read and
+        # write the logits in each of the head's three passes); a CPU is bound by exp() instead (calibrated)
+        logits = tokens * s.vocab / t
+        self.t_softmax = logits / c.softmax_rate if c.softmax_rate > 0 else 3 * 2 * logits * 4 / c.mem_bw
         self.t_embed_f = tokens * d * (s.act_bytes + 4) / c.mem_bw
         # tensor-parallel all-reduces of the (b, L, d) activation, on the node's link (tp never spans nodes)
         self.t_tp_ar = self.ring_allreduce_time(tokens * d * s.act_bytes, t, c.intra.bw, c.intra.latency) if t > 1 else 0.0
@@ -104,13 +111,13 @@ class CostModel:
         if seg == 0:
             t += self.t_embed_f + (self.t_tp_ar if s.tp > 1 else 0.0)
         if seg == s.segments - 1:
-            t += 3 * self.t_head_f  # fused head: forward and backward of head and loss
+            t += 3 * self.t_head_f + self.t_softmax  # fused head: forward and backward of head and loss
         return t
 
     def backward(self, seg: int) -> float:
         s = self.s
         n = s.layers[seg]
-        per = 2 * (self.t_block_f - self.c.layer_overhead) + 2 * self.c.layer_overhead + 2 * self.t_tp_ar
+        per = self.c.backward_ratio * self.t_block_f + 2 * self.t_tp_ar
         if s.ac:
             per += self.t_block_f + 2 * self.t_tp_ar
         t = n * per

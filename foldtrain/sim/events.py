@@ -2,7 +2,11 @@
 
 The executor's semantics (``foldtrain/pipeline/executor.py``), action by action, per rank:
 
-* ``F`` / ``B`` occupy the rank's compute stream for ``costs.compute``;
+* ``F`` / ``B`` occupy the rank's compute stream for ``costs.compute``; on a cluster whose ranks
+  share a host's CPU cores (``costs.cpu_share()`` is not ``None``: an emulated cluster on one
+  machine) a compute action is instead ``costs.compute`` core-seconds of work on the shared
+  ``("cpu",)`` resource, where each busy rank gets ``min(1, cores / busy ranks)`` of a core (the
+  optimizer step too);
 * ``SA`` / ``SG`` post a transfer (never block); it starts after the link's latency; on a
   dedicated link between two ranks of a node transfers go one after another in posting order
   (one stream per pair), on a node's network interface they share it with the transfers in
@@ -38,23 +42,28 @@ from typing import Any, Callable
 from foldtrain.schedules import Op, Schedule, message_key
 
 Phase = tuple  # ("delay", seconds) | ("flow", link_key, weight, nbytes)
+CPU = ("cpu",)  # the host's cores, when the ranks share them
 
 
 class SharedLink:
-    """A link of bandwidth ``bw`` bytes/s shared by the flows in flight (weighted processor sharing)."""
+    """A link of bandwidth ``bw`` bytes/s shared by the flows in flight (weighted processor sharing);
+    one unit of weight never gets more than ``cap`` (a rank cannot use more than one core)."""
 
-    __slots__ = ("sim", "bw", "flows", "t", "ver", "_next")
+    __slots__ = ("sim", "bw", "cap", "flows", "t", "ver", "_next")
 
-    def __init__(self, sim: "Sim", bw: float):
-        self.sim, self.bw = sim, bw
+    def __init__(self, sim: "Sim", bw: float, cap: float = float("inf")):
+        self.sim, self.bw, self.cap = sim, bw, cap
         self.flows: dict[int, list] = {}
         self.t = 0.0
         self.ver = 0
         self._next = 0
 
+    def rate(self) -> float:
+        return min(self.cap, self.bw / sum(f[1] for f in self.flows.values()))
+
     def _advance(self, now: float) -> None:
         if self.flows and now > self.t:
-            rate = self.bw / sum(f[1] for f in self.flows.values())
+            rate = self.rate()
             dt = now - self.t
             for f in self.flows.values():
                 f[0] -= rate * dt
@@ -74,7 +83,7 @@ class SharedLink:
         self.ver += 1
         if not self.flows:
             return
-        rate = self.bw / sum(f[1] for f in self.flows.values())
+        rate = self.rate()
         rem = min(f[0] for f in self.flows.values())
         ver = self.ver
         self.sim.at(now + max(rem, 0.0) / rate, lambda: self._complete(ver))
@@ -84,7 +93,7 @@ class SharedLink:
             return
         now = self.sim.now
         self._advance(now)
-        rate = self.bw / sum(f[1] for f in self.flows.values())
+        rate = self.rate()
         eps = max(1e-6, rate * (abs(now) * 1e-12 + 1e-15))  # below the clock's resolution
         done = [k for k, f in self.flows.items() if f[0] <= eps]
         cbs = [self.flows.pop(k)[2] for k in done]
@@ -142,6 +151,8 @@ class Sim:
     def __init__(self, sched: Schedule, costs: Any, iterations: int = 2, record_from: int = 0):
         self.sched, self.costs, self.iterations = sched, costs, iterations
         self.record_from = record_from
+        share = getattr(costs, "cpu_share", lambda: None)()
+        self.cpu = share  # (cores, per-rank cap, weight of a simulated rank) or None
         self.now = 0.0
         self._heap: list = []
         self._seq = 0
@@ -168,8 +179,20 @@ class Sim:
     def link(self, key: tuple) -> SharedLink:
         ln = self.links.get(key)
         if ln is None:
-            ln = self.links[key] = SharedLink(self, self.costs.link_bw(key))
+            if key == CPU:
+                cores, cap, _ = self.cpu
+                ln = self.links[key] = SharedLink(self, cores, cap)
+            else:
+                ln = self.links[key] = SharedLink(self, self.costs.link_bw(key))
         return ln
+
+    def busy(self, r: RankState, dur: float, done: Callable[[float], None]) -> None:
+        """``dur`` seconds of this rank's compute: on the shared cores if there are any, else alone."""
+        if self.cpu is None:
+            t_end = r.t + dur
+            self.at(t_end, lambda: done(t_end))
+        else:
+            self.at(r.t, lambda: self.link(CPU).add(dur, self.cpu[2], done))
 
     def run_phases(self, phases: list[Phase], done: Callable[[float], None]) -> None:
         if not phases:
@@ -213,10 +236,14 @@ class Sim:
             a = acts[r.pc]
             op = a.op
             if op is Op.FORWARD or op is Op.BACKWARD:
-                dur = costs.compute(r.p, a)
-                self.ev(r, f"{op.value} c{a.chunk} m{a.mb}", "compute", r.t, r.t + dur, op=op.value, chunk=a.chunk, mb=a.mb)
-                r.pc += 1
-                self.resume(r, r.t + dur)
+                t0 = r.t
+
+                def computed(t: float, r=r, a=a, t0=t0) -> None:
+                    self.ev(r, f"{a.op.value} c{a.chunk} m{a.mb}", "compute", t0, t, op=a.op.value, chunk=a.chunk, mb=a.mb)
+                    r.pc += 1
+                    self.resume(r, t)
+
+                self.busy(r, costs.compute(r.p, a), computed)
                 return
             if op is Op.SEND_ACT or op is Op.SEND_GRAD:
                 key, weight, lat, nbytes = costs.send(r.p, a)
@@ -302,11 +329,15 @@ class Sim:
                             return
                     r.stepped = True
                 dur = costs.optim(r.p, a.chunk)
-                if dur > 0:
-                    self.ev(r, f"OS c{a.chunk}", "optim", r.t, r.t + dur, chunk=a.chunk, deferred=a.chunk in r.deferred)
                 r.pc += 1
                 if dur > 0:
-                    self.resume(r, r.t + dur)
+                    t0 = r.t
+
+                    def stepped(t: float, r=r, a=a, t0=t0) -> None:
+                        self.ev(r, f"OS c{a.chunk}", "optim", t0, t, chunk=a.chunk, deferred=a.chunk in r.deferred)
+                        self.resume(r, t)
+
+                    self.busy(r, dur, stepped)
                     return
                 continue
             raise ValueError(f"unknown action {a}")

@@ -43,6 +43,16 @@ class RunCosts:
         self.last = s.segments - 1
 
     # -- compute
+    def cpu_share(self):
+        """``(cores, cap, weight)`` when every rank shares the host's cores (an emulated cluster): a
+        simulated rank stands for ``dp * tp`` identical ranks computing at once, and each rank runs
+        ``cores // world`` threads at most (the benches' thread split); ``None`` on real devices."""
+        cores = self.c.shared_cores
+        if cores <= 0:
+            return None
+        s = self.s
+        return cores, float(max(1, int(cores) // max(s.world, 1))), float(s.dp * s.tp)
+
     def compute(self, p: int, a) -> float:
         return self.cm.forward(a.chunk) if a.op is Op.FORWARD else self.cm.backward(a.chunk)
 

@@ -79,3 +79,28 @@ def test_fold_keeps_all_microbatches_1f1b_about_p():
     f1 = simulate(_cfg(*base, "--parallel.schedule", "1f1b"), c).memory[0]["activations"]
     gp = simulate(_cfg(*base, "--parallel.schedule", "gpipe"), c).memory[0]["activations"]
     assert gp / f1 == approx(16 / 4, rel=0.05)  # M live micro-batches vs P on rank 0
+
+
+def test_backward_ratio_scales_the_blocks_backward():
+    """A cluster's ``backward_ratio`` (2 when absent: the FLOP ratio) multiplies a block's forward time;
+    it survives the cluster file round trip; calibrate measures a real block's ratio."""
+    from foldtrain.calibrate import RATIO_SHAPES, _block_times
+    from foldtrain.model.gpt import Block, GPTShape
+    from foldtrain.sim.cluster import load_cluster, to_toml
+    from foldtrain.config.load import tomllib
+
+    s = resolve_setup(_cfg("--train.global_batch", "1", "--parallel.pp", "2"))  # segment 1: blocks (and the head's forward)
+    base = from_dict(cluster_dict(), "c.toml")
+    assert base.backward_ratio == 2.0
+    d = cluster_dict()
+    d["device"]["backward_ratio"] = 1.3
+    c = from_dict(d, "c.toml")
+    f, b = CostModel(s, c).forward(1), CostModel(s, c).backward(1)
+    blocks = s.layers[1]
+    assert b == approx(1.3 * blocks * CostModel(s, c).t_block_f)
+    assert CostModel(s, base).backward(1) == approx(2.0 * blocks * CostModel(s, base).t_block_f)
+    assert f == approx(CostModel(s, base).forward(1))
+    assert from_dict(tomllib.loads(to_toml(c)), "c.toml").backward_ratio == approx(1.3)
+    assert load_cluster("dgx-h100").backward_ratio == 2.0
+    fwd, bwd = _block_times(Block, GPTShape, *RATIO_SHAPES[0])
+    assert 0.5 < bwd / fwd < 5.0, (fwd, bwd)

@@ -67,3 +67,28 @@ def test_shared_link_halves_bandwidth():
         fn()
     # 4 unit flows share 100 B/s: the 50-byte pair ends at 2 s; the two 100-byte ones then have 50 B each at 50 B/s
     assert sorted(got) == approx([2.0, 3.0, 3.0])
+
+
+class _SharedCores(UnitCosts):
+    def __init__(self, t_f, t_b, cores, weight):
+        super().__init__(t_f, t_b)
+        self.share = (cores, 1.0, weight)
+
+    def cpu_share(self):
+        return self.share
+
+
+@pytest.mark.parametrize("cores,weight", [(2.0, 1.0), (2.0, 2.0), (2.0, 4.0), (1.0, 2.0)])
+def test_shared_cores_slow_only_what_runs_at_once(cores, weight):
+    """Ranks sharing a host's cores (an emulated cluster): 2 pipeline ranks of ``weight`` identical
+    ranks each. GPipe with 1 micro-batch never computes on both pipeline ranks at once, so each
+    action runs at min(1, cores / weight) of a core; fold with 4 micro-batches overlaps the ranks."""
+    t_f, t_b = 1.0, 2.0
+    slow = max(1.0, weight / cores)
+    one = run_schedule(build_schedule("gpipe", 2, 1, 1), _SharedCores(t_f, t_b, cores, weight))
+    assert one.iter_end[0] == approx(2 * (t_f + t_b) * slow)
+    alone = run_schedule(build_schedule("fold", 2, 2, 4), UnitCosts(t_f, t_b)).iter_end[0]
+    shared = run_schedule(build_schedule("fold", 2, 2, 4), _SharedCores(t_f, t_b, cores, weight)).iter_end[0]
+    work = 2 * 2 * 4 * (t_f + t_b) * weight  # core-seconds of every rank
+    assert shared >= max(alone * slow, work / cores) - 1e-9
+    assert shared <= alone * max(1.0, 2 * weight / cores) + 1e-9

@@ -10,7 +10,8 @@ logged values over ranks, and failures named by rank.
 Hooks, in the order the engine's step calls them: ``forward`` (the model call, e.g. DDP's
 wrapper), ``no_sync`` (accumulation micro-batches), ``sync_grads``, ``global_finite`` (one
 loss-scaler verdict for ranks holding different gradient shards), ``apply_update`` (clip, step,
-LR schedule), ``reduce_scalar`` (the logged loss), ``zero_grad``. Checkpoint and export:
+LR schedule), ``reduce_scalar`` (the logged loss), ``zero_grad``; ``flush`` (before the replica's
+weights are read outside a step). Checkpoint and export:
 ``model_optim_state`` / ``load_model_optim_state`` / ``eval_model``.
 """
 
@@ -108,6 +109,9 @@ class Strategy:
 
     def zero_grad(self) -> None:
         self.state.zero_grad()
+
+    def flush(self) -> None:
+        """Complete communication left in flight into the next step, so the replica is current."""
 
     # ------------------------------------------------------------------ checkpoint and export
     def model_optim_state(self) -> dict:

@@ -26,8 +26,12 @@ the bandwidth-optimal (W-1)/W) and each rank sums the W rows it received, in fp3
 
 Then: the gradient norm for clipping is the square root of the all-reduced sum of every rank's
 squared shard norm; the fp16 loss scaler's skip decision is all-reduced (MIN) so every rank takes
-the same one; AdamW steps the shard; one ``all_gather_into_tensor`` (in the model's dtype) returns
-every rank's rows and each bucket's columns are unpacked into the replica.
+the same one; AdamW steps the shard; and the updated rows come back bucket by bucket: one
+asynchronous ``all_gather_into_tensor`` per bucket (in the model's dtype), issued in the order the
+next forward needs them (the reverse of the bucket order), so the all-gathers overlap the next
+forward. A forward pre-hook on every module that holds parameters waits for the buckets holding
+them and unpacks them into the replica; anything else that reads the replica (export, checkpoint,
+evaluation outside a forward) lands every pending bucket first.
 
 Checkpoint: ``model`` is the full fp32 model under the single-process names (gathered from the
 shards, so ``eval``/``generate`` read it like any other checkpoint); ``optim`` holds each rank's
@@ -121,6 +125,13 @@ class ShardedPSStrategy(DataParallelStrategy):
         self.peak_transient = 0
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
+        # the all-gathers of the updated rows, in flight until a forward needs them: bucket -> (work, W x width rows)
+        self._gathers: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+        bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b.decay + b.plain}
+        for mod in self.model.modules():
+            ks = sorted({bucket_of[self._index[id(p)]] for p in mod.parameters(recurse=False) if id(p) in self._index})
+            if ks:
+                mod.register_forward_pre_hook(lambda _m, _a, ks=ks: self._land(ks))
 
     def _my_part(self, tensors: list[torch.Tensor], which: str) -> torch.Tensor:
         """This rank's ``decay`` or ``plain`` pieces of every bucket of ``tensors``, concatenated (fp32)."""
@@ -172,6 +183,7 @@ class ShardedPSStrategy(DataParallelStrategy):
         self._inflight = None
 
     def _end_backward(self) -> None:
+        self.land_all()  # a module the forward skipped keeps its bucket pending: land it before the next step
         self.launcher.finish()
         self._complete()
         self.launcher.reset()
@@ -199,7 +211,35 @@ class ShardedPSStrategy(DataParallelStrategy):
     def apply_update(self, grads_finite: bool) -> None:
         super().apply_update(grads_finite)  # clip, AdamW on this shard, LR schedule
         if grads_finite:
-            self._unpack(self._gather(self.precision.param_dtype), self.params)
+            self._start_gathers(self.precision.param_dtype)
+
+    def _start_gathers(self, dtype: torch.dtype) -> None:
+        """Issue every bucket's all-gather, the next forward's first bucket (the last one) first."""
+        self.land_all()
+        for k in reversed(range(len(self.buckets))):
+            b = self.buckets[k]
+            mine = torch.empty(b.width, dtype=dtype, device=self.decay_shard.device)
+            mine[: b.dp] = self.decay_shard.detach()[0, b.dec_off : b.dec_off + b.dp]
+            mine[b.dp :] = self.plain_shard.detach()[b.plain_off : b.plain_off + b.pp]
+            rows = torch.empty(self.world * b.width, dtype=dtype, device=mine.device)
+            self.comm.all_gather(rows)
+            self._gathers[k] = (all_gather(rows, mine, async_op=True), rows.view(self.world, b.width))
+
+    @torch.no_grad()
+    def _land(self, ks: list[int]) -> None:
+        """Wait for the all-gathers of buckets ``ks`` (those still in flight) and unpack them into the replica."""
+        for k in ks:
+            got = self._gathers.pop(k, None)
+            if got is not None:
+                self.comm.wait(got[0], "all-gather")
+                self.buckets[k].unpack(got[1], self.params)
+
+    def flush(self) -> None:
+        self.land_all()
+
+    def land_all(self) -> None:
+        if self._gathers:
+            self._land(sorted(self._gathers, reverse=True))
 
     def zero_grad(self) -> None:
         super().zero_grad()
@@ -237,6 +277,7 @@ class ShardedPSStrategy(DataParallelStrategy):
     # ------------------------------------------------------------------ checkpoint and export
     def _fp32_full(self) -> dict[int, torch.Tensor]:
         """Parameter storage address -> its fp32 values (gathered from every rank's shard)."""
+        self.land_all()
         values = [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in self.params]
         self._unpack(self._gather(torch.float32), values)
         return {p.data_ptr(): v for p, v in zip(self.params, values)}
@@ -253,6 +294,7 @@ class ShardedPSStrategy(DataParallelStrategy):
     def load_model_optim_state(self, sd: dict) -> None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+        self.land_all()
         by_ptr = {v.data_ptr(): sd["model"][k] for k, v in get_model_state_dict(self.model).items()}
         full = [by_ptr[p.data_ptr()].float() for p in self.params]
         self.decay_shard.copy_(self._my_part(full, "decay").view(1, -1))
@@ -264,6 +306,7 @@ class ShardedPSStrategy(DataParallelStrategy):
             load_adamw_state(self.optimizer, p, saved[key])
 
     def eval_model(self) -> nn.Module:
+        self.land_all()
         if not self.precision.master:
             return self.model
         model = copy.deepcopy(self.model).float()  # collective: every rank gathers the fp32 masters

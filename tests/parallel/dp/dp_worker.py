@@ -90,6 +90,7 @@ def run_case(case: dict, env: DistEnv, tmp: Path | None = None) -> dict:
     sampler = SyntheticSampler(cfg.model.vocab_size, cfg.train.seq_len, case.get("toy", False))
     ckpt = CheckpointManager(tmp / "ckpt", keep=5) if tmp is not None and case.get("ckpt_at") else None
     out = train(engine, cfg, sampler, 0, case["steps"], env.rank, case, ckpt)
+    engine.flush()  # sharded-ps: the last step's all-gathers land at the next forward, or here
     out["replica"] = params_of(engine.model)
     out["params"] = params_of(engine.eval_model())  # collective for sharded / server layouts
     out["eval_loss"] = engine.eval_loss([sampler.rank_batch(999, cfg.train.global_batch, 0, 1)])  # every rank, the same batch

@@ -10,7 +10,8 @@ Activations: the micro-batches a rank keeps alive, found by walking its action l
 adds its segment's activations, the backward frees them): all ``V M`` at the turn for fold and
 GPipe, about ``P`` for 1F1B. Per block and micro-batch Korthikanti et al. (2022); with ``--ac full``
 only each block's input, plus one block's full activations while it is recomputed. The rank
-holding the head also holds one micro-batch's fp32 logits and their gradient.
+holding the head also holds three of one micro-batch's fp32 ``(b, L, V)`` tensors at the loss's
+backward (log-softmax output, its gradient, the logits' gradient).
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ def rank_memory(s: Setup, cm: CostModel, sched: Schedule, p: int, runtime: float
     if s.ac:
         act += cm.act_bytes_block(recompute=False)  # one block recomputed at a time
     if s.segments - 1 in segs:
-        act += 2 * s.micro_batch * s.seq * s.vocab / s.tp * 4  # fp32 logits and their gradient, one micro-batch
+        # one micro-batch's fp32 (b, L, V) tensors at the loss's backward: the log-softmax output saved for it,
+        # its gradient and the logits' gradient (the logits themselves are freed after the forward)
+        act += 3 * s.micro_batch * s.seq * s.vocab / s.tp * 4
     out["activations"] = act
     out["runtime"] = runtime
     out["total"] = sum(out.values())

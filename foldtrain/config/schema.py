@@ -95,6 +95,7 @@ class DPConfig:
     cycle_ms: float = 5.0  # allreduce: a bucket also closes this long after the last launch (Horovod's cycle time); 0: off
     compression: str = "none"  # allreduce wire compression: none, fp16, bf16
     bucket_mb: float = 25.0  # ddp bucket size
+    shard_bucket_mb: float = 4.0  # sharded-ps: reduce-scatter / all-gather bucket size (transient memory, overlap)
     timeout_s: float = 120.0  # a rank that stalls this long makes every rank fail
 
 

@@ -2,7 +2,8 @@
 
 Buckets (:func:`~foldtrain.parallel.dp.buckets.fixed_plan`): the parameters in reverse model
 order (about the order backward finishes them), cut after ``--dp.first_bucket_mb`` and then every
-``--dp.bucket_mb``; the same on every rank since it depends only on the model. Each bucket is
+``--dp.shard_bucket_mb`` (4 MB: smaller than DDP's 25 MB, since a bucket's buffers are the
+strategy's whole transient gradient memory and small buckets overlap the backward and forward); the same on every rank since it depends only on the model. Each bucket is
 laid out as W rows, row r = [its weight-decayed (>= 2-D) elements' r-th piece | the rest's r-th
 piece], each part zero-padded to a multiple of W. Rank r owns row r of every bucket: its
 ``decay_shard`` (a 1 x n row, filed under weight decay by ``build_optimizer``) is the
@@ -104,7 +105,7 @@ class ShardedPSStrategy(DataParallelStrategy):
         self._index = {id(p): i for i, p in enumerate(self.params)}
         order = list(reversed(range(len(self.params))))
         sizes = [nbytes(p) for p in self.params]
-        plan = fixed_plan(sizes, order, cfg.dp.first_bucket_mb * 2**20, cfg.dp.bucket_mb * 2**20)
+        plan = fixed_plan(sizes, order, cfg.dp.first_bucket_mb * 2**20, cfg.dp.shard_bucket_mb * 2**20)
         self.buckets: list[Bucket] = []
         d = pl = c = 0
         for index in plan:
@@ -126,7 +127,8 @@ class ShardedPSStrategy(DataParallelStrategy):
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         # the all-gathers of the updated rows, in flight until a forward needs them: bucket -> (work, W x width rows)
-        self._gathers: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+        self._gathers: dict[int, tuple[dist.Work, torch.Tensor]] = {}  # at most one
+        self._queue: list[tuple[int, torch.dtype]] = []  # the all-gathers still to issue, in order
         bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b.decay + b.plain}
         for mod in self.model.modules():
             ks = sorted({bucket_of[self._index[id(p)]] for p in mod.parameters(recurse=False) if id(p) in self._index})
@@ -214,32 +216,48 @@ class ShardedPSStrategy(DataParallelStrategy):
             self._start_gathers(self.precision.param_dtype)
 
     def _start_gathers(self, dtype: torch.dtype) -> None:
-        """Issue every bucket's all-gather, the next forward's first bucket (the last one) first."""
+        """Queue every bucket's all-gather, the next forward's first bucket (the last one) first, and
+        start it. One all-gather is in flight at a time: landing a bucket starts the next one (several
+        concurrent collectives on one slow link only make TCP drop and stall)."""
         self.land_all()
-        for k in reversed(range(len(self.buckets))):
-            b = self.buckets[k]
-            mine = torch.empty(b.width, dtype=dtype, device=self.decay_shard.device)
-            mine[: b.dp] = self.decay_shard.detach()[0, b.dec_off : b.dec_off + b.dp]
-            mine[b.dp :] = self.plain_shard.detach()[b.plain_off : b.plain_off + b.pp]
-            rows = torch.empty(self.world * b.width, dtype=dtype, device=mine.device)
-            self.comm.all_gather(rows)
-            self._gathers[k] = (all_gather(rows, mine, async_op=True), rows.view(self.world, b.width))
+        self._queue = [(k, dtype) for k in reversed(range(len(self.buckets)))]
+        self._issue_next()
+
+    def _issue_next(self) -> None:
+        if not self._queue:
+            return
+        k, dtype = self._queue.pop(0)
+        b = self.buckets[k]
+        mine = torch.empty(b.width, dtype=dtype, device=self.decay_shard.device)
+        mine[: b.dp] = self.decay_shard.detach()[0, b.dec_off : b.dec_off + b.dp]
+        mine[b.dp :] = self.plain_shard.detach()[b.plain_off : b.plain_off + b.pp]
+        rows = torch.empty(self.world * b.width, dtype=dtype, device=mine.device)
+        self.comm.all_gather(rows)
+        self._gathers[k] = (all_gather(rows, mine, async_op=True), rows.view(self.world, b.width))
 
     @torch.no_grad()
     def _land(self, ks: list[int]) -> None:
-        """Wait for the all-gathers of buckets ``ks`` (those still in flight) and unpack them into the replica."""
+        """Wait for the all-gathers of buckets ``ks`` (issuing queued ones in order until they are in
+        flight) and unpack them into the replica."""
         for k in ks:
+            while k not in self._gathers and any(q == k for q, _ in self._queue):
+                self._land_oldest()
             got = self._gathers.pop(k, None)
             if got is not None:
                 self.comm.wait(got[0], "all-gather")
                 self.buckets[k].unpack(got[1], self.params)
+                self._issue_next()
+
+    def _land_oldest(self) -> None:
+        (k,) = list(self._gathers)  # one in flight
+        self._land([k])
 
     def flush(self) -> None:
         self.land_all()
 
     def land_all(self) -> None:
-        if self._gathers:
-            self._land(sorted(self._gathers, reverse=True))
+        while self._gathers:
+            self._land_oldest()
 
     def zero_grad(self) -> None:
         super().zero_grad()

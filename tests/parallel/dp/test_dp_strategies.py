@@ -77,7 +77,7 @@ def spec(world: int) -> list[dict]:
 # Bucketed overlap at 4 ranks: allreduce with a cycle time so short that (nearly) every gradient
 # closes a bucket, and ZeRO-2 with buckets of a few kilobytes, with accumulation and clipping.
 CYCLE = ["--dp.strategy", "allreduce", "--dp.first_bucket_mb", "0.001", "--dp.fusion_mb", "0.02", "--dp.cycle_ms", "0.001"]
-ZERO2 = ["--dp.strategy", "sharded-ps", "--dp.first_bucket_mb", "0.002", "--dp.bucket_mb", "0.02"]
+ZERO2 = ["--dp.strategy", "sharded-ps", "--dp.first_bucket_mb", "0.002", "--dp.shard_bucket_mb", "0.02"]
 
 
 def overlap_cases() -> list[dict]:

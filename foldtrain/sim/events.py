@@ -189,8 +189,7 @@ class Sim:
     def busy(self, r: RankState, dur: float, done: Callable[[float], None]) -> None:
         """``dur`` seconds of this rank's compute: on the shared cores if there are any, else alone."""
         if self.cpu is None:
-            t_end = r.t + dur
-            self.at(t_end, lambda: done(t_end))
+            done(r.t + dur)  # its own device: the end is known now (``done`` resumes the rank then)
         else:
             self.at(r.t, lambda: self.link(CPU).add(dur, self.cpu[2], done))
 

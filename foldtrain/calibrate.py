@@ -65,8 +65,7 @@ def _micro_step() -> None:
     opt = torch.optim.AdamW(m.parameters(), fused=True)
     x = torch.randint(0, 64, (2, 32))
     for _ in range(3):
-        out = m(x)
-        (out[0] if isinstance(out, tuple) else out).float().mean().backward()
+        m(x).float().mean().backward()
         opt.step()
 
 
@@ -306,7 +305,7 @@ def main(argv: list[str]) -> int:
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     fp32_a, fp32_h, _ = comp["fp32"]
     intra = Link(loop["allreduce_bw"], loop["latency_s"])
-    inter = Link(net["allreduce_bw"] * (1 if a.ranks_per_node == 1 else 1), net["latency_s"]) if net else intra
+    inter = Link(net["allreduce_bw"], net["latency_s"]) if net else intra
     name = a.name or os.path.splitext(os.path.basename(a.out))[0]
     c = Cluster(name=name, gpus_per_node=a.ranks_per_node, memory=total / ranks, shared_cores=float(cores),
                 tflops={d: comp[d][0] for d in DTYPES}, mem_bw=comp["mem_bw"], efficiency=1.0, half_size=fp32_h,
@@ -318,7 +317,7 @@ def main(argv: list[str]) -> int:
     notes.update({
         "node.gpus": f"--ranks_per_node ({src})",
         "node.shared_cores": "os.cpu_count(): every emulated node's ranks run on this machine's cores",
-        "device.memory_gb": "MemTotal / concurrent ranks",
+        "device.memory_gb": "MemTotal / ranks (nodes x ranks_per_node)",
         "device.mem_bw_gbs": f"{src}: 64 MB copy",
         "device.efficiency": "folded into the fitted peaks",
         "device.half_size": f"{src}: fp32 fit (the half-precision fits give " + ", ".join(f"{comp[d][1]:.0f}" for d in ("bf16", "fp16")) + ")",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (docs/ lives there)
 
-from foldtrain.bench.simulator import cluster_of
+from foldtrain.bench.simulator import cluster_of, load_calibration
 from foldtrain.config import to_toml
 from foldtrain.sim.plan import plan
 
@@ -53,10 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default="")
     ap.add_argument("--docs", default=str(ROOT / "docs"))
     a = ap.parse_args(argv)
-    cal = json.loads(Path(a.calibration).read_text())
-    comps = {int(k): v for k, v in cal["compute"].items()}
-    cores = int(cal.get("cores", os.cpu_count() or 1))
-    c = cluster_of(comps, 4, cores, cal["loopback"]["4"], None, 4, "this machine, 4 ranks")
+    comps, loop, _, cores, _ = load_calibration(Path(a.calibration))
+    c = cluster_of(comps, 4, cores, loop[4], None, 4, "this machine, 4 ranks")
     c = dataclasses.replace(c, memory=6e9)
     res = plan(BASE, None, c, 4)
     picks, seen = [], set()

@@ -41,7 +41,7 @@ def cluster_of(comps: dict, ranks: int, cores: int, loop: dict, net: dict | None
     """This machine as a cluster for a run of ``ranks`` processes: compute as calibrated with as many
     concurrent processes as run at once with a core each (``min(ranks, cores)``), and the ``cores``
     shared by every rank (the simulator slows ranks down when more of them compute than there are cores)."""
-    comp = comps[min(ranks, cores)] if min(ranks, cores) in comps else comps[min(comps, key=lambda k: abs(k - min(ranks, cores)))]
+    comp = comps[min(comps, key=lambda k: abs(k - min(ranks, cores)))]  # that concurrency, or the nearest calibrated
     intra = Link(loop["allreduce_bw"], loop["latency_s"])
     inter = Link(net["allreduce_bw"], net["latency_s"]) if net else intra
     return Cluster(name=name, gpus_per_node=per_node, memory=1e12, tflops={d: comp[d][0] for d in ("fp32", "bf16", "fp16")},
@@ -49,6 +49,16 @@ def cluster_of(comps: dict, ranks: int, cores: int, loop: dict, net: dict | None
                    intra=intra, inter=inter, runtime=comp["runtime"], backward_ratio=comp.get("backward_ratio", 2.0),
                    elem_bw=comp.get("elem_bw", 0.0), softmax_rate=comp.get("softmax_rate", 0.0),
                    shared_cores=float(cores))
+
+
+def load_calibration(path: Path) -> tuple[dict, dict, dict, int, tuple]:
+    """``calibration.json`` of an earlier invocation: compute and loopback by process count, the
+    network, the cores and the load averages at the start and end of its runs."""
+    saved = json.loads(path.read_text())
+    comps = {int(k): v for k, v in saved["compute"].items()}
+    loop = {int(k): v for k, v in saved["loopback"].items()}
+    load = tuple(saved.get("load", (float("nan"), float("nan"))))
+    return comps, loop, saved["net"], int(saved.get("cores", os.cpu_count() or 1)), load
 
 
 def bench(kind: str, args: list[str], out: Path) -> list[dict]:
@@ -88,11 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     load0 = os.getloadavg()
     if a.reuse:
-        saved = json.loads((out / "calibration.json").read_text())
-        comp = {int(k): v for k, v in saved["compute"].items()}
-        loop = {int(k): v for k, v in saved["loopback"].items()}
-        net, cores = saved["net"], int(saved.get("cores", os.cpu_count() or 1))
-        load0 = tuple(saved.get("load", (float("nan"), float("nan"))))
+        comp, loop, net, cores, load0 = load_calibration(out / "calibration.json")
         read = lambda d: json.loads((out / d / "results.json").read_text())  # noqa: E731
         dp_runs, pp_runs = read("dp"), read("pp") + [dict(r, defer=True) for r in read("ppdefer")]
     else:

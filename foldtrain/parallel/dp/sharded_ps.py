@@ -229,8 +229,7 @@ class ShardedPSStrategy(DataParallelStrategy):
         k, dtype = self._queue.pop(0)
         b = self.buckets[k]
         mine = torch.empty(b.width, dtype=dtype, device=self.decay_shard.device)
-        mine[: b.dp] = self.decay_shard.detach()[0, b.dec_off : b.dec_off + b.dp]
-        mine[b.dp :] = self.plain_shard.detach()[b.plain_off : b.plain_off + b.pp]
+        self._fill_row(b, mine)
         rows = torch.empty(self.world * b.width, dtype=dtype, device=mine.device)
         self.comm.all_gather(rows)
         self._gathers[k] = (all_gather(rows, mine, async_op=True), rows.view(self.world, b.width))
@@ -276,12 +275,16 @@ class ShardedPSStrategy(DataParallelStrategy):
         persistent, transient = self.grad_optim_bytes()
         return {**super().stats(), "grad_optim_mem_mb": (persistent + transient) / 2**20, "dp_buckets": float(len(self.buckets))}
 
+    def _fill_row(self, b: Bucket, dst: torch.Tensor) -> None:
+        """This rank's row of bucket ``b`` (its decay then plain shard pieces) into ``dst`` (``b.width`` long)."""
+        dst[: b.dp] = self.decay_shard.detach()[0, b.dec_off : b.dec_off + b.dp]
+        dst[b.dp :] = self.plain_shard.detach()[b.plain_off : b.plain_off + b.pp]
+
     def _gather(self, dtype: torch.dtype) -> torch.Tensor:
         """Every rank's rows, all-gathered in ``dtype``: W x (this rank's row length)."""
         mine = torch.empty(self.row, dtype=dtype, device=self.decay_shard.device)
         for b in self.buckets:
-            mine[b.col_off : b.col_off + b.dp] = self.decay_shard.detach()[0, b.dec_off : b.dec_off + b.dp]
-            mine[b.col_off + b.dp : b.col_off + b.width] = self.plain_shard.detach()[b.plain_off : b.plain_off + b.pp]
+            self._fill_row(b, mine[b.col_off : b.col_off + b.width])
         full = torch.empty(self.world * self.row, dtype=dtype, device=mine.device)
         self.comm.all_gather(full)
         self.comm.wait(all_gather(full, mine, async_op=True), "all-gather")

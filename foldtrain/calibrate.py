@@ -9,7 +9,8 @@ Writes a cluster file (:mod:`foldtrain.sim.cluster`) for ``foldtrain simulate --
   cost of a transformer block from a tiny one, a real block's backward / forward time ratio
   (2 by FLOPs), the element-wise bandwidth that makes the cost model's block forward equal a
   real one (on a CPU, exp/erf/tanh bind it, not memory), and the loss's log-softmax rate, under
-  the same concurrency;
+  the same concurrency; the loss's ``(b, L, V)`` buffers the resident peak holds (real training
+  steps at two token counts: the host allocator's holes included);
 * communication: gloo point-to-point latency (ping-pong), and all-reduce bandwidth over the
   ``R`` ranks of one node (``torchrun --standalone``): the ``intra`` link;
 * with ``--network RATE``: the same over ``N`` emulated nodes on throttled links
@@ -75,8 +76,10 @@ def _compute_probe(barrier, queue) -> None:
     import resource
 
     import foldtrain.train.trainer  # noqa: F401 - what a training process imports, for its resident size
+    from foldtrain.distributed import keep_freed_host_memory
 
     torch.set_num_threads(1)
+    keep_freed_host_memory()  # as a CPU training process does (--train.malloc_cache)
     _micro_step()
     out: dict = {"runtime": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     barrier.wait()
@@ -119,6 +122,67 @@ def _block_times(Block, GPTShape, d: int, heads: int, b: int, seq: int) -> tuple
     fwd = _time(lambda: blk(h), min_s=0.1, reps=3)
     both = _time(lambda: blk(h).sum().backward(), min_s=0.1, reps=3)
     return fwd, max(both - fwd, 0.1 * fwd)
+
+
+LOSS_SHAPE = dict(n_layer=2, n_head=4, d_model=96, context=128, vocab_size=8192)  # tiny's width and vocabulary
+LOSS_TOKENS = (512, 2048)
+REPEATS = 2
+
+
+def _loss_probe(tokens: int, queue) -> None:
+    """Peak resident size of 16 real training steps (forward, loss, backward, fused AdamW) at ``tokens``
+    tokens per step, with the host allocator set up as a CPU training process sets it."""
+    import resource
+
+    import torch
+
+    from foldtrain.distributed import keep_freed_host_memory
+    from foldtrain.model.gpt import GPT, GPTShape, lm_loss
+
+    torch.set_num_threads(1)
+    keep_freed_host_memory()
+    sh = LOSS_SHAPE
+    m = GPT(GPTShape(sh["n_layer"], sh["n_head"], sh["d_model"], sh["context"], sh["vocab_size"]))
+    opt = torch.optim.AdamW(m.parameters(), fused=True)
+    x = torch.randint(0, sh["vocab_size"], (tokens // sh["context"], sh["context"]))
+    for _ in range(16):
+        lm_loss(m(x), x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def measure_loss_buffers() -> float:
+    """How many fp32 ``(b, L, V)`` tensors the resident peak holds per token beyond the activations the cost
+    model counts: the slope of the peak resident size of real training steps between two token counts
+    (fresh processes, twice), less the model's activation bytes per token, over ``V * 4``. 3 are live at the
+    loss's backward; a host allocator that keeps freed blocks shows more."""
+    import multiprocessing as mp
+
+    from foldtrain.config import build_config
+    from foldtrain.sim.cluster import Cluster, Link
+    from foldtrain.sim.costs import CostModel
+    from foldtrain.sim.setup import resolve_setup
+
+    ctx = mp.get_context("spawn")
+    peaks = [0.0, 0.0]
+    for _ in range(REPEATS):  # where holes form depends on the order of events: average a few processes
+        for i, tokens in enumerate(LOSS_TOKENS):
+            q = ctx.Queue()
+            p = ctx.Process(target=_loss_probe, args=(tokens, q))
+            p.start()
+            peaks[i] += q.get(timeout=600) / REPEATS
+            p.join()
+    sh = LOSS_SHAPE
+    cfg = build_config(["--model.n_layer", str(sh["n_layer"]), "--model.n_head", str(sh["n_head"]), "--model.d_model", str(sh["d_model"]),
+                        "--model.context", str(sh["context"]), "--model.vocab_size", str(sh["vocab_size"]),
+                        "--train.seq_len", str(sh["context"]), "--train.global_batch", "1"])
+    c = Cluster(name="fit", gpus_per_node=1, memory=1e15, tflops={d: 1e12 for d in DTYPES}, mem_bw=1e10, efficiency=1.0,
+                half_size=1.0, layer_overhead=0.0, intra=Link(1e9, 1e-6), inter=Link(1e9, 1e-6))
+    cm = CostModel(resolve_setup(cfg), c)
+    act_per_token = (sh["n_layer"] * cm.act_bytes_block(recompute=False) + cm.activation_bytes()) / sh["context"]
+    slope = (peaks[1] - peaks[0]) / (LOSS_TOKENS[1] - LOSS_TOKENS[0])
+    return max((slope - act_per_token) / (sh["vocab_size"] * 4), 1.0)
 
 
 def fit_elem_bw(peak: float, half: float, overhead: float, blocks: list) -> float:
@@ -294,6 +358,8 @@ def main(argv: list[str]) -> int:
     conc = min(ranks, cores)  # each process on a core of its own; the simulator shares the cores among more ranks
     print(f"calibrate: compute with {conc} concurrent processes ...", flush=True)
     comp = measure_compute(conc)
+    print("calibrate: memory at the loss ...", flush=True)
+    loss_buffers = measure_loss_buffers()
     print("calibrate: gloo on loopback ...", flush=True)
     loop = measure_loopback(a.ranks_per_node)
     net = None
@@ -310,7 +376,8 @@ def main(argv: list[str]) -> int:
     c = Cluster(name=name, gpus_per_node=a.ranks_per_node, memory=total / ranks, shared_cores=float(cores),
                 tflops={d: comp[d][0] for d in DTYPES}, mem_bw=comp["mem_bw"], efficiency=1.0, half_size=fp32_h,
                 layer_overhead=comp["block_overhead"], intra=intra, inter=inter, runtime=comp["runtime"],
-                backward_ratio=comp["backward_ratio"], elem_bw=comp["elem_bw"], softmax_rate=comp["softmax_rate"])
+                backward_ratio=comp["backward_ratio"], elem_bw=comp["elem_bw"], softmax_rate=comp["softmax_rate"],
+                loss_buffers=loss_buffers)
     src = f"foldtrain calibrate, {when}, {conc} concurrent processes"
     notes = {f"device.{d}_tflops": f"{src}: fitted peak of (512 x n) @ (n x 4n), n = {SIZES}; measured "
              + ", ".join(f"{r / 1e9:.1f}" for r in comp[d][2]) + " GFLOP/s" for d in DTYPES}
@@ -325,6 +392,8 @@ def main(argv: list[str]) -> int:
         "device.backward_ratio": f"{src}: backward / forward time of a block, mean over (d, heads, batch, seq) = {RATIO_SHAPES}",
         "device.elem_gbs": f"{src}: fitted so that the cost model's block forward equals the measured one at {RATIO_SHAPES}",
         "device.softmax_gelems": f"{src}: cross-entropy forward + backward over 512 x 8192 fp32 logits",
+        "device.loss_buffers": f"{src}: peak resident size of 16 training steps at {LOSS_TOKENS} tokens of a {LOSS_SHAPE} GPT, per "
+                               "token, less the activations the cost model counts, over 4 V bytes",
         "device.runtime_gb": f"{src}: resident size of a process that imported the trainer and ran 3 steps of a negligible model",
         "intra.bw_gbs": f"{src}: gloo all-reduce of 16 MB over {max(a.ranks_per_node, 2)} local ranks (p2p {loop['p2p_bw'] / 1e9:.2f} GB/s)",
         "intra.latency_us": f"{src}: gloo ping-pong / 2",

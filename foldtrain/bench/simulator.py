@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (docs/ lives there)
 
-from foldtrain.calibrate import measure_compute, measure_loopback, measure_network
+from foldtrain.calibrate import measure_compute, measure_loopback, measure_loss_buffers, measure_network
 from foldtrain.config import build_config
 from foldtrain.sim.cluster import Cluster, Link
 from foldtrain.sim.report import write_profile
@@ -48,7 +48,7 @@ def cluster_of(comps: dict, ranks: int, cores: int, loop: dict, net: dict | None
                    mem_bw=comp["mem_bw"], efficiency=1.0, half_size=comp["fp32"][1], layer_overhead=comp["block_overhead"],
                    intra=intra, inter=inter, runtime=comp["runtime"], backward_ratio=comp.get("backward_ratio", 2.0),
                    elem_bw=comp.get("elem_bw", 0.0), softmax_rate=comp.get("softmax_rate", 0.0),
-                   shared_cores=float(cores))
+                   loss_buffers=comp.get("loss_buffers", 3.0), shared_cores=float(cores))
 
 
 def load_calibration(path: Path) -> tuple[dict, dict, dict, int, tuple]:
@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         print("calibrating ...", flush=True)
         cores = os.cpu_count() or 1
         comp = {n: measure_compute(n) for n in (1, 2, 4)}
+        loss_buffers = measure_loss_buffers()  # a property of the allocator, not of the concurrency
+        for v in comp.values():
+            v["loss_buffers"] = loss_buffers
         loop = {n: measure_loopback(n) for n in (2, 4)}
         net = measure_network("1gbit", 2)
         steps = ["--steps", str(a.steps), "--warmup", "3"]

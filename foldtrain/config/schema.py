@@ -64,6 +64,9 @@ class TrainConfig:
     sample_prompt: str = ""  # text the final sample continues; empty: the start of a document
     device: str = "auto"
     progress: bool = True
+    # CPU runs: keep freed memory in the process instead of faulting the largest tensors' pages in
+    # again every step (glibc mallopt; foldtrain.distributed.keep_freed_host_memory)
+    malloc_cache: bool = True
 
 
 @dataclass

@@ -11,7 +11,9 @@ adds its segment's activations, the backward frees them): all ``V M`` at the tur
 GPipe, about ``P`` for 1F1B. Per block and micro-batch Korthikanti et al. (2022); with ``--ac full``
 only each block's input, plus one block's full activations while it is recomputed. The rank
 holding the head also holds three of one micro-batch's fp32 ``(b, L, V)`` tensors at the loss's
-backward (log-softmax output, its gradient, the logits' gradient).
+backward (log-softmax output, its gradient, the logits' gradient), or the cluster's measured
+``loss_buffers``: on a CPU, glibc with ``--train.malloc_cache`` keeps freed blocks, and small
+allocations split the holes the loss's large tensors leave, so the resident peak holds more of them.
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ def rank_memory(s: Setup, cm: CostModel, sched: Schedule, p: int, runtime: float
         act += cm.act_bytes_block(recompute=False)  # one block recomputed at a time
     if s.segments - 1 in segs:
         # one micro-batch's fp32 (b, L, V) tensors at the loss's backward: the log-softmax output saved for it,
-        # its gradient and the logits' gradient (the logits themselves are freed after the forward)
-        act += 3 * s.micro_batch * s.seq * s.vocab / s.tp * 4
+        # its gradient and the logits' gradient (the logits themselves are freed after the forward): 3, or
+        # as many as `foldtrain calibrate` measured where the host allocator keeps freed blocks as holes
+        act += cm.c.loss_buffers * s.micro_batch * s.seq * s.vocab / s.tp * 4
     out["activations"] = act
     out["runtime"] = runtime
     out["total"] = sum(out.values())

@@ -17,7 +17,8 @@ from foldtrain import faults
 from foldtrain.checkpoint import RunPlan, export_safetensors, plan_run
 from foldtrain.config import Config, dp_workers, to_toml, validate
 from foldtrain.data import SequenceSampler, TokenData, load_tokenizer, open_dataset, val_batches
-from foldtrain.distributed import DistEnv, check_same_data, gather_floats, init_distributed, launch_world_size, shutdown
+from foldtrain.distributed import (DistEnv, check_same_data, gather_floats, init_distributed, keep_freed_host_memory,
+                                   launch_world_size, shutdown)
 from foldtrain.errors import ConfigError
 from foldtrain.model.generate import sample
 from foldtrain.model import GPT, GPTShape, analytic_param_count
@@ -63,6 +64,8 @@ def train(cfg: Config) -> dict:
     cfg.resume = plan.resume_from is not None  # also after a restart that resumes by itself
     data = open_data(cfg)
     env = init_distributed(cfg.train.device, cfg.dp.timeout_s)
+    if env.device.type == "cpu" and cfg.train.malloc_cache:
+        keep_freed_host_memory()
     try:
         check_same_data(data.fingerprint)  # every rank trains on the same prepared data (meta.json checksums)
         return _train(cfg, env, data, plan)

@@ -105,3 +105,23 @@ def test_backward_ratio_scales_the_blocks_backward():
     assert load_cluster("dgx-h100").backward_ratio == 2.0
     fwd, bwd = _block_times(Block, GPTShape, *RATIO_SHAPES[0])
     assert 0.5 < bwd / fwd < 5.0, (fwd, bwd)
+
+
+def test_loss_buffers_count_the_losss_vocabulary_sized_tensors():
+    """``device.loss_buffers`` (3 when absent: the live fp32 (b, L, V) tensors at the loss's backward) sets how many
+    the head's rank holds; it survives the cluster file round trip; zero is refused with the field named."""
+    from foldtrain.config.load import tomllib
+    from foldtrain.sim.cluster import to_toml
+
+    cfg = _cfg("--train.global_batch", "2")
+    base = from_dict(cluster_dict(device__memory_gb=1000), "c.toml")
+    assert base.loss_buffers == 3.0
+    d = cluster_dict(device__memory_gb=1000)
+    d["device"]["loss_buffers"] = 6.5
+    c = from_dict(d, "c.toml")
+    extra = simulate(cfg, c).memory[0]["activations"] - simulate(cfg, base).memory[0]["activations"]
+    assert extra == approx(3.5 * 2 * 128 * 50257 * 4)
+    assert from_dict(tomllib.loads(to_toml(c)), "c.toml").loss_buffers == approx(6.5)
+    d["device"]["loss_buffers"] = 0
+    with pytest.raises(Exception, match="device.loss_buffers"):
+        from_dict(d, "c.toml")

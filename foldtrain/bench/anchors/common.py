@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from foldtrain.data import TokenData, resolve_data
+from foldtrain.distributed import keep_freed_host_memory
 from foldtrain.model import GPT, GPTShape
 from foldtrain.train.metrics import peak_memory_mb  # measured exactly as foldtrain's runs are
 
@@ -33,7 +34,11 @@ def setup_device(t, local_rank: int) -> torch.device:
 
 
 def data_and_model(cfg) -> tuple[TokenData, GPT]:
-    """The prepared data and the GPT (on the CPU) built with ``--train.seed``, as foldtrain builds it."""
+    """The prepared data and the GPT (on the CPU) built with ``--train.seed``, as foldtrain builds it;
+    the host allocator set up as foldtrain's runs set it (``--train.malloc_cache``), so that a comparison
+    measures the parallel strategy, not malloc."""
+    if cfg.train.malloc_cache and not (torch.cuda.is_available() and cfg.train.device != "cpu"):  # on the CPU (setup_device)
+        keep_freed_host_memory()
     data = TokenData.open(resolve_data(cfg.data))
     torch.manual_seed(cfg.train.seed)
     return data, GPT(GPTShape.from_config(cfg.model), cfg.train.seed)

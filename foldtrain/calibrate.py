@@ -95,6 +95,15 @@ def _compute_probe(barrier, queue) -> None:
             t = _time(lambda: a @ b)
             rates.append(2 * 512 * n * 4 * n / t)
         out[name] = rates
+    # few rows (a pipeline's micro-batch of few tokens) through a linear layer as the model has them
+    # (weight [out, in], F.linear): (n x 256) @ (256 x 1024)
+    linear = torch.nn.functional.linear
+    rows = []
+    narrow = torch.randn(1024, 256)
+    for n in SIZES:
+        a = torch.randn(n, 256)
+        rows.append(2 * n * 256 * 1024 / _time(lambda: linear(a, narrow)))
+    out["fp32_rows"] = rows
     x = torch.empty(16 * 2**20, dtype=torch.float32)
     y = torch.empty_like(x)
     out["mem_bw"] = 2 * x.numel() * 4 / _time(lambda: y.copy_(x))
@@ -106,7 +115,12 @@ def _compute_probe(barrier, queue) -> None:
     out["blocks"] = [_block_times(Block, GPTShape, *shape) for shape in RATIO_SHAPES]
     logits = torch.randn(512, 8192, requires_grad=True)
     target = torch.randint(0, 8192, (512,))
-    out["softmax_rate"] = logits.numel() / _time(lambda: torch.nn.functional.cross_entropy(logits, target).backward())
+
+    def loss_pass() -> None:
+        logits.grad = None  # a fresh gradient each time, as in training (no accumulation into one buffer)
+        torch.nn.functional.cross_entropy(logits, target).backward()
+
+    out["softmax_rate"] = logits.numel() / _time(loss_pass)
     queue.put(out)
 
 
@@ -185,7 +199,7 @@ def measure_loss_buffers() -> float:
     return max((slope - act_per_token) / (sh["vocab_size"] * 4), 1.0)
 
 
-def fit_elem_bw(peak: float, half: float, overhead: float, blocks: list) -> float:
+def fit_elem_bw(peak: float, half: float, overhead: float, blocks: list, rows_half: float = 0.0) -> float:
     """The element-wise bandwidth that makes the cost model's block forward (:mod:`foldtrain.sim.costs`)
     equal the measured ones: their time beyond the matrix products and the fixed cost, over the
     element-wise bytes the model counts (mean over ``RATIO_SHAPES``); 0 when nothing is left."""
@@ -195,7 +209,7 @@ def fit_elem_bw(peak: float, half: float, overhead: float, blocks: list) -> floa
     from foldtrain.sim.setup import resolve_setup
 
     c = Cluster(name="fit", gpus_per_node=1, memory=1e15, tflops={d: peak for d in DTYPES}, mem_bw=1e30, efficiency=1.0,
-                half_size=half, layer_overhead=overhead, intra=Link(1e9, 1e-6), inter=Link(1e9, 1e-6))
+                half_size=half, layer_overhead=overhead, intra=Link(1e9, 1e-6), inter=Link(1e9, 1e-6), rows_half_size=rows_half)
     fits = []
     for (d, heads, b, seq), (fwd, _) in zip(RATIO_SHAPES, blocks):
         cfg = build_config(["--model.n_layer", "1", "--model.d_model", str(d), "--model.n_head", str(heads), "--model.context", str(seq),
@@ -253,6 +267,13 @@ def _comm_probe() -> None:
 # --------------------------------------------------------------------------- fitting and running
 
 
+def fit_half_size(peak: float, sizes, rates) -> float:
+    """Least squares of ``peak / rate - 1 = h / n`` at a given peak: the ``h`` of ``rate = peak n / (n + h)``."""
+    num = sum((peak / r - 1) / n for n, r in zip(sizes, rates))
+    den = sum(1 / n**2 for n in sizes)
+    return max(num / den, 1e-3)
+
+
 def fit_rate(sizes, rates) -> tuple[float, float]:
     """Least squares of ``1/rate = 1/A + h/(A n)``: returns ``(A, h)`` (``rate = A n / (n + h)``)."""
     xs = [1.0 / n for n in sizes]
@@ -283,11 +304,13 @@ def measure_compute(concurrency: int) -> dict:
     for name in DTYPES:
         rates = [sum(r[name][i] for r in res) / len(res) for i in range(len(SIZES))]
         out[name] = fit_rate(SIZES, rates) + (rates,)
+    out["fp32_rows"] = [sum(r["fp32_rows"][i] for r in res) / len(res) for i in range(len(SIZES))]
+    out["rows_half_size"] = fit_half_size(out["fp32"][0], SIZES, out["fp32_rows"])
     out["mem_bw"] = sum(r["mem_bw"] for r in res) / len(res)
     out["block_overhead"] = sum(r["block_overhead"] for r in res) / len(res)
     blocks = [[sum(r["blocks"][i][j] for r in res) / len(res) for j in (0, 1)] for i in range(len(RATIO_SHAPES))]
     out["backward_ratio"] = sum(b / f for f, b in blocks) / len(blocks)
-    out["elem_bw"] = fit_elem_bw(out["fp32"][0], out["fp32"][1], out["block_overhead"], blocks)
+    out["elem_bw"] = fit_elem_bw(out["fp32"][0], out["fp32"][1], out["block_overhead"], blocks, out["rows_half_size"])
     out["softmax_rate"] = sum(r["softmax_rate"] for r in res) / len(res)
     out["blocks"] = blocks
     out["runtime"] = max(r["runtime"] for r in res)
@@ -377,7 +400,7 @@ def main(argv: list[str]) -> int:
                 tflops={d: comp[d][0] for d in DTYPES}, mem_bw=comp["mem_bw"], efficiency=1.0, half_size=fp32_h,
                 layer_overhead=comp["block_overhead"], intra=intra, inter=inter, runtime=comp["runtime"],
                 backward_ratio=comp["backward_ratio"], elem_bw=comp["elem_bw"], softmax_rate=comp["softmax_rate"],
-                loss_buffers=loss_buffers)
+                loss_buffers=loss_buffers, rows_half_size=comp["rows_half_size"])
     src = f"foldtrain calibrate, {when}, {conc} concurrent processes"
     notes = {f"device.{d}_tflops": f"{src}: fitted peak of (512 x n) @ (n x 4n), n = {SIZES}; measured "
              + ", ".join(f"{r / 1e9:.1f}" for r in comp[d][2]) + " GFLOP/s" for d in DTYPES}
@@ -392,6 +415,8 @@ def main(argv: list[str]) -> int:
         "device.backward_ratio": f"{src}: backward / forward time of a block, mean over (d, heads, batch, seq) = {RATIO_SHAPES}",
         "device.elem_gbs": f"{src}: fitted so that the cost model's block forward equals the measured one at {RATIO_SHAPES}",
         "device.softmax_gelems": f"{src}: cross-entropy forward + backward over 512 x 8192 fp32 logits",
+        "device.rows_half_size": f"{src}: fp32 F.linear of (n x 256) with a 1024 x 256 weight, n = {SIZES}, at the fitted fp32 peak; measured "
+                                 + ", ".join(f"{r / 1e9:.1f}" for r in comp["fp32_rows"]) + " GFLOP/s",
         "device.loss_buffers": f"{src}: peak resident size of 16 training steps at {LOSS_TOKENS} tokens of a {LOSS_SHAPE} GPT, per "
                                "token, less the activations the cost model counts, over 4 V bytes",
         "device.runtime_gb": f"{src}: resident size of a process that imported the trainer and ran 3 steps of a negligible model",

@@ -48,7 +48,8 @@ def cluster_of(comps: dict, ranks: int, cores: int, loop: dict, net: dict | None
                    mem_bw=comp["mem_bw"], efficiency=1.0, half_size=comp["fp32"][1], layer_overhead=comp["block_overhead"],
                    intra=intra, inter=inter, runtime=comp["runtime"], backward_ratio=comp.get("backward_ratio", 2.0),
                    elem_bw=comp.get("elem_bw", 0.0), softmax_rate=comp.get("softmax_rate", 0.0),
-                   loss_buffers=comp.get("loss_buffers", 3.0), shared_cores=float(cores))
+                   loss_buffers=comp.get("loss_buffers", 3.0), rows_half_size=comp.get("rows_half_size", 0.0),
+                   shared_cores=float(cores))
 
 
 def load_calibration(path: Path) -> tuple[dict, dict, dict, int, tuple]:

@@ -6,7 +6,8 @@ forward: ``(24 d^2 + 4 L d) / t`` FLOPs (qkv, projection, MLP; scores and values
 GPU presets; ``foldtrain calibrate`` measures it), plus one more forward of every block with ``--ac full``
 (recomputation). The last segment's forward runs the fused head (head forward + backward) and its
 backward skips it. A matrix product of smallest dimension ``n`` runs at
-``peak(dtype) * efficiency * n / (n + half_size)``; element-wise work (layer norms, GELU, softmax,
+``peak(dtype) * efficiency * n / (n + half_size)`` (``rows_half_size`` when ``n`` is its rows, the
+micro-batch's tokens: a CPU runs few-row products much worse than few-column ones); element-wise work (layer norms, GELU, softmax,
 residuals) moves about the activation bytes of Korthikanti et al. (2022) through device memory
 (at ``elem_bw``, which ``foldtrain calibrate`` fits to a real block's forward: on a CPU
 transcendental functions, not bytes, bound it); the loss's log-softmax runs at ``softmax_rate``
@@ -75,14 +76,15 @@ class CostModel:
         tokens = b * L
         self.tokens = tokens
         eff = c.matmul_efficiency
-        n_lin = min(tokens, d / t if t > 1 else d)
+        width = d / t if t > 1 else d
         head_dim = d / s.n_head
-        lin = 24 * d * d / t * tokens / (self.peak * eff(n_lin))
+        lin = 24 * d * d / t * tokens / (self.peak * eff(min(tokens, width), rows=tokens < width))
         attn = 4 * L * d / t * tokens / (self.peak * eff(min(L, head_dim)))
         # element-wise traffic: Korthikanti et al.'s activation bytes per block, written and read once
         elem = 2 * self.act_bytes_block(recompute=False) / (c.elem_bw or c.mem_bw)
         self.t_block_f = lin + attn + elem + c.layer_overhead
-        self.t_head_f = 2 * d * s.vocab / t * tokens / (self.peak * eff(min(tokens, d, s.vocab / t)))
+        n_head = min(tokens, d, s.vocab / t)
+        self.t_head_f = 2 * d * s.vocab / t * tokens / (self.peak * eff(n_head, rows=tokens == n_head and tokens < d))
         # the loss's log-softmax over fp32 logits, forward and backward: memory-bound on a GPU (read and
         # write the logits in each of the head's three passes); a CPU is bound by exp() instead (calibrated)
         logits = tokens * s.vocab / t

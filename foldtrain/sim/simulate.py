@@ -72,6 +72,9 @@ class RunCosts:
         n = s.dp
         g = cm.grad_bytes(seg)
         w = segment_params(s, seg) * s.weight_bytes
+        if self.tie(p, seg) is not None:  # the tied copy goes through the tie group's all-reduce, not this one
+            g -= self.tied_params() * s.grad_bytes
+            w -= self.tied_params() * s.weight_bytes
         phases: list = []
         if n > 1:
             key, weight, bw, lat = self.pl.dp_link(p)
@@ -101,15 +104,23 @@ class RunCosts:
         frac = min(1.0, first / max(self.cm.grad_bytes(seg), 1.0))
         return self.cm.backward(seg) * (1.0 - frac)
 
+    def tied_params(self) -> float:
+        return self.s.vocab * self.s.d_model / self.s.tp
+
     def tie(self, p: int, seg: int):
+        """The tied embedding's all-reduce over the tie group (pipeline ranks 0 and P-1 of every replica,
+        a ring in group-rank order). A node's NIC carries the ring's edges that leave the node: each of its
+        members is charged ``edges leaving / members`` of one member's ring traffic."""
         s = self.s
         if s.mode != "3d" or s.segments < 2 or seg not in (0, self.last):
             return None
         n = 2 * s.dp
-        nbytes = s.vocab * s.d_model / s.tp * s.grad_bytes
-        spans = self.pl.node(0) != self.pl.node(s.pp - 1) or self.pl.dp_spans_nodes()
-        if spans:
-            key, weight, lat = ("nic", self.pl.node(p)), float(s.tp), self.c.inter.latency
+        nbytes = self.tied_params() * s.grad_bytes
+        ring = [self.pl.node(q, d) for d in range(s.dp) for q in (0, s.pp - 1)]
+        k = self.pl.node(p)
+        leaving = sum(1 for i, node in enumerate(ring) if node == k and ring[(i + 1) % n] != k)
+        if leaving:
+            key, weight, lat = ("nic", k), float(s.tp) * leaving / ring.count(k), self.c.inter.latency
         else:
             key, weight, lat = ("tie", p), 1.0, self.c.intra.latency
         return [("delay", 2 * (n - 1) * lat), ("flow", key, weight, 2 * (n - 1) / n * nbytes)]

@@ -125,3 +125,29 @@ def test_loss_buffers_count_the_losss_vocabulary_sized_tensors():
     d["device"]["loss_buffers"] = 0
     with pytest.raises(Exception, match="device.loss_buffers"):
         from_dict(d, "c.toml")
+
+
+def test_a_nodes_nic_carries_the_bytes_the_3d_engine_sends():
+    """2 nodes x 2 ranks, pipeline inside a node, data parallel across (the issue 9 bench layout, where the NIC
+    counters read 38.1 MB per node and iteration): the chunks' reductions leave out the tied embedding, which
+    the tie group's ring (4 ranks, one edge out of each node) reduces instead."""
+    cfg = build_config(["--model.preset", "tiny", "--model.n_layer", "8", "--model.d_model", "256", "--train.global_batch", "8",
+                        "--train.seq_len", "32", "--parallel.dp", "2", "--parallel.pp", "2", "--parallel.microbatches", "4",
+                        "--parallel.virtual", "2", "--parallel.schedule", "fold"])
+    s = resolve_setup(cfg)
+    rc = RunCosts(s, from_dict(cluster_dict(node__gpus=2)))
+    tied = s.vocab * s.d_model * 4
+    node0 = 0.0
+    for p in (0, 1):
+        for seg in (p, p + 2):
+            (flow,) = [ph for ph in rc.reduce_phases(p, seg) if ph[0] == "flow"]
+            assert flow[1] == ("nic", 0)
+            tie = rc.tie(p, seg)
+            expect = rc.cm.grad_bytes(seg) - (tied if tie is not None else 0)
+            assert flow[3] * flow[2] == approx(expect)  # a 2-rank ring: each rank sends its gradient once
+            node0 += flow[3] * flow[2]
+            if tie is not None:
+                (tflow,) = [ph for ph in tie if ph[0] == "flow"]
+                assert tflow[1] == ("nic", 0) and tflow[2] == approx(0.5)  # one edge out, two members on the node
+                node0 += tflow[3] * tflow[2]
+    assert node0 / 1e6 == approx(38.1, abs=0.1)

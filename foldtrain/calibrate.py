@@ -8,7 +8,9 @@ Writes a cluster file (:mod:`foldtrain.sim.cluster`) for ``foldtrain simulate --
   ``rate(n) = peak * n / (n + half_size)``; memory bandwidth from a 64 MB copy, the fixed
   cost of a transformer block from a tiny one, a real block's backward / forward time ratio
   (2 by FLOPs), the element-wise bandwidth that makes the cost model's block forward equal a
-  real one (on a CPU, exp/erf/tanh bind it, not memory), and the loss's log-softmax rate, under
+  real one (on a CPU, exp/erf/tanh bind it, not memory), and what the real fused head costs beyond its
+  matrix products, per logit (log-softmax, copies) and per weight element (streaming it, accumulating
+  its gradient), fitted at two shapes, under
   the same concurrency; the loss's ``(b, L, V)`` buffers the resident peak holds (real training
   steps at two token counts: the host allocator's holes included);
 * communication: gloo point-to-point latency (ping-pong), and all-reduce bandwidth over the
@@ -113,15 +115,50 @@ def _compute_probe(barrier, queue) -> None:
     h = torch.randn(1, 4, 16, requires_grad=True)
     out["block_overhead"] = _time(lambda: blk(h).sum().backward()) / 3  # forward + backward ~ 3 passes
     out["blocks"] = [_block_times(Block, GPTShape, *shape) for shape in RATIO_SHAPES]
-    logits = torch.randn(512, 8192, requires_grad=True)
-    target = torch.randint(0, 8192, (512,))
-
-    def loss_pass() -> None:
-        logits.grad = None  # a fresh gradient each time, as in training (no accumulation into one buffer)
-        torch.nn.functional.cross_entropy(logits, target).backward()
-
-    out["softmax_rate"] = logits.numel() / _time(loss_pass)
+    out["heads"] = [_head_time(*shape) for shape in HEAD_SHAPES]
     queue.put(out)
+
+
+HEAD_SHAPES = ((96, 8192, 2048), (256, 8192, 32))  # (d_model, vocabulary, tokens): many tokens, and a micro-batch of few
+
+
+def _head_time(d: int, vocab: int, tokens: int) -> float:
+    """The real fused head (final norm, output projection, fp32 cross-entropy) forward and backward, as the
+    last stage runs it, with the weight's gradient accumulated as in training."""
+    import torch
+
+    from foldtrain.model.gpt import GPTShape, Head, lm_loss
+
+    head = Head(GPTShape(1, 4, d, tokens, vocab))
+    x = torch.randn(1, tokens, d, requires_grad=True)
+    target = torch.randint(0, vocab, (1, tokens))
+    return _time(lambda: lm_loss(head(x), target).backward(), min_s=0.2, reps=3)
+
+
+def fit_head(peak: float, half: float, rows_half: float, times: list) -> tuple[float, float]:
+    """What the fused head costs beyond the cost model's three matrix products, fitted to the real heads of
+    ``HEAD_SHAPES``: ``residual = logits / softmax_rate + V d / head_weight_rate`` (the loss's log-softmax
+    and the copies of the logits; streaming the weight and accumulating its gradient). Two shapes, two
+    unknowns; ``(0, 0)`` (the cost model's defaults) when the fit is not positive."""
+    from foldtrain.config import build_config
+    from foldtrain.sim.cluster import Cluster, Link
+    from foldtrain.sim.costs import CostModel
+    from foldtrain.sim.setup import resolve_setup
+
+    c = Cluster(name="fit", gpus_per_node=1, memory=1e15, tflops={d: peak for d in DTYPES}, mem_bw=1e30, efficiency=1.0,
+                half_size=half, layer_overhead=0.0, intra=Link(1e9, 1e-6), inter=Link(1e9, 1e-6), rows_half_size=rows_half)
+    rows = []
+    for (d, vocab, tokens), t in zip(HEAD_SHAPES, times):
+        cfg = build_config(["--model.n_layer", "1", "--model.d_model", str(d), "--model.n_head", "4", "--model.vocab_size", str(vocab),
+                            "--model.context", str(tokens), "--train.seq_len", str(tokens), "--train.global_batch", "1"])
+        cm = CostModel(resolve_setup(cfg), c)
+        rows.append((tokens * vocab, vocab * d, t - 3 * cm.t_head_f))
+    (a1, b1, r1), (a2, b2, r2) = rows
+    det = a1 * b2 - a2 * b1
+    per_logit, per_weight = (r1 * b2 - r2 * b1) / det, (a1 * r2 - a2 * r1) / det
+    if per_logit <= 0 or per_weight <= 0:
+        return 0.0, 0.0
+    return 1 / per_logit, 1 / per_weight
 
 
 RATIO_SHAPES = ((96, 4, 4, 128), (256, 4, 1, 64))  # (d_model, heads, batch, seq): a block of tiny's width, and a wider one
@@ -311,7 +348,9 @@ def measure_compute(concurrency: int) -> dict:
     blocks = [[sum(r["blocks"][i][j] for r in res) / len(res) for j in (0, 1)] for i in range(len(RATIO_SHAPES))]
     out["backward_ratio"] = sum(b / f for f, b in blocks) / len(blocks)
     out["elem_bw"] = fit_elem_bw(out["fp32"][0], out["fp32"][1], out["block_overhead"], blocks, out["rows_half_size"])
-    out["softmax_rate"] = sum(r["softmax_rate"] for r in res) / len(res)
+    heads = [sum(r["heads"][i] for r in res) / len(res) for i in range(len(HEAD_SHAPES))]
+    out["softmax_rate"], out["head_weight_rate"] = fit_head(out["fp32"][0], out["fp32"][1], out["rows_half_size"], heads)
+    out["heads"] = heads
     out["blocks"] = blocks
     out["runtime"] = max(r["runtime"] for r in res)
     return out
@@ -400,7 +439,7 @@ def main(argv: list[str]) -> int:
                 tflops={d: comp[d][0] for d in DTYPES}, mem_bw=comp["mem_bw"], efficiency=1.0, half_size=fp32_h,
                 layer_overhead=comp["block_overhead"], intra=intra, inter=inter, runtime=comp["runtime"],
                 backward_ratio=comp["backward_ratio"], elem_bw=comp["elem_bw"], softmax_rate=comp["softmax_rate"],
-                loss_buffers=loss_buffers, rows_half_size=comp["rows_half_size"])
+                loss_buffers=loss_buffers, rows_half_size=comp["rows_half_size"], head_weight_rate=comp["head_weight_rate"])
     src = f"foldtrain calibrate, {when}, {conc} concurrent processes"
     notes = {f"device.{d}_tflops": f"{src}: fitted peak of (512 x n) @ (n x 4n), n = {SIZES}; measured "
              + ", ".join(f"{r / 1e9:.1f}" for r in comp[d][2]) + " GFLOP/s" for d in DTYPES}
@@ -414,7 +453,9 @@ def main(argv: list[str]) -> int:
         "device.layer_overhead_us": f"{src}: forward + backward of a tiny block / 3",
         "device.backward_ratio": f"{src}: backward / forward time of a block, mean over (d, heads, batch, seq) = {RATIO_SHAPES}",
         "device.elem_gbs": f"{src}: fitted so that the cost model's block forward equals the measured one at {RATIO_SHAPES}",
-        "device.softmax_gelems": f"{src}: cross-entropy forward + backward over 512 x 8192 fp32 logits",
+        "device.softmax_gelems": f"{src}: per logit, fitted with head_weight_gelems to the real fused head (norm, projection, "
+                                 f"fp32 cross-entropy, forward + backward) at (d, V, tokens) = {HEAD_SHAPES} beyond its matrix products",
+        "device.head_weight_gelems": f"{src}: per element of the head's weight, the same fit",
         "device.rows_half_size": f"{src}: fp32 F.linear of (n x 256) with a 1024 x 256 weight, n = {SIZES}, at the fitted fp32 peak; measured "
                                  + ", ".join(f"{r / 1e9:.1f}" for r in comp["fp32_rows"]) + " GFLOP/s",
         "device.loss_buffers": f"{src}: peak resident size of 16 training steps at {LOSS_TOKENS} tokens of a {LOSS_SHAPE} GPT, per "

@@ -21,6 +21,7 @@ A cluster file (copy a preset and edit it; every number is required and positive
     elem_gbs = 2039          # optional: effective bandwidth of element-wise work (absent: mem_bw_gbs)
     softmax_gelems = 50      # optional: log-softmax forward + backward, G elements/s (absent: memory-bound)
     rows_half_size = 256     # optional: half_size of products with few rows (tokens) (absent: half_size)
+    head_weight_gelems = 0.6 # optional: the fused head's cost per weight element beyond FLOPs, G/s (absent: none)
     loss_buffers = 3         # optional: fp32 (b, L, V) tensors resident at the loss (absent: 3, the live ones)
     [intra]                  # between ranks of one node (NVLink, or loopback here)
     bw_gbs = 300             # GB/s per rank and direction
@@ -78,6 +79,7 @@ class Cluster:
     shared_cores: float = 0.0  # > 0: all ranks share this many CPU cores (an emulated cluster on one machine)
     elem_bw: float = 0.0  # bytes/s of element-wise work (norms, GELU, softmax, residuals); 0: mem_bw
     softmax_rate: float = 0.0  # elements/s of the loss's log-softmax forward + backward; 0: memory-bound at mem_bw
+    head_weight_rate: float = 0.0  # weight elements/s the fused head costs beyond its FLOPs (stream W, accumulate dW); 0: free
     rows_half_size: float = 0.0  # half_size of products whose smallest dimension is their rows (tokens); 0: half_size
     loss_buffers: float = 3.0  # fp32 (b, L, V) tensors a rank's memory holds at the loss (3 live; more where the allocator keeps holes)
 
@@ -139,6 +141,7 @@ def from_dict(data: dict, src: str = "<dict>") -> Cluster:
         softmax_rate=_optional(data, "device", "softmax_gelems", src) * 1e9,
         loss_buffers=_optional(data, "device", "loss_buffers", src, default=3.0, positive=True),
         rows_half_size=_optional(data, "device", "rows_half_size", src),
+        head_weight_rate=_optional(data, "device", "head_weight_gelems", src) * 1e9,
     )
 
 
@@ -180,13 +183,13 @@ def to_toml(c: Cluster, comments: dict[str, str] | None = None) -> str:
         "device.layer_overhead_us": c.layer_overhead * 1e6, "device.runtime_gb": c.runtime / 1e9,
         "device.backward_ratio": c.backward_ratio, "device.elem_gbs": c.elem_bw / 1e9,
         "device.softmax_gelems": c.softmax_rate / 1e9, "device.loss_buffers": c.loss_buffers,
-        "device.rows_half_size": c.rows_half_size,
+        "device.rows_half_size": c.rows_half_size, "device.head_weight_gelems": c.head_weight_rate / 1e9,
         "intra.bw_gbs": c.intra.bw / 1e9, "intra.latency_us": c.intra.latency * 1e6,
         "inter.bw_gbs": c.inter.bw / 1e9, "inter.latency_us": c.inter.latency * 1e6,
     }
     lines = [f'name = "{c.name}"']
     for sec, keys in FIELDS.items():
-        keys = keys + {"device": ("runtime_gb", "backward_ratio", "elem_gbs", "softmax_gelems", "loss_buffers", "rows_half_size"), "node": ("shared_cores",)}.get(sec, ())
+        keys = keys + {"device": ("runtime_gb", "backward_ratio", "elem_gbs", "softmax_gelems", "loss_buffers", "rows_half_size", "head_weight_gelems"), "node": ("shared_cores",)}.get(sec, ())
         lines += ["", f"[{sec}]"]
         for k in keys:
             v = vals[f"{sec}.{k}"]

@@ -11,7 +11,8 @@ micro-batch's tokens: a CPU runs few-row products much worse than few-column one
 residuals) moves about the activation bytes of Korthikanti et al. (2022) through device memory
 (at ``elem_bw``, which ``foldtrain calibrate`` fits to a real block's forward: on a CPU
 transcendental functions, not bytes, bound it); the loss's log-softmax runs at ``softmax_rate``
-elements/s when calibrated, else it is memory-bound;
+elements/s when calibrated, else it is memory-bound (calibrated on a CPU from the real fused head, together
+with ``head_weight_rate``: its cost per weight element beyond its FLOPs);
 each block and pass pays ``layer_overhead``. Tensor parallelism adds Megatron's two all-reduces
 of the ``(b, L, d)`` activation per block in the forward and two in the backward (two more with
 recomputation) on the node's link, inside F and B.
@@ -89,6 +90,8 @@ class CostModel:
         # write the logits in each of the head's three passes); a CPU is bound by exp() instead (calibrated)
         logits = tokens * s.vocab / t
         self.t_softmax = logits / c.softmax_rate if c.softmax_rate > 0 else 3 * 2 * logits * 4 / c.mem_bw
+        if c.head_weight_rate > 0:  # calibrated on a CPU: streaming the head's weight and accumulating its gradient
+            self.t_softmax += d * s.vocab / t / c.head_weight_rate
         self.t_embed_f = tokens * d * (s.act_bytes + 4) / c.mem_bw
         # tensor-parallel all-reduces of the (b, L, d) activation, on the node's link (tp never spans nodes)
         self.t_tp_ar = self.ring_allreduce_time(tokens * d * s.act_bytes, t, c.intra.bw, c.intra.latency) if t > 1 else 0.0

@@ -10,10 +10,12 @@ Writes a cluster file (:mod:`foldtrain.sim.cluster`) for ``foldtrain simulate --
   (2 by FLOPs), the element-wise bandwidth that makes the cost model's block forward equal a
   real one (on a CPU, exp/erf/tanh bind it, not memory), and what the real fused head costs beyond its
   matrix products, per logit (log-softmax, copies) and per weight element (streaming it, accumulating
-  its gradient), fitted at two shapes, under
+  its gradient), fitted at two shapes, the optimizer step per parameter (fused AdamW and the
+  clipping norm: on a CPU compute-bound, not memory-bound), under
   the same concurrency; the loss's ``(b, L, V)`` buffers the resident peak holds (real training
   steps at two token counts: the host allocator's holes included);
-* communication: gloo point-to-point latency (ping-pong), and all-reduce bandwidth over the
+* communication: gloo point-to-point latency (ping-pong), and all-reduce bandwidth (and the CPU
+  time per byte sent its threads take, which on shared cores comes out of compute) over the
   ``R`` ranks of one node (``torchrun --standalone``): the ``intra`` link;
 * with ``--network RATE``: the same over ``N`` emulated nodes on throttled links
   (:mod:`foldtrain.netem`, one rank per node): the ``inter`` link. Needs root and iproute2.
@@ -116,6 +118,10 @@ def _compute_probe(barrier, queue) -> None:
     out["block_overhead"] = _time(lambda: blk(h).sum().backward()) / 3  # forward + backward ~ 3 passes
     out["blocks"] = [_block_times(Block, GPTShape, *shape) for shape in RATIO_SHAPES]
     out["heads"] = [_head_time(*shape) for shape in HEAD_SHAPES]
+    w = torch.nn.Parameter(torch.randn(4 * 2**20))  # 4 M parameters: AdamW (fused, as the engines run it) and the norm for clipping
+    w.grad = torch.randn_like(w)
+    adam = torch.optim.AdamW([w], fused=True)
+    out["optim_rate"] = w.numel() / _time(lambda: (torch.nn.utils.clip_grad_norm_([w], 1.0), adam.step()))
     queue.put(out)
 
 
@@ -161,7 +167,7 @@ def fit_head(peak: float, half: float, rows_half: float, times: list) -> tuple[f
     return 1 / per_logit, 1 / per_weight
 
 
-RATIO_SHAPES = ((96, 4, 4, 128), (256, 4, 1, 64))  # (d_model, heads, batch, seq): a block of tiny's width, and a wider one
+RATIO_SHAPES = ((96, 4, 4, 128), (256, 4, 1, 64), (256, 4, 1, 32))  # (d_model, heads, batch, seq): a block of tiny's width, wider ones with few tokens (a micro-batch)
 
 
 def _block_times(Block, GPTShape, d: int, heads: int, b: int, seq: int) -> tuple[float, float]:
@@ -290,14 +296,23 @@ def _comm_probe() -> None:
     p2p = 3 * big.numel() * 4 / (time.perf_counter() - t0)
     dist.all_reduce(big)
     dist.barrier()
-    t0 = time.perf_counter()
+    import resource
+
+    def cpu() -> float:  # this process's CPU time, every thread (gloo's included)
+        u = resource.getrusage(resource.RUSAGE_SELF)
+        return u.ru_utime + u.ru_stime
+
+    c0, t0 = cpu(), time.perf_counter()
     for _ in range(3):
         dist.all_reduce(big)
     ar_t = (time.perf_counter() - t0) / 3
-    ar_bw = 2 * (w - 1) / w * big.numel() * 4 / ar_t
+    sent = 2 * (w - 1) / w * big.numel() * 4
+    cpu_per_byte = (cpu() - c0) / (3 * sent)
+    ar_bw = sent / ar_t
     if r == 0:
         lat.sort()
-        print("CALIBRATE " + json.dumps({"latency_s": lat[len(lat) // 2], "p2p_bw": p2p, "allreduce_bw": ar_bw, "world": w}), flush=True)
+        print("CALIBRATE " + json.dumps({"latency_s": lat[len(lat) // 2], "p2p_bw": p2p, "allreduce_bw": ar_bw, "world": w,
+                                         "cpu_per_byte": cpu_per_byte}), flush=True)
     dist.destroy_process_group()
 
 
@@ -345,6 +360,7 @@ def measure_compute(concurrency: int) -> dict:
     out["rows_half_size"] = fit_half_size(out["fp32"][0], SIZES, out["fp32_rows"])
     out["mem_bw"] = sum(r["mem_bw"] for r in res) / len(res)
     out["block_overhead"] = sum(r["block_overhead"] for r in res) / len(res)
+    out["optim_rate"] = sum(r["optim_rate"] for r in res) / len(res)
     blocks = [[sum(r["blocks"][i][j] for r in res) / len(res) for j in (0, 1)] for i in range(len(RATIO_SHAPES))]
     out["backward_ratio"] = sum(b / f for f, b in blocks) / len(blocks)
     out["elem_bw"] = fit_elem_bw(out["fp32"][0], out["fp32"][1], out["block_overhead"], blocks, out["rows_half_size"])
@@ -439,13 +455,16 @@ def main(argv: list[str]) -> int:
                 tflops={d: comp[d][0] for d in DTYPES}, mem_bw=comp["mem_bw"], efficiency=1.0, half_size=fp32_h,
                 layer_overhead=comp["block_overhead"], intra=intra, inter=inter, runtime=comp["runtime"],
                 backward_ratio=comp["backward_ratio"], elem_bw=comp["elem_bw"], softmax_rate=comp["softmax_rate"],
-                loss_buffers=loss_buffers, rows_half_size=comp["rows_half_size"], head_weight_rate=comp["head_weight_rate"])
+                loss_buffers=loss_buffers, rows_half_size=comp["rows_half_size"], head_weight_rate=comp["head_weight_rate"],
+                optim_rate=comp["optim_rate"], comm_cpu=(net or loop).get("cpu_per_byte", 0.0))
     src = f"foldtrain calibrate, {when}, {conc} concurrent processes"
     notes = {f"device.{d}_tflops": f"{src}: fitted peak of (512 x n) @ (n x 4n), n = {SIZES}; measured "
              + ", ".join(f"{r / 1e9:.1f}" for r in comp[d][2]) + " GFLOP/s" for d in DTYPES}
     notes.update({
         "node.gpus": f"--ranks_per_node ({src})",
         "node.shared_cores": "os.cpu_count(): every emulated node's ranks run on this machine's cores",
+        "node.comm_cpu_ns": f"{src}: CPU time of a rank (all threads) over the bytes it sends in the "
+                            + ("emulated nodes'" if net else "loopback") + " all-reduce",
         "device.memory_gb": "MemTotal / ranks (nodes x ranks_per_node)",
         "device.mem_bw_gbs": f"{src}: 64 MB copy",
         "device.efficiency": "folded into the fitted peaks",
@@ -456,6 +475,7 @@ def main(argv: list[str]) -> int:
         "device.softmax_gelems": f"{src}: per logit, fitted with head_weight_gelems to the real fused head (norm, projection, "
                                  f"fp32 cross-entropy, forward + backward) at (d, V, tokens) = {HEAD_SHAPES} beyond its matrix products",
         "device.head_weight_gelems": f"{src}: per element of the head's weight, the same fit",
+        "device.optim_gparams": f"{src}: fused AdamW step and gradient-norm clipping of 4 M fp32 parameters",
         "device.rows_half_size": f"{src}: fp32 F.linear of (n x 256) with a 1024 x 256 weight, n = {SIZES}, at the fitted fp32 peak; measured "
                                  + ", ".join(f"{r / 1e9:.1f}" for r in comp["fp32_rows"]) + " GFLOP/s",
         "device.loss_buffers": f"{src}: peak resident size of 16 training steps at {LOSS_TOKENS} tokens of a {LOSS_SHAPE} GPT, per "

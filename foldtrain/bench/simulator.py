@@ -49,7 +49,8 @@ def cluster_of(comps: dict, ranks: int, cores: int, loop: dict, net: dict | None
                    intra=intra, inter=inter, runtime=comp["runtime"], backward_ratio=comp.get("backward_ratio", 2.0),
                    elem_bw=comp.get("elem_bw", 0.0), softmax_rate=comp.get("softmax_rate", 0.0),
                    loss_buffers=comp.get("loss_buffers", 3.0), rows_half_size=comp.get("rows_half_size", 0.0),
-                   head_weight_rate=comp.get("head_weight_rate", 0.0),
+                   head_weight_rate=comp.get("head_weight_rate", 0.0), optim_rate=comp.get("optim_rate", 0.0),
+                   comm_cpu=(net or loop).get("cpu_per_byte", 0.0),
                    shared_cores=float(cores))
 
 

@@ -7,6 +7,7 @@ A cluster file (copy a preset and edit it; every number is required and positive
     gpus = 8                 # devices (ranks) per node
     shared_cores = 2         # optional: every rank of every node shares this many CPU cores
                              # (a cluster emulated on one machine; absent or 0: own devices)
+    comm_cpu_ns = 1.3        # optional, with shared_cores: CPU ns per byte a collective sends (absent: 0)
     [device]
     memory_gb = 80           # usable device memory per rank
     fp32_tflops = 19.5       # peak dense throughput per dtype, TFLOP/s
@@ -22,6 +23,7 @@ A cluster file (copy a preset and edit it; every number is required and positive
     softmax_gelems = 50      # optional: log-softmax forward + backward, G elements/s (absent: memory-bound)
     rows_half_size = 256     # optional: half_size of products with few rows (tokens) (absent: half_size)
     head_weight_gelems = 0.6 # optional: the fused head's cost per weight element beyond FLOPs, G/s (absent: none)
+    optim_gparams = 0.3      # optional: optimizer step, G parameters/s (absent: memory-bound at mem_bw_gbs)
     loss_buffers = 3         # optional: fp32 (b, L, V) tensors resident at the loss (absent: 3, the live ones)
     [intra]                  # between ranks of one node (NVLink, or loopback here)
     bw_gbs = 300             # GB/s per rank and direction
@@ -80,6 +82,8 @@ class Cluster:
     elem_bw: float = 0.0  # bytes/s of element-wise work (norms, GELU, softmax, residuals); 0: mem_bw
     softmax_rate: float = 0.0  # elements/s of the loss's log-softmax forward + backward; 0: memory-bound at mem_bw
     head_weight_rate: float = 0.0  # weight elements/s the fused head costs beyond its FLOPs (stream W, accumulate dW); 0: free
+    comm_cpu: float = 0.0  # core-seconds per byte a collective sends (with shared_cores: taken from compute); 0: free
+    optim_rate: float = 0.0  # parameters/s of the optimizer step (AdamW + clipping norm); 0: memory-bound at mem_bw
     rows_half_size: float = 0.0  # half_size of products whose smallest dimension is their rows (tokens); 0: half_size
     loss_buffers: float = 3.0  # fp32 (b, L, V) tensors a rank's memory holds at the loss (3 live; more where the allocator keeps holes)
 
@@ -142,6 +146,8 @@ def from_dict(data: dict, src: str = "<dict>") -> Cluster:
         loss_buffers=_optional(data, "device", "loss_buffers", src, default=3.0, positive=True),
         rows_half_size=_optional(data, "device", "rows_half_size", src),
         head_weight_rate=_optional(data, "device", "head_weight_gelems", src) * 1e9,
+        optim_rate=_optional(data, "device", "optim_gparams", src) * 1e9,
+        comm_cpu=_optional(data, "node", "comm_cpu_ns", src) * 1e-9,
     )
 
 
@@ -184,12 +190,13 @@ def to_toml(c: Cluster, comments: dict[str, str] | None = None) -> str:
         "device.backward_ratio": c.backward_ratio, "device.elem_gbs": c.elem_bw / 1e9,
         "device.softmax_gelems": c.softmax_rate / 1e9, "device.loss_buffers": c.loss_buffers,
         "device.rows_half_size": c.rows_half_size, "device.head_weight_gelems": c.head_weight_rate / 1e9,
+        "device.optim_gparams": c.optim_rate / 1e9, "node.comm_cpu_ns": c.comm_cpu * 1e9,
         "intra.bw_gbs": c.intra.bw / 1e9, "intra.latency_us": c.intra.latency * 1e6,
         "inter.bw_gbs": c.inter.bw / 1e9, "inter.latency_us": c.inter.latency * 1e6,
     }
     lines = [f'name = "{c.name}"']
     for sec, keys in FIELDS.items():
-        keys = keys + {"device": ("runtime_gb", "backward_ratio", "elem_gbs", "softmax_gelems", "loss_buffers", "rows_half_size", "head_weight_gelems"), "node": ("shared_cores",)}.get(sec, ())
+        keys = keys + {"device": ("runtime_gb", "backward_ratio", "elem_gbs", "softmax_gelems", "loss_buffers", "rows_half_size", "head_weight_gelems", "optim_gparams"), "node": ("shared_cores", "comm_cpu_ns")}.get(sec, ())
         lines += ["", f"[{sec}]"]
         for k in keys:
             v = vals[f"{sec}.{k}"]

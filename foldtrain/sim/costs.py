@@ -18,7 +18,8 @@ of the ``(b, L, d)`` activation per block in the forward and two in the backward
 recomputation) on the node's link, inside F and B.
 
 Optimizer step: AdamW reads parameter, gradient and two moments and writes three of them
-(28 bytes per fp32 parameter, +6 with a half model copy and fp32 masters) at memory bandwidth.
+(28 bytes per fp32 parameter, +6 with a half model copy and fp32 masters) at memory bandwidth, or at
+the calibrated ``optim_rate`` parameters/s (a CPU).
 
 Communication: a transfer of ``n`` bytes costs ``latency + n / bandwidth`` on its link, where
 the bandwidth of a shared link is divided among the transfers in flight on it (see
@@ -133,7 +134,10 @@ class CostModel:
     def optim(self, seg: int, shard: float = 1.0) -> float:
         s = self.s
         per = 28 + (6 if s.master else 0)
-        return segment_params(s, seg) * shard * per / self.c.mem_bw + self.c.layer_overhead
+        n = segment_params(s, seg) * shard
+        if self.c.optim_rate > 0:  # calibrated (a CPU: AdamW's arithmetic binds it, not its bytes)
+            return n * per / 28 / self.c.optim_rate + self.c.layer_overhead
+        return n * per / self.c.mem_bw + self.c.layer_overhead
 
     # ---------------------------------------------------------------- bytes
     def activation_bytes(self) -> float:

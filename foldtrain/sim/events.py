@@ -6,7 +6,8 @@ The executor's semantics (``foldtrain/pipeline/executor.py``), action by action,
   share a host's CPU cores (``costs.cpu_share()`` is not ``None``: an emulated cluster on one
   machine) a compute action is instead ``costs.compute`` core-seconds of work on the shared
   ``("cpu",)`` resource, where each busy rank gets ``min(1, cores / busy ranks)`` of a core (the
-  optimizer step too);
+  optimizer step too), and a reduction's transfer also needs ``costs.comm_cpu`` core-seconds there
+  (gloo's threads sending, receiving and summing), so communication slows compute down as on the host;
 * ``SA`` / ``SG`` post a transfer (never block); it starts after the link's latency; on a
   dedicated link between two ranks of a node transfers go one after another in posting order
   (one stream per pair), on a node's network interface they share it with the transfers in
@@ -203,7 +204,19 @@ class Sim:
             self.at(self.now + ph[1], lambda: nxt(self.now))
         else:
             _, key, weight, nbytes = ph
-            self.link(key).add(nbytes, weight, nxt)
+            cpu_s = self.costs.comm_cpu(nbytes) if self.cpu is not None and hasattr(self.costs, "comm_cpu") else 0.0
+            if cpu_s <= 0:
+                self.link(key).add(nbytes, weight, nxt)
+                return
+            left = [2]  # the transfer, and its threads' work on the shared cores: done when both are
+
+            def part(t: float) -> None:
+                left[0] -= 1
+                if left[0] == 0:
+                    nxt(t)
+
+            self.link(key).add(nbytes, weight, part)
+            self.link(CPU).add(cpu_s, self.cpu[2], part)
 
     def run(self) -> "Sim":
         for r in self.ranks:

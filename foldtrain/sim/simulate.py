@@ -53,6 +53,11 @@ class RunCosts:
         s = self.s
         return cores, float(max(1, int(cores) // max(s.world, 1))), float(s.dp * s.tp)
 
+    def comm_cpu(self, nbytes: float) -> float:
+        """Core-seconds a rank's communication threads spend to send ``nbytes`` of a collective (and receive
+        and sum as many): on a cluster whose ranks share the host's cores they take them from compute."""
+        return nbytes * self.c.comm_cpu if self.c.shared_cores > 0 else 0.0
+
     def compute(self, p: int, a) -> float:
         return self.cm.forward(a.chunk) if a.op is Op.FORWARD else self.cm.backward(a.chunk)
 

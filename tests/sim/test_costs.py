@@ -151,3 +151,32 @@ def test_a_nodes_nic_carries_the_bytes_the_3d_engine_sends():
                 assert tflow[1] == ("nic", 0) and tflow[2] == approx(0.5)  # one edge out, two members on the node
                 node0 += tflow[3] * tflow[2]
     assert node0 / 1e6 == approx(38.1, abs=0.1)
+
+
+def test_calibrate_fits_the_heads_cost_beyond_its_products():
+    """Head times made from known per-logit and per-weight costs on top of the cost model's three products are
+    fitted back exactly; a cluster with ``head_weight_gelems`` charges the last segment's forward for it."""
+    from foldtrain.calibrate import HEAD_SHAPES, fit_head
+    from foldtrain.sim.cluster import Cluster, Link
+
+    peak, half, rows_half = 80e9, 6.0, 9.0
+    c = Cluster(name="t", gpus_per_node=1, memory=1e15, tflops={d: peak for d in ("fp32", "bf16", "fp16")}, mem_bw=1e30,
+                efficiency=1.0, half_size=half, layer_overhead=0.0, intra=Link(1e9, 1e-6), inter=Link(1e9, 1e-6),
+                rows_half_size=rows_half)
+    times = []
+    for d, vocab, tokens in HEAD_SHAPES:
+        cfg = build_config(["--model.n_layer", "1", "--model.d_model", str(d), "--model.n_head", "4", "--model.vocab_size", str(vocab),
+                            "--model.context", str(tokens), "--train.seq_len", str(tokens), "--train.global_batch", "1"])
+        cm = CostModel(resolve_setup(cfg), c)
+        times.append(3 * cm.t_head_f + tokens * vocab / 240e6 + vocab * d / 0.8e9)
+    softmax, weight = fit_head(peak, half, rows_half, times)
+    assert softmax == approx(240e6) and weight == approx(0.8e9)
+    assert fit_head(peak, half, rows_half, [1e-9, 1e-9]) == (0.0, 0.0)  # nothing beyond the products: the defaults
+
+    cfg = _cfg("--train.global_batch", "1", "--parallel.pp", "2")
+    d = cluster_dict()
+    base = CostModel(resolve_setup(cfg), from_dict(d, "c.toml"))
+    d["device"]["head_weight_gelems"] = 0.5
+    more = CostModel(resolve_setup(cfg), from_dict(d, "c.toml"))
+    assert more.forward(1) - base.forward(1) == approx(768 * 50257 / 0.5e9)
+    assert more.forward(0) == approx(base.forward(0))

@@ -5,7 +5,7 @@
 Plans the ``tiny`` model (global batch 16 x 128) on 4 ranks of this machine with the cluster
 calibrated by ``foldtrain bench simulator`` (as its runs: compute calibrated with a core per
 process, the cores shared among the 4 ranks; gloo on loopback), launches the plan's top 4 distinct layouts for a few steps each (4 launches), and
-appends the result to ``docs/simulator.md``.
+writes the result as the last section of ``docs/simulator.md`` (replacing the previous check).
 """
 
 from __future__ import annotations
@@ -82,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     L += ["", f"The plan's first choice measures {first / best:.1%} of the best measured "
           f"({'within' if first >= 0.9 * best else '**not** within'} 10%).", ""]
     path = Path(a.docs) / "simulator.md"
-    path.write_text(path.read_text() + "\n".join(L))
+    text = path.read_text()
+    if "\n## Planner check" in text:  # replace the previous check (and the notes under it), keep the rest
+        text = text[:text.index("\n## Planner check")]
+    path.write_text(text.rstrip("\n") + "\n" + "\n".join(L))
     print("\n".join(L))
     return 0
 

@@ -3,6 +3,7 @@ records the bytes its ``CommStats`` counted next to the bytes its network interf
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -34,14 +35,19 @@ def main(out: Path, strategies: list[str]) -> None:
         engine = build_engine(cfg, GPT(GPTShape.from_config(cfg.model)), env, cfg.train.global_batch // dp_workers(cfg, env.world_size))
         sampler = SyntheticSampler(cfg.model.vocab_size, cfg.train.seq_len)
         engine.train_step(*engine.batch(sampler, 0))  # connections are set up on first use
+        engine.flush()  # sharded-ps: its all-gathers land in the next forward; count whole steps on both sides
         dist.barrier()
         counted, before = 0.0, nic_tx_bytes()
         for step in range(1, 1 + STEPS):
             engine.train_step(*engine.batch(sampler, step))
+            if step == STEPS:
+                engine.flush()  # what it sends counts in this last step's counter (reset only when a step starts)
             counted += engine.stats()["comm_bytes_sent"]
+        dist.barrier()  # every byte handed to the kernel has been received by the peer, so it left the NIC
         sent = nic_tx_bytes() - before
-        dist.barrier()
         result[strategy] = {"counted": counted, "sent": sent}
+        del engine  # its hooks and any async work go now, not at interpreter exit after the group is destroyed
+        gc.collect()
     (out / f"bytes_rank{env.rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

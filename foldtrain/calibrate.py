@@ -141,18 +141,24 @@ def _head_time(d: int, vocab: int, tokens: int) -> float:
     return _time(lambda: lm_loss(head(x), target).backward(), min_s=0.2, reps=3)
 
 
+def _fit_cluster(peak: float = 1e12, half: float = 1.0, overhead: float = 0.0, rows_half: float = 0.0):
+    """A one-device cluster with only the compute numbers a fit needs (memory and links never bind)."""
+    from foldtrain.sim.cluster import Cluster, Link
+
+    return Cluster(name="fit", gpus_per_node=1, memory=1e15, tflops={d: peak for d in DTYPES}, mem_bw=1e30, efficiency=1.0,
+                   half_size=half, layer_overhead=overhead, intra=Link(1e9, 1e-6), inter=Link(1e9, 1e-6), rows_half_size=rows_half)
+
+
 def fit_head(peak: float, half: float, rows_half: float, times: list) -> tuple[float, float]:
     """What the fused head costs beyond the cost model's three matrix products, fitted to the real heads of
     ``HEAD_SHAPES``: ``residual = logits / softmax_rate + V d / head_weight_rate`` (the loss's log-softmax
     and the copies of the logits; streaming the weight and accumulating its gradient). Two shapes, two
     unknowns; ``(0, 0)`` (the cost model's defaults) when the fit is not positive."""
     from foldtrain.config import build_config
-    from foldtrain.sim.cluster import Cluster, Link
     from foldtrain.sim.costs import CostModel
     from foldtrain.sim.setup import resolve_setup
 
-    c = Cluster(name="fit", gpus_per_node=1, memory=1e15, tflops={d: peak for d in DTYPES}, mem_bw=1e30, efficiency=1.0,
-                half_size=half, layer_overhead=0.0, intra=Link(1e9, 1e-6), inter=Link(1e9, 1e-6), rows_half_size=rows_half)
+    c = _fit_cluster(peak, half, 0.0, rows_half)
     rows = []
     for (d, vocab, tokens), t in zip(HEAD_SHAPES, times):
         cfg = build_config(["--model.n_layer", "1", "--model.d_model", str(d), "--model.n_head", "4", "--model.vocab_size", str(vocab),
@@ -217,7 +223,6 @@ def measure_loss_buffers() -> float:
     import multiprocessing as mp
 
     from foldtrain.config import build_config
-    from foldtrain.sim.cluster import Cluster, Link
     from foldtrain.sim.costs import CostModel
     from foldtrain.sim.setup import resolve_setup
 
@@ -234,9 +239,7 @@ def measure_loss_buffers() -> float:
     cfg = build_config(["--model.n_layer", str(sh["n_layer"]), "--model.n_head", str(sh["n_head"]), "--model.d_model", str(sh["d_model"]),
                         "--model.context", str(sh["context"]), "--model.vocab_size", str(sh["vocab_size"]),
                         "--train.seq_len", str(sh["context"]), "--train.global_batch", "1"])
-    c = Cluster(name="fit", gpus_per_node=1, memory=1e15, tflops={d: 1e12 for d in DTYPES}, mem_bw=1e10, efficiency=1.0,
-                half_size=1.0, layer_overhead=0.0, intra=Link(1e9, 1e-6), inter=Link(1e9, 1e-6))
-    cm = CostModel(resolve_setup(cfg), c)
+    cm = CostModel(resolve_setup(cfg), _fit_cluster())  # only its activation sizes are read
     act_per_token = (sh["n_layer"] * cm.act_bytes_block(recompute=False) + cm.activation_bytes()) / sh["context"]
     slope = (peaks[1] - peaks[0]) / (LOSS_TOKENS[1] - LOSS_TOKENS[0])
     return max((slope - act_per_token) / (sh["vocab_size"] * 4), 1.0)
@@ -247,12 +250,10 @@ def fit_elem_bw(peak: float, half: float, overhead: float, blocks: list, rows_ha
     equal the measured ones: their time beyond the matrix products and the fixed cost, over the
     element-wise bytes the model counts (mean over ``RATIO_SHAPES``); 0 when nothing is left."""
     from foldtrain.config import build_config
-    from foldtrain.sim.cluster import Cluster, Link
     from foldtrain.sim.costs import CostModel
     from foldtrain.sim.setup import resolve_setup
 
-    c = Cluster(name="fit", gpus_per_node=1, memory=1e15, tflops={d: peak for d in DTYPES}, mem_bw=1e30, efficiency=1.0,
-                half_size=half, layer_overhead=overhead, intra=Link(1e9, 1e-6), inter=Link(1e9, 1e-6), rows_half_size=rows_half)
+    c = _fit_cluster(peak, half, overhead, rows_half)
     fits = []
     for (d, heads, b, seq), (fwd, _) in zip(RATIO_SHAPES, blocks):
         cfg = build_config(["--model.n_layer", "1", "--model.d_model", str(d), "--model.n_head", str(heads), "--model.context", str(seq),

@@ -6,8 +6,9 @@ Writes a cluster file (:mod:`foldtrain.sim.cluster`) for ``foldtrain simulate --
   ``min(N x R, cores)`` processes at once (each on a core of its own, as busy as the runs'
   ranks; ``node.shared_cores`` tells the simulator that more ranks than cores share them), fitted to
   ``rate(n) = peak * n / (n + half_size)``; memory bandwidth from a 64 MB copy, the fixed
-  cost of a transformer block from a tiny one, a real block's backward / forward time ratio
-  (2 by FLOPs), the element-wise bandwidth that makes the cost model's block forward equal a
+  cost of a transformer block from a tiny one, a real block's backward / forward time ratio (2 by FLOPs;
+  blocks timed as a pipeline chunk runs them: several distinct ones, several micro-batches in flight),
+  the element-wise bandwidth that makes the cost model's block forward equal a
   real one (on a CPU, exp/erf/tanh bind it, not memory), and what the real fused head costs beyond its
   matrix products, per logit (log-softmax, copies) and per weight element (streaming it, accumulating
   its gradient), fitted at two shapes, the optimizer step per parameter (fused AdamW and the
@@ -17,6 +18,8 @@ Writes a cluster file (:mod:`foldtrain.sim.cluster`) for ``foldtrain simulate --
 * communication: gloo point-to-point latency (ping-pong), and all-reduce bandwidth (and the CPU
   time per byte sent its threads take, which on shared cores comes out of compute) over the
   ``R`` ranks of one node (``torchrun --standalone``): the ``intra`` link;
+* the pipeline executor's own host work per action (``device.action_overhead_us``): a real 2-rank
+  pipeline of a negligible model, its step against the simulator's without it;
 * with ``--network RATE``: the same over ``N`` emulated nodes on throttled links
   (:mod:`foldtrain.netem`, one rank per node): the ``inter`` link. Needs root and iproute2.
 
@@ -176,15 +179,39 @@ def fit_head(peak: float, half: float, rows_half: float, times: list) -> tuple[f
 RATIO_SHAPES = ((96, 4, 4, 128), (256, 4, 1, 64), (256, 4, 1, 32))  # (d_model, heads, batch, seq): a block of tiny's width, wider ones with few tokens (a micro-batch)
 
 
-def _block_times(Block, GPTShape, d: int, heads: int, b: int, seq: int) -> tuple[float, float]:
-    """A real block's forward (with autograd recording, as in training) and backward time."""
+def _block_times(Block, GPTShape, d: int, heads: int, b: int, seq: int, n_blocks: int = 4, in_flight: int = 4) -> tuple[float, float]:
+    """Forward (with autograd recording, as in training) and backward time of one block and micro-batch,
+    timed as a pipeline chunk runs them: ``in_flight`` micro-batches forward through ``n_blocks``
+    distinct blocks, their graphs held, then backward in reverse order; so each block's weights come
+    from beyond the core's private cache as in a run (a lone block timed in a loop stays in it and
+    ran 25-35% faster here). Median of repetitions."""
     import torch
 
-    blk = Block(GPTShape(1, heads, d, seq, 16))
-    h = torch.randn(b, seq, d, requires_grad=True)
-    fwd = _time(lambda: blk(h), min_s=0.1, reps=3)
-    both = _time(lambda: blk(h).sum().backward(), min_s=0.1, reps=3)
-    return fwd, max(both - fwd, 0.1 * fwd)
+    blks = [Block(GPTShape(1, heads, d, seq, 16)) for _ in range(n_blocks)]
+    xs = [torch.randn(b, seq, d, requires_grad=True) for _ in range(in_flight)]
+    grads = [torch.randn(b, seq, d) for _ in range(in_flight)]
+
+    def once() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        outs = []
+        for x in xs:
+            for blk in blks:
+                x = blk(x)
+            outs.append(x)
+        t1 = time.perf_counter()
+        for y, g in zip(reversed(outs), reversed(grads)):
+            torch.autograd.backward(y, g)
+        t2 = time.perf_counter()
+        n = n_blocks * in_flight
+        return (t1 - t0) / n, (t2 - t1) / n
+
+    once()
+    runs, t_end = [], time.perf_counter() + 0.3
+    while len(runs) < 5 or time.perf_counter() < t_end:
+        runs.append(once())
+    fwd = sorted(r[0] for r in runs)[len(runs) // 2]
+    bwd = sorted(r[1] for r in runs)[len(runs) // 2]
+    return fwd, max(bwd, 0.1 * fwd)
 
 
 LOSS_SHAPE = dict(n_layer=2, n_head=4, d_model=96, context=128, vocab_size=8192)  # tiny's width and vocabulary
@@ -401,6 +428,51 @@ def measure_network(rate: str, nodes: int) -> dict:
         return _parse(job.text())
 
 
+EXECUTOR_PROBE = ["--model.preset", "tiny", "--model.n_layer", "4", "--model.d_model", "16", "--model.n_head", "2",
+                  "--train.seq_len", "8", "--train.global_batch", "16", "--parallel.pp", "2", "--parallel.virtual", "2",
+                  "--parallel.microbatches", "16", "--parallel.schedule", "interleaved-1f1b"]
+EXECUTOR_STEPS = 16
+
+
+def measure_action_overhead(cluster) -> tuple[float, float, float]:
+    """The pipeline executor's own host work per action: a real 2-rank pipeline (``foldtrain train``,
+    ``torchrun --standalone``) of a negligible model with 16 micro-batches, so that its step is nearly all
+    executor (bookkeeping, posting and waiting for transfers, waking up), against the simulator's step of
+    the same run on ``cluster`` without it, per action of a rank's list. Returns ``(overhead_s,
+    measured_step_s, simulated_step_s)``."""
+    import dataclasses
+    import shutil
+    import statistics
+
+    from foldtrain.config import build_config
+    from foldtrain.data import resolve_data
+    from foldtrain.schedules import build_schedule
+    from foldtrain.sim.simulate import simulate
+
+    cfg = build_config(EXECUTOR_PROBE)
+    data = str(resolve_data(cfg.data))  # the built-in corpus (prepared once, then cached)
+    out = tempfile.mkdtemp(prefix="ft-cal-exec-")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "foldtrain", "train",
+           *EXECUTOR_PROBE, "--data.path", data, "--train.steps", str(EXECUTOR_STEPS), "--train.eval_every", "0",
+           "--train.log_every", "1", "--out", out]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        if p.returncode != 0:
+            raise FoldtrainError("calibrate: the pipeline executor probe failed: "
+                                 f"{((p.stderr or p.stdout).strip().splitlines() or [''])[-1]}")
+        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if line.strip()]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    steps = [r["step_time_s"] for r in rows if "step_time_s" in r and r.get("step", 0) > EXECUTOR_STEPS // 3]
+    measured = statistics.median(steps)
+    bare = dataclasses.replace(cluster, action_overhead=0.0, memory=1e12)
+    simulated = simulate(build_config([*EXECUTOR_PROBE, "--data.path", data]), bare).step_time
+    sched = build_schedule("interleaved-1f1b", 2, 2, 16)
+    actions = max(len(acts) for acts in sched.ranks)
+    return max(0.0, (measured - simulated) / actions), measured, simulated
+
+
 def check_network_prerequisites() -> None:
     from foldtrain.netem import cluster as netns
 
@@ -447,6 +519,8 @@ def main(argv: list[str]) -> int:
         net = measure_network(a.network, a.nodes)
     with open("/proc/meminfo") as f:
         total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
+    import dataclasses
+
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     fp32_a, fp32_h, _ = comp["fp32"]
     intra = Link(loop["allreduce_bw"], loop["latency_s"])
@@ -458,6 +532,10 @@ def main(argv: list[str]) -> int:
                 backward_ratio=comp["backward_ratio"], elem_bw=comp["elem_bw"], softmax_rate=comp["softmax_rate"],
                 loss_buffers=loss_buffers, rows_half_size=comp["rows_half_size"], head_weight_rate=comp["head_weight_rate"],
                 optim_rate=comp["optim_rate"], comm_cpu=(net or loop).get("cpu_per_byte", 0.0))
+    print("calibrate: the pipeline executor's own work per action ...", flush=True)
+    ov, ov_measured, ov_sim = measure_action_overhead(
+        dataclasses.replace(c, gpus_per_node=2, intra=Link(loop["allreduce_bw"], loop["latency_s"])))
+    c = dataclasses.replace(c, action_overhead=ov)
     src = f"foldtrain calibrate, {when}, {conc} concurrent processes"
     notes = {f"device.{d}_tflops": f"{src}: fitted peak of (512 x n) @ (n x 4n), n = {SIZES}; measured "
              + ", ".join(f"{r / 1e9:.1f}" for r in comp[d][2]) + " GFLOP/s" for d in DTYPES}
@@ -476,6 +554,9 @@ def main(argv: list[str]) -> int:
         "device.softmax_gelems": f"{src}: per logit, fitted with head_weight_gelems to the real fused head (norm, projection, "
                                  f"fp32 cross-entropy, forward + backward) at (d, V, tokens) = {HEAD_SHAPES} beyond its matrix products",
         "device.head_weight_gelems": f"{src}: per element of the head's weight, the same fit",
+        "device.action_overhead_us": f"{src}: a 2-rank pipeline of a negligible model (interleaved-1f1b, V 2, 16 micro-batches) "
+                                     f"took {ov_measured * 1e3:.1f} ms a step, the simulator without it {ov_sim * 1e3:.1f} ms; "
+                                     "the difference per action of a rank's list",
         "device.optim_gparams": f"{src}: fused AdamW step and gradient-norm clipping of 4 M fp32 parameters",
         "device.rows_half_size": f"{src}: fp32 F.linear of (n x 256) with a 1024 x 256 weight, n = {SIZES}, at the fitted fp32 peak; measured "
                                  + ", ".join(f"{r / 1e9:.1f}" for r in comp["fp32_rows"]) + " GFLOP/s",

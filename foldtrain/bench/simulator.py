@@ -25,7 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (docs/ lives there)
 
-from foldtrain.calibrate import measure_compute, measure_loopback, measure_loss_buffers, measure_network
+from foldtrain.calibrate import (measure_action_overhead, measure_compute, measure_loopback, measure_loss_buffers,
+                                 measure_network)
 from foldtrain.config import build_config
 from foldtrain.sim.cluster import Cluster, Link
 from foldtrain.sim.report import write_profile
@@ -50,7 +51,7 @@ def cluster_of(comps: dict, ranks: int, cores: int, loop: dict, net: dict | None
                    elem_bw=comp.get("elem_bw", 0.0), softmax_rate=comp.get("softmax_rate", 0.0),
                    loss_buffers=comp.get("loss_buffers", 3.0), rows_half_size=comp.get("rows_half_size", 0.0),
                    head_weight_rate=comp.get("head_weight_rate", 0.0), optim_rate=comp.get("optim_rate", 0.0),
-                   comm_cpu=(net or loop).get("cpu_per_byte", 0.0),
+                   comm_cpu=(net or loop).get("cpu_per_byte", 0.0), action_overhead=comp.get("action_overhead", 0.0),
                    shared_cores=float(cores))
 
 
@@ -112,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         for v in comp.values():
             v["loss_buffers"] = loss_buffers
         loop = {n: measure_loopback(n) for n in (2, 4)}
+        overhead = measure_action_overhead(cluster_of(comp, 2, cores, loop[2], None, 2, "this machine, 2 ranks"))[0]
+        for v in comp.values():
+            v["action_overhead"] = overhead
         net = measure_network("1gbit", 2)
         steps = ["--steps", str(a.steps), "--warmup", "3"]
         print("bench dp ...", flush=True)

@@ -25,6 +25,7 @@ A cluster file (copy a preset and edit it; every number is required and positive
     head_weight_gelems = 0.6 # optional: the fused head's cost per weight element beyond FLOPs, G/s (absent: none)
     optim_gparams = 0.3      # optional: optimizer step, G parameters/s (absent: memory-bound at mem_bw_gbs)
     loss_buffers = 3         # optional: fp32 (b, L, V) tensors resident at the loss (absent: 3, the live ones)
+    action_overhead_us = 40  # optional: the pipeline executor's own CPU time per action of a rank's list (absent: 0)
     [intra]                  # between ranks of one node (NVLink, or loopback here)
     bw_gbs = 300             # GB/s per rank and direction
     latency_us = 5
@@ -86,6 +87,7 @@ class Cluster:
     optim_rate: float = 0.0  # parameters/s of the optimizer step (AdamW + clipping norm); 0: memory-bound at mem_bw
     rows_half_size: float = 0.0  # half_size of products whose smallest dimension is their rows (tokens); 0: half_size
     loss_buffers: float = 3.0  # fp32 (b, L, V) tensors a rank's memory holds at the loss (3 live; more where the allocator keeps holes)
+    action_overhead: float = 0.0  # s of the pipeline executor's own host work per action (bookkeeping, posting, waking up); 0: free
 
     def matmul_efficiency(self, n: float, rows: bool = False) -> float:
         """Efficiency of a product whose smallest dimension is ``n`` (``rows``: that dimension is its rows)."""
@@ -148,6 +150,7 @@ def from_dict(data: dict, src: str = "<dict>") -> Cluster:
         head_weight_rate=_optional(data, "device", "head_weight_gelems", src) * 1e9,
         optim_rate=_optional(data, "device", "optim_gparams", src) * 1e9,
         comm_cpu=_optional(data, "node", "comm_cpu_ns", src) * 1e-9,
+        action_overhead=_optional(data, "device", "action_overhead_us", src) * 1e-6,
     )
 
 
@@ -191,12 +194,13 @@ def to_toml(c: Cluster, comments: dict[str, str] | None = None) -> str:
         "device.softmax_gelems": c.softmax_rate / 1e9, "device.loss_buffers": c.loss_buffers,
         "device.rows_half_size": c.rows_half_size, "device.head_weight_gelems": c.head_weight_rate / 1e9,
         "device.optim_gparams": c.optim_rate / 1e9, "node.comm_cpu_ns": c.comm_cpu * 1e9,
+        "device.action_overhead_us": c.action_overhead * 1e6,
         "intra.bw_gbs": c.intra.bw / 1e9, "intra.latency_us": c.intra.latency * 1e6,
         "inter.bw_gbs": c.inter.bw / 1e9, "inter.latency_us": c.inter.latency * 1e6,
     }
     lines = [f'name = "{c.name}"']
     for sec, keys in FIELDS.items():
-        keys = keys + {"device": ("runtime_gb", "backward_ratio", "elem_gbs", "softmax_gelems", "loss_buffers", "rows_half_size", "head_weight_gelems", "optim_gparams"), "node": ("shared_cores", "comm_cpu_ns")}.get(sec, ())
+        keys = keys + {"device": ("runtime_gb", "backward_ratio", "elem_gbs", "softmax_gelems", "loss_buffers", "rows_half_size", "head_weight_gelems", "optim_gparams", "action_overhead_us"), "node": ("shared_cores", "comm_cpu_ns")}.get(sec, ())
         lines += ["", f"[{sec}]"]
         for k in keys:
             v = vals[f"{sec}.{k}"]

@@ -144,6 +144,7 @@ class RankState:
     events: list = field(default_factory=list)
     step_start: float = 0.0
     deferred: set = field(default_factory=set)
+    debt: float = 0.0  # the executor's own host work for the actions since the last compute, not yet paid
 
 
 class Sim:
@@ -244,20 +245,24 @@ class Sim:
     def step(self, r: RankState) -> None:  # noqa: C901 - one branch per action kind
         acts = self.sched.ranks[r.p]
         costs = self.costs
+        overhead = getattr(costs, "action_overhead", lambda: 0.0)()
         while r.pc < len(acts):
             a = acts[r.pc]
             op = a.op
             if op is Op.FORWARD or op is Op.BACKWARD:
                 t0 = r.t
+                dur = costs.compute(r.p, a) + r.debt + overhead
+                r.debt = 0.0
 
                 def computed(t: float, r=r, a=a, t0=t0) -> None:
                     self.ev(r, f"{a.op.value} c{a.chunk} m{a.mb}", "compute", t0, t, op=a.op.value, chunk=a.chunk, mb=a.mb)
                     r.pc += 1
                     self.resume(r, t)
 
-                self.busy(r, costs.compute(r.p, a), computed)
+                self.busy(r, dur, computed)
                 return
             if op is Op.SEND_ACT or op is Op.SEND_GRAD:
+                r.debt += overhead
                 key, weight, lat, nbytes = costs.send(r.p, a)
                 r.in_flight += 1
                 msg = (r.it, message_key(a))
@@ -287,12 +292,14 @@ class Sim:
                 msg = (r.it, message_key(a))
                 t_arr = self.arrived.get(msg)
                 if t_arr is not None and t_arr <= r.t:
+                    r.debt += overhead
                     r.pc += 1
                     continue
                 if t_arr is None:
                     t0 = r.t
 
                     def got(t: float, r=r, a=a, t0=t0) -> None:
+                        r.debt += overhead
                         if t > t0:
                             self.ev(r, f"{a.op.value} c{a.chunk} m{a.mb}", "recv_wait", t0, t, chunk=a.chunk, mb=a.mb, peer=a.peer)
                         r.pc += 1
@@ -301,10 +308,12 @@ class Sim:
                     self.recv_waiters[msg] = got
                     return
                 self.ev(r, f"{op.value} c{a.chunk} m{a.mb}", "recv_wait", r.t, t_arr, chunk=a.chunk, mb=a.mb, peer=a.peer)
+                r.debt += overhead
                 r.pc += 1
                 self.resume(r, t_arr)
                 return
             if op is Op.LAUNCH_REDUCE:
+                r.debt += overhead
                 self.launch_reduce(r, a.chunk)
                 r.pc += 1
                 continue
@@ -322,6 +331,7 @@ class Sim:
                     self.red_waiters.setdefault(missing[0], []).append(lambda t, r=r: self.at(self.now, lambda: self.step(r)))
                     return
                 t_done = max(self.red_done[k] for k in need)
+                r.debt += overhead
                 if t_done > r.t:
                     self.ev(r, f"WR c{a.chunk}", "reduce_wait", r.t, t_done, chunk=a.chunk, deferred=a.chunk in r.deferred)
                     r.pc += 1
@@ -340,7 +350,8 @@ class Sim:
                         if not self.barrier(r, ("clip", r.it), cost, "clip", "optim"):
                             return
                     r.stepped = True
-                dur = costs.optim(r.p, a.chunk)
+                dur = costs.optim(r.p, a.chunk) + r.debt + overhead
+                r.debt = 0.0
                 r.pc += 1
                 if dur > 0:
                     t0 = r.t
@@ -353,7 +364,12 @@ class Sim:
                     return
                 continue
             raise ValueError(f"unknown action {a}")
-        # end of the iteration: wait for this rank's sends, end the step, meet in the loss all-reduce
+        # end of the iteration: pay the executor's remaining host work, wait for this rank's sends, end the
+        # step, meet in the loss all-reduce
+        if r.debt > 0:
+            debt, r.debt = r.debt, 0.0
+            self.busy(r, debt, lambda t, r=r: self.resume(r, t))
+            return
         if r.in_flight:
             r.waiting_sends = True
             return

@@ -58,6 +58,11 @@ class RunCosts:
         and sum as many): on a cluster whose ranks share the host's cores they take them from compute."""
         return nbytes * self.c.comm_cpu if self.c.shared_cores > 0 else 0.0
 
+    def action_overhead(self) -> float:
+        """The pipeline executor's own host work per action (``device.action_overhead_us``); the
+        data-parallel engines run no action list."""
+        return self.c.action_overhead if self.s.mode == "3d" else 0.0
+
     def compute(self, p: int, a) -> float:
         return self.cm.forward(a.chunk) if a.op is Op.FORWARD else self.cm.backward(a.chunk)
 

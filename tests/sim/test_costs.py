@@ -180,3 +180,32 @@ def test_calibrate_fits_the_heads_cost_beyond_its_products():
     more = CostModel(resolve_setup(cfg), from_dict(d, "c.toml"))
     assert more.forward(1) - base.forward(1) == approx(768 * 50257 / 0.5e9)
     assert more.forward(0) == approx(base.forward(0))
+
+
+def test_the_executors_work_per_action_is_paid_on_each_ranks_timeline():
+    """``device.action_overhead_us`` (0 when absent): every action of a pipeline rank's list costs that much of
+    the rank's own time, so a rank's step is at least its compute plus its actions' overhead; the data-parallel
+    engines (no action list) do not pay it; it survives the cluster file round trip."""
+    from foldtrain.config.load import tomllib
+    from foldtrain.schedules import build_schedule
+    from foldtrain.sim.cluster import to_toml
+
+    args = ["--model.preset", "tiny", "--train.seq_len", "32", "--train.global_batch", "8", "--parallel.pp", "2",
+            "--parallel.virtual", "2", "--parallel.microbatches", "8", "--parallel.schedule", "fold"]
+    base = from_dict(cluster_dict(device__memory_gb=1000), "c.toml")
+    ov = 1e-3
+    c = from_dict(cluster_dict(device__memory_gb=1000, device__action_overhead_us=ov * 1e6), "c.toml")
+    assert base.action_overhead == 0.0 and c.action_overhead == approx(ov)
+    assert from_dict(tomllib.loads(to_toml(c)), "c.toml").action_overhead == approx(ov)
+    r0, r1 = simulate(build_config(args), base, keep_events=True), simulate(build_config(args), c, keep_events=True)
+    sched = build_schedule("fold", 2, 2, 8)
+    for p in range(2):
+        busy0 = sum(e["end"] - e["start"] for e in r0.events[p] if e["kind"] in ("compute", "optim") and e["step"] == 0)
+        busy1 = sum(e["end"] - e["start"] for e in r1.events[p] if e["kind"] in ("compute", "optim") and e["step"] == 0)
+        n = len(sched.ranks[p])
+        # every action's overhead lands in the rank's compute and optimizer spans, except what is left after its last one
+        assert busy0 + n * ov * 0.8 <= busy1 <= busy0 + n * ov + 1e-9
+        assert r1.step_time >= busy0 + n * ov
+    assert r1.step_time > r0.step_time
+    dp = ["--model.preset", "tiny", "--train.seq_len", "32", "--train.global_batch", "8", "--dp.strategy", "allreduce", "--parallel.dp", "2"]
+    assert simulate(build_config(dp), c).step_time == approx(simulate(build_config(dp), base).step_time)

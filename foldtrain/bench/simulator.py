@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     img.mkdir(parents=True, exist_ok=True)
     if gantt_pair:
         r, s = gantt_pair
-        g = Path(r["out_dir"]) / "gantt.png"
+        g = Path(r.get("info", {}).get("profiled_out", r["out_dir"])) / "gantt.png"  # tokens/s come from the unprofiled run
         if g.is_file():
             shutil.copy(g, img / "simval_measured_fold.png")
         tmp = out / "simprof"

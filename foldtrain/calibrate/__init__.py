@@ -1,0 +1,39 @@
+"""``foldtrain calibrate --out FILE [--network RATE --nodes N --ranks_per_node R]``: measure this machine.
+
+Writes a cluster file (:mod:`foldtrain.sim.cluster`) for ``foldtrain simulate --cluster FILE``:
+
+* compute: matrix products ``(512 x n) @ (n x 4n)`` for ``n`` in 32..512 per dtype, run by
+  ``min(N x R, cores)`` processes at once (each on a core of its own, as busy as the runs'
+  ranks; ``node.shared_cores`` tells the simulator that more ranks than cores share them), fitted to
+  ``rate(n) = peak * n / (n + half_size)``; memory bandwidth from a 64 MB copy, the fixed
+  cost of a transformer block from a tiny one, a real block's backward / forward time ratio (2 by FLOPs;
+  blocks timed as a pipeline chunk runs them: several distinct ones, several micro-batches in flight),
+  the element-wise bandwidth that makes the cost model's block forward equal a
+  real one (on a CPU, exp/erf/tanh bind it, not memory), and what the real fused head costs beyond its
+  matrix products, per logit (log-softmax, copies) and per weight element (streaming it, accumulating
+  its gradient), fitted at two shapes, the optimizer step per parameter (fused AdamW and the
+  clipping norm: on a CPU compute-bound, not memory-bound), under
+  the same concurrency; the loss's ``(b, L, V)`` buffers the resident peak holds (real training
+  steps at two token counts: the host allocator's holes included);
+* communication: gloo point-to-point latency (ping-pong), and all-reduce bandwidth (and the CPU
+  time per byte sent its threads take, which on shared cores comes out of compute) over the
+  ``R`` ranks of one node (``torchrun --standalone``): the ``intra`` link;
+* the pipeline executor's own host work per action (``device.action_overhead_us``): a real 2-rank
+  pipeline of a negligible model, its step against the simulator's without it;
+* with ``--network RATE``: the same over ``N`` emulated nodes on throttled links
+  (:mod:`foldtrain.netem`, one rank per node): the ``inter`` link. Needs root and iproute2.
+
+Above :mod:`foldtrain.sim` (it imports torch and the benchmark's namespaces); the simulator
+itself stays pure.
+"""
+
+from .cli import main
+from .comm import check_network_prerequisites, measure_loopback, measure_network
+from .compute import (DTYPES, HEAD_SHAPES, RATIO_SHAPES, SIZES, _block_times, _fit_cluster, fit_elem_bw, fit_half_size,
+                      fit_head, fit_rate, measure_compute)
+from .executor import EXECUTOR_PROBE, EXECUTOR_STEPS, measure_action_overhead
+from .memory import LOSS_SHAPE, LOSS_TOKENS, measure_loss_buffers
+
+__all__ = ["DTYPES", "EXECUTOR_PROBE", "EXECUTOR_STEPS", "HEAD_SHAPES", "LOSS_SHAPE", "LOSS_TOKENS", "RATIO_SHAPES", "SIZES",
+           "_block_times", "_fit_cluster", "check_network_prerequisites", "fit_elem_bw", "fit_half_size", "fit_head", "fit_rate",
+           "main", "measure_action_overhead", "measure_compute", "measure_loopback", "measure_loss_buffers", "measure_network"]

@@ -1,0 +1,105 @@
+"""``foldtrain calibrate``: run the probes and write the cluster file."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from datetime import datetime, timezone
+
+from foldtrain.errors import FoldtrainError
+
+from .comm import _comm_probe, check_network_prerequisites, measure_loopback, measure_network
+from .compute import DTYPES, HEAD_SHAPES, RATIO_SHAPES, SIZES, measure_compute
+from .executor import measure_action_overhead
+from .memory import LOSS_SHAPE, LOSS_TOKENS, measure_loss_buffers
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--_comm_probe"]:
+        _comm_probe()
+        return 0
+    ap = argparse.ArgumentParser(prog="foldtrain calibrate", description="measure this machine and write a cluster file for foldtrain simulate --cluster FILE")
+    ap.add_argument("--out", required=True, help="cluster TOML file to write")
+    ap.add_argument("--network", help="emulated link rate between nodes, e.g. 1gbit (needs root and iproute2)")
+    ap.add_argument("--nodes", type=int, default=1, help="emulated nodes (with --network)")
+    ap.add_argument("--ranks_per_node", type=int, default=2, help="ranks per node the runs will have")
+    ap.add_argument("--name", default="", help="cluster name (default: the file's stem)")
+    a = ap.parse_args(argv)
+    if a.nodes < 1 or a.ranks_per_node < 1:
+        raise FoldtrainError(f"--nodes and --ranks_per_node must be >= 1, got {a.nodes} and {a.ranks_per_node}")
+    if a.network:
+        if a.nodes < 2:
+            raise FoldtrainError("calibrate --network needs --nodes 2 or more to measure a link between nodes")
+        check_network_prerequisites()
+    from foldtrain.sim.cluster import Cluster, Link, to_toml
+
+    ranks = a.nodes * a.ranks_per_node
+    cores = os.cpu_count() or 1
+    conc = min(ranks, cores)  # each process on a core of its own; the simulator shares the cores among more ranks
+    print(f"calibrate: compute with {conc} concurrent processes ...", flush=True)
+    comp = measure_compute(conc)
+    print("calibrate: memory at the loss ...", flush=True)
+    loss_buffers = measure_loss_buffers()
+    print("calibrate: gloo on loopback ...", flush=True)
+    loop = measure_loopback(a.ranks_per_node)
+    net = None
+    if a.network:
+        print(f"calibrate: gloo across {a.nodes} emulated nodes at {a.network} ...", flush=True)
+        net = measure_network(a.network, a.nodes)
+    with open("/proc/meminfo") as f:
+        total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
+    import dataclasses
+
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    fp32_a, fp32_h, _ = comp["fp32"]
+    intra = Link(loop["allreduce_bw"], loop["latency_s"])
+    inter = Link(net["allreduce_bw"], net["latency_s"]) if net else intra
+    name = a.name or os.path.splitext(os.path.basename(a.out))[0]
+    c = Cluster(name=name, gpus_per_node=a.ranks_per_node, memory=total / ranks, shared_cores=float(cores),
+                tflops={d: comp[d][0] for d in DTYPES}, mem_bw=comp["mem_bw"], efficiency=1.0, half_size=fp32_h,
+                layer_overhead=comp["block_overhead"], intra=intra, inter=inter, runtime=comp["runtime"],
+                backward_ratio=comp["backward_ratio"], elem_bw=comp["elem_bw"], softmax_rate=comp["softmax_rate"],
+                loss_buffers=loss_buffers, rows_half_size=comp["rows_half_size"], head_weight_rate=comp["head_weight_rate"],
+                optim_rate=comp["optim_rate"], comm_cpu=(net or loop).get("cpu_per_byte", 0.0))
+    print("calibrate: the pipeline executor's own work per action ...", flush=True)
+    ov, ov_measured, ov_sim = measure_action_overhead(
+        dataclasses.replace(c, gpus_per_node=2, intra=Link(loop["allreduce_bw"], loop["latency_s"])))
+    c = dataclasses.replace(c, action_overhead=ov)
+    src = f"foldtrain calibrate, {when}, {conc} concurrent processes"
+    notes = {f"device.{d}_tflops": f"{src}: fitted peak of (512 x n) @ (n x 4n), n = {SIZES}; measured "
+             + ", ".join(f"{r / 1e9:.1f}" for r in comp[d][2]) + " GFLOP/s" for d in DTYPES}
+    notes.update({
+        "node.gpus": f"--ranks_per_node ({src})",
+        "node.shared_cores": "os.cpu_count(): every emulated node's ranks run on this machine's cores",
+        "node.comm_cpu_ns": f"{src}: CPU time of a rank (all threads) over the bytes it sends in the "
+                            + ("emulated nodes'" if net else "loopback") + " all-reduce",
+        "device.memory_gb": "MemTotal / ranks (nodes x ranks_per_node)",
+        "device.mem_bw_gbs": f"{src}: 64 MB copy",
+        "device.efficiency": "folded into the fitted peaks",
+        "device.half_size": f"{src}: fp32 fit (the half-precision fits give " + ", ".join(f"{comp[d][1]:.0f}" for d in ("bf16", "fp16")) + ")",
+        "device.layer_overhead_us": f"{src}: forward + backward of a tiny block / 3",
+        "device.backward_ratio": f"{src}: backward / forward time of a block, mean over (d, heads, batch, seq) = {RATIO_SHAPES}",
+        "device.elem_gbs": f"{src}: fitted so that the cost model's block forward equals the measured one at {RATIO_SHAPES}",
+        "device.softmax_gelems": f"{src}: per logit, fitted with head_weight_gelems to the real fused head (norm, projection, "
+                                 f"fp32 cross-entropy, forward + backward) at (d, V, tokens) = {HEAD_SHAPES} beyond its matrix products",
+        "device.head_weight_gelems": f"{src}: per element of the head's weight, the same fit",
+        "device.action_overhead_us": f"{src}: a 2-rank pipeline of a negligible model (interleaved-1f1b, V 2, 16 micro-batches) "
+                                     f"took {ov_measured * 1e3:.1f} ms a step, the simulator without it {ov_sim * 1e3:.1f} ms; "
+                                     "the difference per action of a rank's list",
+        "device.optim_gparams": f"{src}: fused AdamW step and gradient-norm clipping of 4 M fp32 parameters",
+        "device.rows_half_size": f"{src}: fp32 F.linear of (n x 256) with a 1024 x 256 weight, n = {SIZES}, at the fitted fp32 peak; measured "
+                                 + ", ".join(f"{r / 1e9:.1f}" for r in comp["fp32_rows"]) + " GFLOP/s",
+        "device.loss_buffers": f"{src}: peak resident size of 16 training steps at {LOSS_TOKENS} tokens of a {LOSS_SHAPE} GPT, per "
+                               "token, less the activations the cost model counts, over 4 V bytes",
+        "device.runtime_gb": f"{src}: resident size of a process that imported the trainer and ran 3 steps of a negligible model",
+        "intra.bw_gbs": f"{src}: gloo all-reduce of 16 MB over {max(a.ranks_per_node, 2)} local ranks (p2p {loop['p2p_bw'] / 1e9:.2f} GB/s)",
+        "intra.latency_us": f"{src}: gloo ping-pong / 2",
+        "inter.bw_gbs": (f"{src}: gloo all-reduce over {a.nodes} emulated nodes at {a.network} (p2p {net['p2p_bw'] / 1e9:.3f} GB/s)"
+                         if net else "no --network: same as intra"),
+        "inter.latency_us": f"{src}: ping-pong across emulated nodes" if net else "no --network: same as intra",
+    })
+    text = f"# measured by foldtrain calibrate {' '.join(argv)}\n" + to_toml(c, notes)
+    with open(a.out, "w") as f:
+        f.write(text)
+    print(f"wrote {a.out}")
+    return 0

@@ -1,0 +1,104 @@
+"""gloo latency, bandwidth and CPU time per byte: on loopback and across emulated nodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from foldtrain.errors import FoldtrainError
+
+
+def _comm_probe() -> None:
+    """Run under torchrun: prints one JSON line on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    r, w = dist.get_rank(), dist.get_world_size()
+    one = torch.zeros(1)
+    lat = []
+    for i in range(40):
+        dist.barrier() if i == 0 else None
+        t0 = time.perf_counter()
+        if r == 0:
+            dist.send(one, 1)
+            dist.recv(one, 1)
+        elif r == 1:
+            dist.recv(one, 0)
+            dist.send(one, 0)
+        lat.append((time.perf_counter() - t0) / 2)
+    big = torch.zeros(4 * 2**20)  # 16 MB
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        if r == 0:
+            dist.send(big, 1)
+        elif r == 1:
+            dist.recv(big, 0)
+    dist.barrier()
+    p2p = 3 * big.numel() * 4 / (time.perf_counter() - t0)
+    dist.all_reduce(big)
+    dist.barrier()
+    import resource
+
+    def cpu() -> float:  # this process's CPU time, every thread (gloo's included)
+        u = resource.getrusage(resource.RUSAGE_SELF)
+        return u.ru_utime + u.ru_stime
+
+    c0, t0 = cpu(), time.perf_counter()
+    for _ in range(3):
+        dist.all_reduce(big)
+    ar_t = (time.perf_counter() - t0) / 3
+    sent = 2 * (w - 1) / w * big.numel() * 4
+    cpu_per_byte = (cpu() - c0) / (3 * sent)
+    ar_bw = sent / ar_t
+    if r == 0:
+        lat.sort()
+        print("CALIBRATE " + json.dumps({"latency_s": lat[len(lat) // 2], "p2p_bw": p2p, "allreduce_bw": ar_bw, "world": w,
+                                         "cpu_per_byte": cpu_per_byte}), flush=True)
+    dist.destroy_process_group()
+
+
+def _parse(text: str) -> dict:
+    for line in reversed(text.splitlines()):
+        if line.startswith("CALIBRATE "):
+            return json.loads(line[len("CALIBRATE "):])
+    raise FoldtrainError(f"calibrate: the communication probe printed no result; its output ends with: {text[-300:]!r}")
+
+
+def measure_loopback(ranks: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(max(ranks, 2)),
+           "-m", "foldtrain.calibrate", "--_comm_probe"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    if p.returncode != 0:
+        raise FoldtrainError(f"calibrate: the loopback communication probe failed: {(p.stderr or p.stdout).strip().splitlines()[-1:]}")
+    return _parse(p.stdout)
+
+
+def measure_network(rate: str, nodes: int) -> dict:
+    from foldtrain.netem.cluster import EmulatedCluster
+
+    with EmulatedCluster(nodes, rate, name_prefix="ftcal") as c:
+        log = tempfile.mkdtemp(prefix="ft-cal-")
+        job = c.run_torchrun(["-m", "foldtrain.calibrate", "--_comm_probe"], nproc_per_node=1, timeout_s=300, log_dir=log)
+        if not job.ok:
+            raise FoldtrainError(f"calibrate: the communication probe across emulated nodes failed (logs in {log})")
+        return _parse(job.text())
+
+
+def check_network_prerequisites() -> None:
+    from foldtrain.netem import cluster as netns
+
+    try:
+        netns.check_prerequisites()
+    except FoldtrainError:
+        raise FoldtrainError(
+            "calibrate --network emulates nodes with network namespaces and needs root and iproute2 (ip, tc): "
+            "run as root and `apt-get install -y iproute2`, or drop --network to measure this machine only"
+        ) from None

@@ -1,6 +1,6 @@
 """Validate ``foldtrain simulate`` against runs on this machine; writes ``docs/simulator.md``.
 
-    foldtrain bench simulator [--out DIR] [--steps N]
+    foldtrain bench simulator [--out DIR] [--steps N] [--repeat K]
 
 One invocation: (1) calibrates this machine in the conditions of the runs (compute with 2 and
 with 4 concurrent processes, gloo on loopback, gloo across two emulated nodes at 1 Gbit/s);
@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="/tmp/ft-simval")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run every configuration K times, in rounds, and compare the median (a noisy machine: 2 or more)")
     ap.add_argument("--docs", default=str(ROOT / "docs"))
     ap.add_argument("--reuse", action="store_true",
                     help="do not calibrate or run: simulate again the calibration and runs an earlier invocation left in --out")
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         for v in comp.values():
             v["action_overhead"] = overhead
         net = measure_network("1gbit", 2)
-        steps = ["--steps", str(a.steps), "--warmup", "3"]
+        steps = ["--steps", str(a.steps), "--warmup", "3", "--repeat", str(a.repeat)]
         print("bench dp ...", flush=True)
         dp_runs = bench("dp", ["--strategies", "none,ps,sharded-ps,allreduce,ddp", "--precisions", "fp32", "--ranks", "1,2,4",
                                "--networks", "loopback,1gbit", "--anchors", "none", *steps], out / "dp")
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         write_profile(s, tmp)
         shutil.copy(tmp / "gantt.png", img / "simval_simulated_fold.png")
     L = ["# Simulator validation: predicted against measured on this machine", "",
-         f"Regenerate with `{CMD}` (needs root and iproute2; about {max(1, round((time.time() - t0) / 60))} minutes). "
+         f"Regenerate with `{CMD}{f' --repeat {a.repeat}' if a.repeat > 1 else ''}` (needs root and iproute2; about {max(1, round((time.time() - t0) / 60))} minutes). "
          "It calibrates this machine (`foldtrain.calibrate`: compute with 1, 2 and 4 concurrent processes, gloo on loopback "
          "and across two emulated nodes at 1 Gbit/s), runs `foldtrain bench dp` and `foldtrain bench pipeline`, and "
          "simulates every run with the calibrated numbers.", "",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from datetime import datetime, timezone
 
@@ -48,7 +49,6 @@ def main(argv: list[str]) -> int:
         net = measure_network(a.network, a.nodes)
     with open("/proc/meminfo") as f:
         total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
-    import dataclasses
 
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     fp32_a, fp32_h, _ = comp["fp32"]
@@ -62,8 +62,7 @@ def main(argv: list[str]) -> int:
                 loss_buffers=loss_buffers, rows_half_size=comp["rows_half_size"], head_weight_rate=comp["head_weight_rate"],
                 optim_rate=comp["optim_rate"], comm_cpu=(net or loop).get("cpu_per_byte", 0.0))
     print("calibrate: the pipeline executor's own work per action ...", flush=True)
-    ov, ov_measured, ov_sim = measure_action_overhead(
-        dataclasses.replace(c, gpus_per_node=2, intra=Link(loop["allreduce_bw"], loop["latency_s"])))
+    ov, ov_measured, ov_sim = measure_action_overhead(dataclasses.replace(c, gpus_per_node=2))  # its 2 ranks on one node
     c = dataclasses.replace(c, action_overhead=ov)
     src = f"foldtrain calibrate, {when}, {conc} concurrent processes"
     notes = {f"device.{d}_tflops": f"{src}: fitted peak of (512 x n) @ (n x 4n), n = {SIZES}; measured "

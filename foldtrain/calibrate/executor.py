@@ -49,8 +49,7 @@ def measure_action_overhead(cluster) -> tuple[float, float, float]:
         shutil.rmtree(out, ignore_errors=True)
     steps = [r["step_time_s"] for r in rows if "step_time_s" in r and r.get("step", 0) > EXECUTOR_STEPS // 3]
     measured = statistics.median(steps)
-    bare = dataclasses.replace(cluster, action_overhead=0.0, memory=1e12)
-    simulated = simulate(build_config([*EXECUTOR_PROBE, "--data.path", data]), bare).step_time
-    sched = build_schedule("interleaved-1f1b", 2, 2, 16)
-    actions = max(len(acts) for acts in sched.ranks)
-    return max(0.0, (measured - simulated) / actions), measured, simulated
+    sim = simulate(cfg, dataclasses.replace(cluster, action_overhead=0.0, memory=1e12))
+    s = sim.setup
+    actions = max(len(acts) for acts in build_schedule(s.schedule, s.pp, s.virtual, s.microbatches, s.dp_sync, s.defer).ranks)
+    return max(0.0, (measured - sim.step_time) / actions), measured, sim.step_time

@@ -155,6 +155,7 @@ class Sim:
         self.record_from = record_from
         share = getattr(costs, "cpu_share", lambda: None)()
         self.cpu = share  # (cores, per-rank cap, weight of a simulated rank) or None
+        self.overhead = getattr(costs, "action_overhead", lambda: 0.0)()  # the executor's host work per action
         self.now = 0.0
         self._heap: list = []
         self._seq = 0
@@ -245,7 +246,7 @@ class Sim:
     def step(self, r: RankState) -> None:  # noqa: C901 - one branch per action kind
         acts = self.sched.ranks[r.p]
         costs = self.costs
-        overhead = getattr(costs, "action_overhead", lambda: 0.0)()
+        overhead = self.overhead
         while r.pc < len(acts):
             a = acts[r.pc]
             op = a.op

@@ -17,12 +17,12 @@ and what a pipeline needs beyond them:
   With NCCL (one stream per pair and communicator, operations in posting order) a send can then
   never sit in front of a later receive from the same peer, which the interleaved and fold
   schedules need (they deadlock when sends rendezvous with receives on one stream).
-* ``tie_group``: the ranks holding the first and the last model segment, over every data-parallel
-  replica, at this rank's tensor-parallel coordinate: ``{(d, 0, t), (d, P-1, t) for all d}``.
-  The token embedding and the output projection are one tied weight; with a pipeline they live on
-  pipeline ranks 0 and P-1 as two copies whose gradients are summed (and averaged over data
-  parallel) in this group before the optimizer steps (Megatron's embedding group). ``None`` when
-  ``P == 1`` or this rank holds neither end.
+* ``tie_group``: the two ranks of this rank's pipeline holding the first and the last model
+  segment: ``{(d, 0, t), (d, P-1, t)}``. The token embedding and the output projection are one
+  tied weight; with a pipeline they live on pipeline ranks 0 and P-1 as two copies. Each copy's
+  gradient is first averaged over data parallel on its own (:mod:`foldtrain.parallel.pipeline.tie`),
+  then the two are summed in this group before either optimizer steps. ``None`` when ``P == 1``
+  or this rank holds neither end.
 
 Every group is created on every rank in the same order (``new_group`` is collective).
 """
@@ -128,11 +128,11 @@ def get_topology(dp: int, pp: int, tp: int, device_type: str = "cpu", timeout_s:
                 g_down = dist.new_group(ranks, **kw)
                 if (d, t) == (d0, t0):
                     up, down = g_up, g_down
-        for t in range(tp):
-            ranks = sorted({global_rank(d, p, t, pp, tp) for d in range(dp) for p in (0, pp - 1)})
-            g = dist.new_group(ranks, **kw)
-            if t == t0 and p0 in (0, pp - 1):
-                tie = g
+        for d in range(dp):
+            for t in range(tp):
+                g = dist.new_group([global_rank(d, 0, t, pp, tp), global_rank(d, pp - 1, t, pp, tp)], **kw)
+                if (d, t) == (d0, t0) and p0 in (0, pp - 1):
+                    tie = g
     topo = Topology(dp, pp, tp, rank, tp_mesh, dp_g, pp_g, tp_g, up, down, tie)
     _CACHE[key] = topo
     return topo

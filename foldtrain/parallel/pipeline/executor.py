@@ -30,7 +30,11 @@ Schedules are data (:mod:`foldtrain.schedules`); this module gives each action i
   complete the reduction launched in the PREVIOUS iteration (skipped when none is pending);
   :meth:`Executor.flush` completes the pending ones (end of training, checkpoints, evaluation).
 
-Transport (:mod:`.p2p`) and the per-chunk reductions (:mod:`.reducer`) live beside this module.
+* The tied embedding's two copies (segment 0 and the last segment) are reduced over dp by each end
+  at its ``LR`` and summed between the two ends afterwards (:mod:`.tie`); each end hands its
+  dp-reduced copy over before its next ``WR`` / ``OS`` or the end of the iteration.
+
+Transport (:mod:`.p2p`), the per-chunk reductions (:mod:`.reducer`) and the tie (:mod:`.tie`) live beside this module.
 """
 
 from __future__ import annotations
@@ -103,6 +107,13 @@ class Executor:
                 self.reducers[s].wait()
 
     # ------------------------------------------------------------------ helpers
+    def _handoff(self) -> None:
+        """Hand the tied embedding's dp-reduced copy to the other end (:mod:`.tie`) before anything
+        that may wait on that end: a ``WR``, an ``OS`` (its global collectives) or the end of the
+        iteration. A no-op where nothing is waiting to be handed off."""
+        for r in self.reducers.values():
+            r.handoff()
+
     def _peer(self, s: int) -> int:
         return s % self.pp
 
@@ -193,6 +204,7 @@ class Executor:
                     self.reducers[s].launch(deadline.get(s, len(actions)), s in deferred)
                 self.step_pending.add(s)
             elif op is Op.WAIT_REDUCE:
+                self._handoff()
                 if s in deferred and not self.reducers[s].pending:
                     continue  # first iteration, or flushed: nothing launched last iteration
                 with self._span(f"WR c{s}", "reduce_wait", chunk=s, deferred=s in deferred):
@@ -204,6 +216,7 @@ class Executor:
                         self.step_chunk(s)
                     self._early.add(s)
             elif op is Op.OPTIM_STEP:
+                self._handoff()
                 if s in deferred:
                     if s in self.step_pending:
                         with self._span(f"OS c{s}", "optim", chunk=s, deferred=True):
@@ -223,6 +236,7 @@ class Executor:
                 self.step_pending.discard(s)
             else:  # pragma: no cover - the schedule validator knows every op
                 raise ValueError(f"unknown pipeline action {a}")
+        self._handoff()
         for work, _t, a in sends:
             kind = "activations" if a.op is Op.SEND_ACT else "gradients"
             self.p2p.wait(work, f"its receive of the {kind} of chunk {a.chunk} microbatch {a.mb} (send completion)", a.peer)

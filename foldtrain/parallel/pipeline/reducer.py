@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from foldtrain.parallel.pipeline.deadlines import Bucket, DeadlineQueue
 from foldtrain.parallel.pipeline.p2p import bounded_wait, local_part
+from foldtrain.parallel.pipeline.tie import TieSide
 
 
 class ChunkReducer:
@@ -17,7 +17,8 @@ class ChunkReducer:
     gradients go to the queue in buckets, issued in deadline order.
 
     ``tied`` (the embedding / output-projection copy this chunk holds when the pipeline splits the
-    tie) is reduced separately over the tie group (both copies, all dp replicas: sum / dp).
+    tie) is reduced separately (:mod:`.tie`): over dp first, issued before the chunk's own buckets,
+    then summed with the other end's copy.
     """
 
     def __init__(self, segment: int, params: list, tied, topo, timeout_s: float, cpu_timeout: bool):
@@ -31,7 +32,7 @@ class ChunkReducer:
         self.queue: DeadlineQueue | None = None  # set by the executor when dp > 1
         self.buckets: list[Bucket] = []
         self.deferred = False
-        self.tie_work = None
+        self.tie = TieSide(segment != 0, topo, lambda w, what: self._wait(w, what)) if tied is not None else None
         self.pending = False  # launched, not yet waited
 
     def _grads(self, params) -> list[torch.Tensor]:
@@ -57,11 +58,16 @@ class ChunkReducer:
         """Forget a launched reduction (before loading a checkpoint)."""
         if self.queue is not None:
             self.queue.drop(self.segment)
-        self.pending, self.buckets, self.tie_work = False, [], None
+        self.pending, self.buckets = False, []
+        if self.tie is not None:
+            self.tie.reset()
 
     def launch(self, deadline: int = 0, deferred: bool = False) -> None:
         """Start the reduction; ``deadline`` orders it against the others (the action that needs it)."""
         self.deferred = deferred and self.queue is not None and self.queue.group is not None
+        if self.tie is not None:  # first: the other end of the tie needs it, the chunk's own buckets only this rank
+            (g,) = self._grads([self.tied])
+            self.tie.launch(g)
         if self.dp > 1:
             grads = self._grads(self.params)
             if self.deferred:
@@ -72,12 +78,12 @@ class ChunkReducer:
                 b = Bucket(self.segment, 0, grads, deadline, self.dp)
                 b.issue(self.topo.dp_group, lambda: 0.0)
                 self.buckets = [b]
-        if self.tied is not None:
-            (g,) = self._grads([self.tied])
-            if self.dp > 1:
-                g.div_(self.dp)
-            self.tie_work = dist.all_reduce(g, group=self.topo.tie_group, async_op=True)
         self.pending = True
+
+    def handoff(self) -> None:
+        """The tied copy's sum with the other end, once its data-parallel reduction landed (:mod:`.tie`)."""
+        if self.tie is not None:
+            self.tie.handoff()
 
     def _wait(self, work, what: str) -> None:
         pump = self.queue.pump if (self.queue is not None and self.queue.group is not None) else None
@@ -88,6 +94,7 @@ class ChunkReducer:
     def wait(self) -> None:
         if not self.pending:
             return
+        self.handoff()  # the tie's sum runs while this waits for the chunk's buckets
         if self.deferred:
             self.queue.hurry(self.segment)
         for b in self.buckets:
@@ -97,7 +104,6 @@ class ChunkReducer:
                 self.queue.record(b, urgent=not self.deferred)
             b.unpack()
         self.buckets = []
-        if self.tie_work is not None:
-            self._wait(self.tie_work, "tied-embedding gradient all-reduce")
-            self.tie_work = None
+        if self.tie is not None:
+            self.tie.wait()
         self.pending = False

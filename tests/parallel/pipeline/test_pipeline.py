@@ -69,6 +69,10 @@ def test_matches_single_process(suite, world, case):
         assert min(r["ref_norms"]) > r["grad_clip"], (r["ref_norms"], r["grad_clip"])
     assert r["param_err"] <= tol, (r["worst_param"], r["param_err"])
     assert r["eval_err"] <= tol
+    if case.get("vocab"):  # the tied embedding's dp reduction sent only the touched rows, not the dense gradient
+        assert r["tie_rows"] is not None and 0 < r["tie_rows"] <= case["vocab"] // 2, r["tie_rows"]
+    elif case["layout"][0] > 1 and case["layout"][1] > 1:  # 64 tokens of a 64-word vocabulary: dense
+        assert r["tie_rows"] is None, r["tie_rows"]
 
 
 @pytest.mark.parametrize("case", CKPT_CASES, ids=[c["id"] for c in CKPT_CASES])

@@ -45,7 +45,7 @@ def make_cfg(c: dict, steps: int = STEPS, out: str = "", **over):
     clip = c.get("clip", 0.0 if c.get("defer") else c.get("grad_clip", 1.0))
     args = {
         "model.n_layer": c.get("n_layer", 8), "model.n_head": HEADS, "model.d_model": D, "model.context": 16,
-        "model.vocab_size": VOCAB, "train.seq_len": SEQ, "train.steps": steps, "train.global_batch": dp * c.get("m", M) * MICRO,
+        "model.vocab_size": c.get("vocab", VOCAB), "train.seq_len": SEQ, "train.steps": steps, "train.global_batch": dp * c.get("m", M) * MICRO,
         "train.micro_batch": MICRO, "optim.lr": 1e-2, "optim.min_lr": 1e-3, "optim.warmup_steps": 2,
         "optim.grad_clip": clip, "parallel.dp": dp, "parallel.pp": pp, "parallel.tp": tp, "parallel.virtual": v,
         "parallel.schedule": c["schedule"], "parallel.dp_sync": c.get("dp_sync", "after-flush"),
@@ -63,15 +63,15 @@ def make_cfg(c: dict, steps: int = STEPS, out: str = "", **over):
     return build_config(flat)
 
 
-def batches(global_batch: int, steps: int, seed: int = 0):
+def batches(global_batch: int, steps: int, seed: int = 0, vocab: int = VOCAB):
     g = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, VOCAB, (steps, global_batch, SEQ + 1), generator=g)
+    data = torch.randint(0, vocab, (steps, global_batch, SEQ + 1), generator=g)
     return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
 
 
-def val_data():
+def val_data(vocab: int = VOCAB):
     g = torch.Generator().manual_seed(99)
-    d = torch.randint(0, VOCAB, (2, 2 * MICRO, SEQ + 1), generator=g)
+    d = torch.randint(0, vocab, (2, 2 * MICRO, SEQ + 1), generator=g)
     return [(x[:, :-1].contiguous(), x[:, 1:].contiguous()) for x in d]
 
 
@@ -87,15 +87,15 @@ def reference(cfg, steps: int = STEPS):
     """Single-process Engine losses, final weights and eval loss (rank 0; cached per setting)."""
     from foldtrain.engine import ReplicatedEngine as Engine
 
-    key = (cfg.model.n_layer, cfg.train.global_batch, cfg.optim.grad_clip, cfg.precision, steps)
+    key = (cfg.model.n_layer, cfg.train.global_batch, cfg.optim.grad_clip, cfg.precision, steps, cfg.model.vocab_size)
     if key not in _REF:
         eng = Engine(build_model(cfg), cfg, DEVICE, MICRO)
         losses, norms = [], []
-        for x, y in batches(cfg.train.global_batch, steps):
+        for x, y in batches(cfg.train.global_batch, steps, vocab=cfg.model.vocab_size):
             losses.append(eng.train_step(x, y))
             norms.append(eng.last_grad_norm)
         params = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
-        _REF[key] = (losses, params, eng.eval_loss(val_data()), norms)
+        _REF[key] = (losses, params, eng.eval_loss(val_data(cfg.model.vocab_size)), norms)
     return _REF[key]
 
 
@@ -118,7 +118,7 @@ def run_engine(cfg, steps_range, engine=None, seed=None):
 
     if engine is None:
         engine = PipelineEngine(build_model(cfg, seed), cfg, DEVICE)
-    data = batches(cfg.train.global_batch, cfg.train.steps)
+    data = batches(cfg.train.global_batch, cfg.train.steps, vocab=cfg.model.vocab_size)
     losses, engine.test_grad_norms = [], []
     for s in steps_range:
         losses.append(engine.train_step(*dp_rows(engine, *data[s])))
@@ -143,11 +143,12 @@ def compare(case, cfg, losses, full, eval_loss, norms) -> dict:
 def equivalence_case(case: dict) -> dict | None:
     cfg = make_cfg(case)
     engine, losses = run_engine(cfg, range(STEPS))
-    ev = engine.eval_loss(val_data())
+    ev = engine.eval_loss(val_data(cfg.model.vocab_size))
     full = engine.eval_model()
     if dist.get_rank() != 0:
         return None
-    return compare(case, cfg, losses, full, ev, engine.test_grad_norms)
+    tie = engine.executor.reducers[0].tie if engine.layout.pp > 1 else None
+    return {**compare(case, cfg, losses, full, ev, engine.test_grad_norms), "tie_rows": tie.last_rows if tie else None}
 
 
 def checkpoint_case(case: dict, out: Path) -> dict | None:
@@ -215,7 +216,7 @@ def deadline_case(case: dict, out: Path) -> dict | None:
     root = out / case["id"]
     cfg = make_cfg(case, out=str(root), profile=True, **{"fold.bucket_mb": 0.001})
     engine, losses = run_engine(cfg, range(STEPS), PipelineEngine(build_model(cfg), cfg, DEVICE))
-    ev = engine.eval_loss(val_data())
+    ev = engine.eval_loss(val_data(cfg.model.vocab_size))
     full = engine.eval_model()
     if dist.get_rank() != 0:
         return None

@@ -14,10 +14,11 @@ The executor's semantics (``foldtrain/pipeline/executor.py``), action by action,
   flight there;
 * ``RA`` / ``RG`` block until the matching transfer has arrived (``recv_wait``);
 * ``LR(c)`` queues chunk ``c``'s data-parallel reduction on the rank's reduction stream (FIFO; a
-  collective with identical data-parallel peers, so it needs no other simulated rank), and the
-  tied-embedding reduction of the first and last segment, a collective between the two ranks
-  holding them, on a second stream; ``costs.reduce_lead`` lets a reduction start that long
-  before its ``LR`` (DDP buckets launched while the last backward still runs);
+  collective with identical data-parallel peers, so it needs no other simulated rank); for the
+  first and last segment the tied embedding's dp part goes on that stream first, and once both
+  ends' dp parts are done their sum (a collective between the two ranks holding them) runs on a
+  second stream of each (``costs.tie``: ``{"dp": phases, "pair": phases}``); ``costs.reduce_lead``
+  lets a reduction start that long before its ``LR`` (DDP buckets launched while the last backward still runs);
 * ``WR(c)`` blocks until both are done (``reduce_wait``); a deferred ``WR`` (before the chunk's
   first forward) waits for the reduction launched in the previous iteration and is skipped in
   the first one;
@@ -169,7 +170,7 @@ class Sim:
         self.recv_waiters: dict[tuple, Callable[[float], None]] = {}
         self.red_done: dict[tuple, float] = {}  # (p, chunk, iteration, "dp"|"tie") -> completion
         self.red_waiters: dict[tuple, list] = {}
-        self.tie_launch: dict[tuple, float] = {}  # (iteration, side) -> launch time
+        self.tie_launch: dict[tuple, float] = {}  # (iteration, side) -> its dp part done
         self.barriers: dict[tuple, list] = {}
         self.iter_end: list[float] = []  # per iteration: when every rank left its end barrier
         self._ended: dict[int, list] = {}
@@ -436,16 +437,21 @@ class Sim:
             for w in self.red_waiters.pop(key, []):
                 w(t)
 
-        self.dp_stream[r.p].submit(r.t - lead, self.costs.reduce_phases(r.p, c), lambda s, t: done("dp", s, t))
         tie = self.costs.tie(r.p, c)
-        if tie is not None:
+        if tie is not None:  # its dp part goes first on the stream, the pair's sum once both ends' are done
             side = 0 if c == 0 else 1
-            self.tie_launch[(it, side)] = r.t
-            other = self.tie_launch.get((it, 1 - side))
-            if other is not None:
-                t0 = max(r.t, other)
-                for p, ch in ((0, 0), (self.sched.pp - 1, self.sched.segments - 1)):
-                    self.tie_stream[p].submit(t0, list(tie), lambda s, t, p=p, ch=ch: self._tie_done(p, ch, it, t))
+            self.dp_stream[r.p].submit(r.t, list(tie["dp"]), lambda s, t, side=side: self._tie_dp_done(it, side, t))
+        self.dp_stream[r.p].submit(r.t - lead, self.costs.reduce_phases(r.p, c), lambda s, t: done("dp", s, t))
+
+    def _tie_dp_done(self, it: int, side: int, t: float) -> None:
+        self.tie_launch[(it, side)] = t
+        other = self.tie_launch.get((it, 1 - side))
+        if other is None:
+            return
+        t0 = max(t, other)
+        for p, ch in ((0, 0), (self.sched.pp - 1, self.sched.segments - 1)):
+            pair = self.costs.tie(p, ch)["pair"]
+            self.tie_stream[p].submit(t0, list(pair), lambda s, t, p=p, ch=ch: self._tie_done(p, ch, it, t))
 
     def _tie_done(self, p: int, c: int, it: int, t: float) -> None:
         key = (p, c, it, "tie")

@@ -3,7 +3,7 @@
 :class:`RunCosts` gives the engine (:mod:`.events`) the cost of every action and adds, as
 explicit costs, what the executor does that its action list does not show (see
 ``docs/simulator.md``): the TP all-reduces inside F and B (in :mod:`.costs`), the tied-embedding
-all-reduce between the first and last segment launched with their ``LR``, the gradient-norm
+reduction of the first and last segment launched with their ``LR`` (:meth:`RunCosts.tie`), the gradient-norm
 all-reduce over the pipeline and the fp16 overflow vote before the first optimizer step (a
 barrier), the wait for outstanding sends at the end of the iteration, and the loss all-reduce
 over every rank after it (a barrier).
@@ -40,6 +40,7 @@ class RunCosts:
         self.cm = CostModel(s, c)
         self.pl = Placement(s, c)
         self._red: dict[int, list] = {}
+        self._tie: dict[tuple, dict] = {}
         self.last = s.segments - 1
 
     # -- compute
@@ -82,7 +83,7 @@ class RunCosts:
         n = s.dp
         g = cm.grad_bytes(seg)
         w = segment_params(s, seg) * s.weight_bytes
-        if self.tie(p, seg) is not None:  # the tied copy goes through the tie group's all-reduce, not this one
+        if self.tie(p, seg) is not None:  # the tied copy has its own reduction (tie)
             g -= self.tied_params() * s.grad_bytes
             w -= self.tied_params() * s.weight_bytes
         phases: list = []
@@ -118,22 +119,42 @@ class RunCosts:
         return self.s.vocab * self.s.d_model / self.s.tp
 
     def tie(self, p: int, seg: int):
-        """The tied embedding's all-reduce over the tie group (pipeline ranks 0 and P-1 of every replica,
-        a ring in group-rank order). A node's NIC carries the ring's edges that leave the node: each of its
-        members is charged ``edges leaving / members`` of one member's ring traffic."""
+        """The tied embedding's reduction (``foldtrain/parallel/pipeline/tie.py``) at the end that holds
+        segment ``seg``: ``{"dp": phases, "pair": phases}`` or ``None``.
+
+        ``dp`` runs on the rank's reduction stream before the chunk's own reduction: the head's dense
+        copy all-reduced over dp; the embedding's per-row "touched" bytes (MAX all-reduce of ``V``
+        bytes), then the rows of that union only (dense when more than half the rows). The union's
+        size is that of ``T`` uniformly drawn tokens (``T`` = tokens of the global batch),
+        ``V (1 - (1 - 1/V)^T)``: an upper bound for text, whose tokens repeat more. ``pair`` is the
+        2-rank all-reduce of the dp-summed copies between pipeline ranks 0 and P-1 of a replica,
+        on their link, once both ends' ``dp`` phases are done."""
         s = self.s
         if s.mode != "3d" or s.segments < 2 or seg not in (0, self.last):
             return None
-        n = 2 * s.dp
-        nbytes = self.tied_params() * s.grad_bytes
-        ring = [self.pl.node(q, d) for d in range(s.dp) for q in (0, s.pp - 1)]
-        k = self.pl.node(p)
-        leaving = sum(1 for i, node in enumerate(ring) if node == k and ring[(i + 1) % n] != k)
-        if leaving:
-            key, weight, lat = ("nic", k), float(s.tp) * leaving / ring.count(k), self.c.inter.latency
-        else:
-            key, weight, lat = ("tie", p), 1.0, self.c.intra.latency
-        return [("delay", 2 * (n - 1) * lat), ("flow", key, weight, 2 * (n - 1) / n * nbytes)]
+        if (p, seg) in self._tie:
+            return self._tie[(p, seg)]
+        n = s.dp
+        rows, cols = s.vocab / s.tp, s.d_model
+        phases: list = []
+        if n > 1:
+            key, weight, _bw, lat = self.pl.dp_link(p)
+            ring = 2 * (n - 1) / n
+            sent = rows
+            if seg == 0:
+                phases += [("delay", 2 * (n - 1) * lat), ("flow", key, weight, ring * rows)]  # the touched-row bytes
+                union = rows * (1.0 - (1.0 - 1.0 / s.vocab) ** (s.dp * s.microbatches * s.micro_batch * s.seq))
+                sent = union if 2 * union <= rows else rows
+            nbytes = sent * cols * s.grad_bytes
+            phases += [("delay", 2 * (n - 1) * lat + (n - 1) / n * nbytes * 3 / self.c.mem_bw),
+                       ("flow", key, weight, ring * nbytes)]
+        other = s.pp - 1 if seg == 0 else 0
+        key, weight, lat = self.pl.p2p_link(p, other)
+        if key[0] == "p2p":
+            key = ("tie", p)  # the pair's own stream of the link, beside the pipeline's transfers
+        pair = [("delay", 2 * lat), ("flow", key, weight, self.tied_params() * s.grad_bytes)]
+        self._tie[(p, seg)] = out = {"dp": phases, "pair": pair}
+        return out
 
     def optim(self, p: int, seg: int) -> float:
         s = self.s

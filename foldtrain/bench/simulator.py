@@ -2,8 +2,8 @@
 
     foldtrain bench simulator [--out DIR] [--steps N] [--repeat K]
 
-One invocation: (1) calibrates this machine in the conditions of the runs (compute with 2 and
-with 4 concurrent processes, gloo on loopback, gloo across two emulated nodes at 1 Gbit/s);
+One invocation: (1) calibrates this machine in the conditions of the runs (compute with 1, 2 and
+4 concurrent processes, and how much of the cores' work is lost when 4 ranks share 2 cores; gloo on loopback, gloo across two emulated nodes at 1 Gbit/s);
 (2) runs ``foldtrain bench dp`` (ps, sharded-ps, allreduce, ddp at 2 and 4 ranks, loopback and
 1 Gbit/s) and ``foldtrain bench pipeline`` (every schedule x dp_sync, fold with and without
 deferral, two emulated nodes at 1 Gbit/s); (3) simulates every run with the calibrated cluster;
@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]  # the repository (docs/ lives there)
 
 from foldtrain.calibrate import (measure_action_overhead, measure_compute, measure_loopback, measure_loss_buffers,
-                                 measure_network)
+                                 measure_network, measure_oversubscription)
 from foldtrain.config import build_config
 from foldtrain.sim.cluster import Cluster, Link
 from foldtrain.sim.report import write_profile
@@ -52,7 +52,7 @@ def cluster_of(comps: dict, ranks: int, cores: int, loop: dict, net: dict | None
                    loss_buffers=comp.get("loss_buffers", 3.0), rows_half_size=comp.get("rows_half_size", 0.0),
                    head_weight_rate=comp.get("head_weight_rate", 0.0), optim_rate=comp.get("optim_rate", 0.0),
                    comm_cpu=(net or loop).get("cpu_per_byte", 0.0), action_overhead=comp.get("action_overhead", 0.0),
-                   shared_cores=float(cores))
+                   shared_cores=float(cores), oversubscribed=comp.get("oversubscribed", 1.0))
 
 
 def load_calibration(path: Path) -> tuple[dict, dict, dict, int, tuple]:
@@ -112,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         cores = os.cpu_count() or 1
         comp = {n: measure_compute(n) for n in (1, 2, 4)}
         loss_buffers = measure_loss_buffers()  # a property of the allocator, not of the concurrency
+        over = measure_oversubscription(4, cores)[0]  # the 4-rank runs on this machine's cores
         for v in comp.values():
-            v["loss_buffers"] = loss_buffers
+            v["loss_buffers"], v["oversubscribed"] = loss_buffers, over
         loop = {n: measure_loopback(n) for n in (2, 4)}
         overhead = measure_action_overhead(cluster_of(comp, 2, cores, loop[2], None, 2, "this machine, 2 ranks"))[0]
         for v in comp.values():
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copy(tmp / "gantt.png", img / "simval_simulated_fold.png")
     L = ["# Simulator validation: predicted against measured on this machine", "",
          f"Regenerate with `{CMD}{f' --repeat {a.repeat}' if a.repeat > 1 else ''}` (needs root and iproute2; about {max(1, round((time.time() - t0) / 60))} minutes). "
-         "It calibrates this machine (`foldtrain.calibrate`: compute with 1, 2 and 4 concurrent processes, gloo on loopback "
+         "It calibrates this machine (`foldtrain.calibrate`: compute with 1, 2 and 4 concurrent processes and the cores' efficiency with 4 ranks on them, gloo on loopback "
          "and across two emulated nodes at 1 Gbit/s), runs `foldtrain bench dp` and `foldtrain bench pipeline`, and "
          "simulates every run with the calibrated numbers.", "",
          f"Conditions: {cores} CPU cores (load average {load0[0]:.1f} at the start, "

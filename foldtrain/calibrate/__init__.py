@@ -15,6 +15,10 @@ Writes a cluster file (:mod:`foldtrain.sim.cluster`) for ``foldtrain simulate --
   clipping norm: on a CPU compute-bound, not memory-bound), under
   the same concurrency; the loss's ``(b, L, V)`` buffers the resident peak holds (real training
   steps at two token counts: the host allocator's holes included);
+* oversubscription (when the runs have more ranks than cores): blocks timed with ``cores`` and with
+  ``N x R`` single-threaded processes at once; the share of the cores' work left when twice as many
+  ranks as cores are busy (``node.oversubscribed_efficiency``, 0.8-0.9 here: context switches and
+  caches), which the simulator's shared cores apply;
 * communication: gloo point-to-point latency (ping-pong), and all-reduce bandwidth (and the CPU
   time per byte sent its threads take, which on shared cores comes out of compute) over the
   ``R`` ranks of one node (``torchrun --standalone``): the ``intra`` link;
@@ -30,10 +34,11 @@ itself stays pure.
 from .cli import main
 from .comm import check_network_prerequisites, measure_loopback, measure_network
 from .compute import (DTYPES, HEAD_SHAPES, RATIO_SHAPES, SIZES, _block_times, _fit_cluster, fit_elem_bw, fit_half_size,
-                      fit_head, fit_rate, measure_compute)
+                      fit_head, fit_rate, measure_compute, measure_oversubscription)
 from .executor import EXECUTOR_PROBE, EXECUTOR_STEPS, measure_action_overhead
 from .memory import LOSS_SHAPE, LOSS_TOKENS, measure_loss_buffers
 
 __all__ = ["DTYPES", "EXECUTOR_PROBE", "EXECUTOR_STEPS", "HEAD_SHAPES", "LOSS_SHAPE", "LOSS_TOKENS", "RATIO_SHAPES", "SIZES",
            "_block_times", "_fit_cluster", "check_network_prerequisites", "fit_elem_bw", "fit_half_size", "fit_head", "fit_rate",
-           "main", "measure_action_overhead", "measure_compute", "measure_loopback", "measure_loss_buffers", "measure_network"]
+           "main", "measure_action_overhead", "measure_compute", "measure_loopback", "measure_loss_buffers", "measure_network",
+           "measure_oversubscription"]

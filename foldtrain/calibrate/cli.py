@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 from foldtrain.errors import FoldtrainError
 
 from .comm import _comm_probe, check_network_prerequisites, measure_loopback, measure_network
-from .compute import DTYPES, HEAD_SHAPES, RATIO_SHAPES, SIZES, measure_compute
+from .compute import DTYPES, HEAD_SHAPES, RATIO_SHAPES, SIZES, measure_compute, measure_oversubscription
 from .executor import measure_action_overhead
 from .memory import LOSS_SHAPE, LOSS_TOKENS, measure_loss_buffers
 
@@ -39,6 +39,10 @@ def main(argv: list[str]) -> int:
     conc = min(ranks, cores)  # each process on a core of its own; the simulator shares the cores among more ranks
     print(f"calibrate: compute with {conc} concurrent processes ...", flush=True)
     comp = measure_compute(conc)
+    over, over_ratios = 1.0, []
+    if ranks > cores:
+        print(f"calibrate: compute with {ranks} processes on {cores} cores ...", flush=True)
+        over, over_ratios = measure_oversubscription(ranks, cores)
     print("calibrate: memory at the loss ...", flush=True)
     loss_buffers = measure_loss_buffers()
     print("calibrate: gloo on loopback ...", flush=True)
@@ -60,7 +64,7 @@ def main(argv: list[str]) -> int:
                 layer_overhead=comp["block_overhead"], intra=intra, inter=inter, runtime=comp["runtime"],
                 backward_ratio=comp["backward_ratio"], elem_bw=comp["elem_bw"], softmax_rate=comp["softmax_rate"],
                 loss_buffers=loss_buffers, rows_half_size=comp["rows_half_size"], head_weight_rate=comp["head_weight_rate"],
-                optim_rate=comp["optim_rate"], comm_cpu=(net or loop).get("cpu_per_byte", 0.0))
+                optim_rate=comp["optim_rate"], comm_cpu=(net or loop).get("cpu_per_byte", 0.0), oversubscribed=over)
     print("calibrate: the pipeline executor's own work per action ...", flush=True)
     ov, ov_measured, ov_sim = measure_action_overhead(dataclasses.replace(c, gpus_per_node=2))  # its 2 ranks on one node
     c = dataclasses.replace(c, action_overhead=ov)
@@ -70,6 +74,11 @@ def main(argv: list[str]) -> int:
     notes.update({
         "node.gpus": f"--ranks_per_node ({src})",
         "node.shared_cores": "os.cpu_count(): every emulated node's ranks run on this machine's cores",
+        "node.oversubscribed_efficiency": (
+            f"blocks of {RATIO_SHAPES} timed with {cores} and with {ranks} single-threaded processes at once, alternated: "
+            f"{cores} / {ranks} of the time per block at {cores} over the time at {ranks}, median of "
+            + ", ".join(f"{r:.2f}" for r in over_ratios) + (f" (scaled to {2 * cores} busy ranks)" if ranks != 2 * cores else "")
+            if over_ratios else f"not measured: the runs have no more ranks ({ranks}) than cores ({cores})"),
         "node.comm_cpu_ns": f"{src}: CPU time of a rank (all threads) over the bytes it sends in the "
                             + ("emulated nodes'" if net else "loopback") + " all-reduce",
         "device.memory_gb": "MemTotal / ranks (nodes x ranks_per_node)",

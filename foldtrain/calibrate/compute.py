@@ -142,7 +142,8 @@ def fit_head(peak: float, half: float, rows_half: float, times: list) -> tuple[f
 RATIO_SHAPES = ((96, 4, 4, 128), (256, 4, 1, 64), (256, 4, 1, 32))  # (d_model, heads, batch, seq): a block of tiny's width, wider ones with few tokens (a micro-batch)
 
 
-def _block_times(Block, GPTShape, d: int, heads: int, b: int, seq: int, n_blocks: int = 4, in_flight: int = 4) -> tuple[float, float]:
+def _block_times(Block, GPTShape, d: int, heads: int, b: int, seq: int, n_blocks: int = 4, in_flight: int = 4,
+                 min_s: float = 0.3) -> tuple[float, float]:
     """Forward (with autograd recording, as in training) and backward time of one block and micro-batch,
     timed as a pipeline chunk runs them: ``in_flight`` micro-batches forward through ``n_blocks``
     distinct blocks, their graphs held, then backward in reverse order; so each block's weights come
@@ -169,12 +170,57 @@ def _block_times(Block, GPTShape, d: int, heads: int, b: int, seq: int, n_blocks
         return (t1 - t0) / n, (t2 - t1) / n
 
     once()
-    runs, t_end = [], time.perf_counter() + 0.3
+    runs, t_end = [], time.perf_counter() + min_s
     while len(runs) < 5 or time.perf_counter() < t_end:
         runs.append(once())
     fwd = sorted(r[0] for r in runs)[len(runs) // 2]
     bwd = sorted(r[1] for r in runs)[len(runs) // 2]
     return fwd, max(bwd, 0.1 * fwd)
+
+
+def _oversubscription_probe(barrier, queue) -> None:
+    import torch
+
+    from foldtrain.distributed import keep_freed_host_memory
+    from foldtrain.model.gpt import Block, GPTShape
+
+    torch.set_num_threads(1)
+    keep_freed_host_memory()
+    _block_times(Block, GPTShape, *RATIO_SHAPES[0], min_s=0.05)  # warm up
+    barrier.wait()
+    queue.put([sum(_block_times(Block, GPTShape, *shape, min_s=1.0)) for shape in RATIO_SHAPES])
+
+
+def _blocks_at(concurrency: int) -> list[float]:
+    """Forward + backward time of a block per ``RATIO_SHAPES``, mean over ``concurrency`` processes at once."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(concurrency), ctx.Queue()
+    procs = [ctx.Process(target=_oversubscription_probe, args=(barrier, queue)) for _ in range(concurrency)]
+    for p in procs:
+        p.start()
+    res = [queue.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    return [sum(r[i] for r in res) / len(res) for i in range(len(RATIO_SHAPES))]
+
+
+def measure_oversubscription(ranks: int, cores: int, rounds: int = 2) -> tuple[float, list[float]]:
+    """Share of the cores' work done when ``ranks`` > ``cores`` single-threaded processes compute at once:
+    blocks timed with ``cores`` processes (one core each) and with ``ranks`` (a fair share would make each
+    ``ranks / cores`` times slower), alternated ``rounds`` times; the median ratio, at most 1, and all of
+    them. The simulator applies the loss from ``2 * cores`` busy ranks on and linearly less below
+    (``node.oversubscribed_efficiency``): a ratio measured at fewer ranks is scaled to that point."""
+    if ranks <= cores:
+        return 1.0, []
+    ratios: list[float] = []
+    for _ in range(rounds):
+        base, over = _blocks_at(cores), _blocks_at(ranks)
+        ratios += [b * ranks / cores / o for b, o in zip(base, over)]
+    ratios.sort()
+    measured = min(1.0, ratios[len(ratios) // 2])
+    return max(0.05, 1.0 - (1.0 - measured) / min(1.0, (ranks - cores) / cores)), ratios
 
 
 def fit_elem_bw(peak: float, half: float, overhead: float, blocks: list, rows_half: float = 0.0) -> float:

@@ -8,6 +8,8 @@ A cluster file (copy a preset and edit it; every number is required and positive
     shared_cores = 2         # optional: every rank of every node shares this many CPU cores
                              # (a cluster emulated on one machine; absent or 0: own devices)
     comm_cpu_ns = 1.3        # optional, with shared_cores: CPU ns per byte a collective sends (absent: 0)
+    oversubscribed_efficiency = 0.85  # optional, with shared_cores: share of the cores' work done when
+                             # twice as many ranks as cores are busy (context switches, caches; absent: 1)
     [device]
     memory_gb = 80           # usable device memory per rank
     fp32_tflops = 19.5       # peak dense throughput per dtype, TFLOP/s
@@ -88,6 +90,7 @@ class Cluster:
     rows_half_size: float = 0.0  # half_size of products whose smallest dimension is their rows (tokens); 0: half_size
     loss_buffers: float = 3.0  # fp32 (b, L, V) tensors a rank's memory holds at the loss (3 live; more where the allocator keeps holes)
     action_overhead: float = 0.0  # s of the pipeline executor's own host work per action (bookkeeping, posting, waking up); 0: free
+    oversubscribed: float = 1.0  # with shared_cores: the cores' throughput when twice as many ranks as cores are busy (1: none lost)
 
     def matmul_efficiency(self, n: float, rows: bool = False) -> float:
         """Efficiency of a product whose smallest dimension is ``n`` (``rows``: that dimension is its rows)."""
@@ -151,7 +154,15 @@ def from_dict(data: dict, src: str = "<dict>") -> Cluster:
         optim_rate=_optional(data, "device", "optim_gparams", src) * 1e9,
         comm_cpu=_optional(data, "node", "comm_cpu_ns", src) * 1e-9,
         action_overhead=_optional(data, "device", "action_overhead_us", src) * 1e-6,
+        oversubscribed=_fraction(data, "node", "oversubscribed_efficiency", src),
     )
+
+
+def _fraction(data: dict, sec: str, k: str, src: str) -> float:
+    v = _optional(data, sec, k, src, default=1.0, positive=True)
+    if v > 1:
+        raise ConfigError(f"cluster file {src}: field {sec}.{k} {v} is a fraction of the cores' throughput; give a value in (0, 1]")
+    return v
 
 
 def _optional(data: dict, sec: str, k: str, src: str, default: float = 0.0, positive: bool = False) -> float:
@@ -194,13 +205,13 @@ def to_toml(c: Cluster, comments: dict[str, str] | None = None) -> str:
         "device.softmax_gelems": c.softmax_rate / 1e9, "device.loss_buffers": c.loss_buffers,
         "device.rows_half_size": c.rows_half_size, "device.head_weight_gelems": c.head_weight_rate / 1e9,
         "device.optim_gparams": c.optim_rate / 1e9, "node.comm_cpu_ns": c.comm_cpu * 1e9,
-        "device.action_overhead_us": c.action_overhead * 1e6,
+        "device.action_overhead_us": c.action_overhead * 1e6, "node.oversubscribed_efficiency": c.oversubscribed,
         "intra.bw_gbs": c.intra.bw / 1e9, "intra.latency_us": c.intra.latency * 1e6,
         "inter.bw_gbs": c.inter.bw / 1e9, "inter.latency_us": c.inter.latency * 1e6,
     }
     lines = [f'name = "{c.name}"']
     for sec, keys in FIELDS.items():
-        keys = keys + {"device": ("runtime_gb", "backward_ratio", "elem_gbs", "softmax_gelems", "loss_buffers", "rows_half_size", "head_weight_gelems", "optim_gparams", "action_overhead_us"), "node": ("shared_cores", "comm_cpu_ns")}.get(sec, ())
+        keys = keys + {"device": ("runtime_gb", "backward_ratio", "elem_gbs", "softmax_gelems", "loss_buffers", "rows_half_size", "head_weight_gelems", "optim_gparams", "action_overhead_us"), "node": ("shared_cores", "comm_cpu_ns", "oversubscribed_efficiency")}.get(sec, ())
         lines += ["", f"[{sec}]"]
         for k in keys:
             v = vals[f"{sec}.{k}"]

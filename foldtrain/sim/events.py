@@ -5,8 +5,8 @@ The executor's semantics (``foldtrain/pipeline/executor.py``), action by action,
 * ``F`` / ``B`` occupy the rank's compute stream for ``costs.compute``; on a cluster whose ranks
   share a host's CPU cores (``costs.cpu_share()`` is not ``None``: an emulated cluster on one
   machine) a compute action is instead ``costs.compute`` core-seconds of work on the shared
-  ``("cpu",)`` resource, where each busy rank gets ``min(1, cores / busy ranks)`` of a core (the
-  optimizer step too), and a reduction's transfer also needs ``costs.comm_cpu`` core-seconds there
+  ``("cpu",)`` resource, where each busy rank gets ``min(1, cores / busy ranks)`` of a core, less
+  ``node.oversubscribed_efficiency`` when more ranks than cores are busy (the optimizer step too), and a reduction's transfer also needs ``costs.comm_cpu`` core-seconds there
   (gloo's threads sending, receiving and summing), so communication slows compute down as on the host;
 * ``SA`` / ``SG`` post a transfer (never block); it starts after the link's latency; on a
   dedicated link between two ranks of a node transfers go one after another in posting order
@@ -49,19 +49,25 @@ CPU = ("cpu",)  # the host's cores, when the ranks share them
 
 class SharedLink:
     """A link of bandwidth ``bw`` bytes/s shared by the flows in flight (weighted processor sharing);
-    one unit of weight never gets more than ``cap`` (a rank cannot use more than one core)."""
+    one unit of weight never gets more than ``cap`` (a rank cannot use more than one core). ``over``
+    (the host's cores): the share of ``bw`` left when the flows' weights sum to twice ``bw`` or more,
+    linearly from 1 at ``bw`` (more runnable threads than cores switch and evict each other's caches)."""
 
-    __slots__ = ("sim", "bw", "cap", "flows", "t", "ver", "_next")
+    __slots__ = ("sim", "bw", "cap", "over", "flows", "t", "ver", "_next")
 
-    def __init__(self, sim: "Sim", bw: float, cap: float = float("inf")):
-        self.sim, self.bw, self.cap = sim, bw, cap
+    def __init__(self, sim: "Sim", bw: float, cap: float = float("inf"), over: float = 1.0):
+        self.sim, self.bw, self.cap, self.over = sim, bw, cap, over
         self.flows: dict[int, list] = {}
         self.t = 0.0
         self.ver = 0
         self._next = 0
 
     def rate(self) -> float:
-        return min(self.cap, self.bw / sum(f[1] for f in self.flows.values()))
+        w = sum(f[1] for f in self.flows.values())
+        bw = self.bw
+        if self.over < 1.0 and w > bw:
+            bw *= 1.0 - (1.0 - self.over) * min(1.0, (w - bw) / bw)
+        return min(self.cap, bw / w)
 
     def _advance(self, now: float) -> None:
         if self.flows and now > self.t:
@@ -155,7 +161,7 @@ class Sim:
         self.sched, self.costs, self.iterations = sched, costs, iterations
         self.record_from = record_from
         share = getattr(costs, "cpu_share", lambda: None)()
-        self.cpu = share  # (cores, per-rank cap, weight of a simulated rank) or None
+        self.cpu = share  # (cores, per-rank cap, weight of a simulated rank, oversubscribed efficiency) or None
         self.overhead = getattr(costs, "action_overhead", lambda: 0.0)()  # the executor's host work per action
         self.now = 0.0
         self._heap: list = []
@@ -184,8 +190,8 @@ class Sim:
         ln = self.links.get(key)
         if ln is None:
             if key == CPU:
-                cores, cap, _ = self.cpu
-                ln = self.links[key] = SharedLink(self, cores, cap)
+                cores, cap, _, over = self.cpu
+                ln = self.links[key] = SharedLink(self, cores, cap, over)
             else:
                 ln = self.links[key] = SharedLink(self, self.costs.link_bw(key))
         return ln

@@ -45,14 +45,16 @@ class RunCosts:
 
     # -- compute
     def cpu_share(self):
-        """``(cores, cap, weight)`` when every rank shares the host's cores (an emulated cluster): a
-        simulated rank stands for ``dp * tp`` identical ranks computing at once, and each rank runs
-        ``cores // world`` threads at most (the benches' thread split); ``None`` on real devices."""
+        """``(cores, cap, weight, oversubscribed)`` when every rank shares the host's cores (an emulated
+        cluster): a simulated rank stands for ``dp * tp`` identical ranks computing at once, each rank runs
+        ``cores // world`` threads at most (the benches' thread split), and with twice as many busy ranks
+        as cores the cores do ``oversubscribed`` of their work (``node.oversubscribed_efficiency``);
+        ``None`` on real devices."""
         cores = self.c.shared_cores
         if cores <= 0:
             return None
         s = self.s
-        return cores, float(max(1, int(cores) // max(s.world, 1))), float(s.dp * s.tp)
+        return cores, float(max(1, int(cores) // max(s.world, 1))), float(s.dp * s.tp), self.c.oversubscribed
 
     def comm_cpu(self, nbytes: float) -> float:
         """Core-seconds a rank's communication threads spend to send ``nbytes`` of a collective (and receive

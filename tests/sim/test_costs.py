@@ -217,3 +217,36 @@ def test_the_executors_work_per_action_is_paid_on_each_ranks_timeline():
     assert r1.step_time > r0.step_time
     dp = ["--model.preset", "tiny", "--train.seq_len", "32", "--train.global_batch", "8", "--dp.strategy", "allreduce", "--parallel.dp", "2"]
     assert simulate(build_config(dp), c).step_time == approx(simulate(build_config(dp), base).step_time)
+
+
+def test_oversubscribed_efficiency_is_a_fraction_of_the_cores():
+    """``node.oversubscribed_efficiency`` (1 when absent) survives the cluster file round trip, reaches the
+    simulator's shared cores, and slows a 4-rank pipeline on 2 shared cores; above 1 or zero it is refused
+    with the field named."""
+    from foldtrain.config.load import tomllib
+    from foldtrain.sim.cluster import to_toml
+
+    cfg = build_config(["--model.preset", "tiny", "--train.global_batch", "8", "--train.seq_len", "32", "--parallel.dp", "2",
+                        "--parallel.pp", "2", "--parallel.microbatches", "4", "--parallel.virtual", "2", "--parallel.schedule", "fold"])
+    slow = {"device__fp32_tflops": 0.01}  # compute-bound: the cores are the limit
+    assert from_dict(cluster_dict(node__shared_cores=2, **slow), "c.toml").oversubscribed == 1.0
+    c = from_dict(cluster_dict(node__shared_cores=2, node__oversubscribed_efficiency=0.8, **slow), "c.toml")
+    assert from_dict(tomllib.loads(to_toml(c)), "c.toml").oversubscribed == approx(0.8)
+    assert RunCosts(resolve_setup(cfg), c).cpu_share()[3] == approx(0.8)
+    fair = simulate(cfg, from_dict(cluster_dict(node__shared_cores=2, **slow), "c.toml")).step_time
+    # 4 ranks (2 simulated x dp 2) on 2 cores; only where both pipeline ranks compute at once (not in the bubble)
+    assert 1.05 * fair < simulate(cfg, c).step_time <= fair / 0.8 * 1.001
+    for bad in (1.5, 0):
+        with pytest.raises(Exception, match="node.oversubscribed_efficiency"):
+            from_dict(cluster_dict(node__shared_cores=2, node__oversubscribed_efficiency=bad), "c.toml")
+
+
+def test_calibrate_measures_the_cores_lost_to_oversubscription():
+    """With no more ranks than cores nothing is lost (1, nothing measured); with more, blocks are timed at both
+    concurrencies and the fraction is a measured one in (0, 1], from one ratio per block shape."""
+    from foldtrain.calibrate import RATIO_SHAPES, measure_oversubscription
+
+    assert measure_oversubscription(2, 2) == (1.0, [])
+    eff, ratios = measure_oversubscription(3, 2, rounds=1)
+    assert len(ratios) == len(RATIO_SHAPES) and all(0.2 < r < 3.0 for r in ratios), ratios
+    assert 0.05 <= eff <= 1.0

@@ -70,9 +70,9 @@ def test_shared_link_halves_bandwidth():
 
 
 class _SharedCores(UnitCosts):
-    def __init__(self, t_f, t_b, cores, weight):
+    def __init__(self, t_f, t_b, cores, weight, over=1.0):
         super().__init__(t_f, t_b)
-        self.share = (cores, 1.0, weight)
+        self.share = (cores, 1.0, weight, over)
 
     def cpu_share(self):
         return self.share
@@ -92,3 +92,13 @@ def test_shared_cores_slow_only_what_runs_at_once(cores, weight):
     work = 2 * 2 * 4 * (t_f + t_b) * weight  # core-seconds of every rank
     assert shared >= max(alone * slow, work / cores) - 1e-9
     assert shared <= alone * max(1.0, 2 * weight / cores) + 1e-9
+
+
+@pytest.mark.parametrize("weight,slow", [(2.0, 1.0), (3.0, 2.0), (4.0, 4.0), (8.0, 8.0)])
+def test_oversubscribed_cores_lose_work(weight, slow):
+    """With ``node.oversubscribed_efficiency`` 0.5, 2 cores do 2 cores' work up to 2 busy ranks, 1.5 at
+    3 (linearly), 1 from 4 on: a lone busy pipeline rank standing for ``weight`` ranks runs ``slow``
+    times slower than on a core of its own (fair sharing alone: ``weight / 2``)."""
+    t_f, t_b = 1.0, 2.0
+    one = run_schedule(build_schedule("gpipe", 2, 1, 1), _SharedCores(t_f, t_b, 2.0, weight, over=0.5))
+    assert one.iter_end[0] == approx(2 * (t_f + t_b) * slow)

@@ -66,7 +66,8 @@ def main(argv: list[str]) -> int:
                 loss_buffers=loss_buffers, rows_half_size=comp["rows_half_size"], head_weight_rate=comp["head_weight_rate"],
                 optim_rate=comp["optim_rate"], comm_cpu=(net or loop).get("cpu_per_byte", 0.0), oversubscribed=over)
     print("calibrate: the pipeline executor's own work per action ...", flush=True)
-    ov, ov_measured, ov_sim = measure_action_overhead(dataclasses.replace(c, gpus_per_node=2))  # its 2 ranks on one node
+    probe_dp = 2 if ranks >= 4 else 1  # with the runs' contention: 4 processes when they have 4 or more
+    ov, ov_measured, ov_sim = measure_action_overhead(dataclasses.replace(c, gpus_per_node=2 * probe_dp), dp=probe_dp)  # its ranks on one node
     c = dataclasses.replace(c, action_overhead=ov)
     src = f"foldtrain calibrate, {when}, {conc} concurrent processes"
     notes = {f"device.{d}_tflops": f"{src}: fitted peak of (512 x n) @ (n x 4n), n = {SIZES}; measured "
@@ -91,7 +92,7 @@ def main(argv: list[str]) -> int:
         "device.softmax_gelems": f"{src}: per logit, fitted with head_weight_gelems to the real fused head (norm, projection, "
                                  f"fp32 cross-entropy, forward + backward) at (d, V, tokens) = {HEAD_SHAPES} beyond its matrix products",
         "device.head_weight_gelems": f"{src}: per element of the head's weight, the same fit",
-        "device.action_overhead_us": f"{src}: a 2-rank pipeline of a negligible model (interleaved-1f1b, V 2, 16 micro-batches) "
+        "device.action_overhead_us": f"{src}: {'2 replicas of ' if probe_dp > 1 else ''}a 2-rank pipeline of a negligible model (interleaved-1f1b, V 2, 16 micro-batches) "
                                      f"took {ov_measured * 1e3:.1f} ms a step, the simulator without it {ov_sim * 1e3:.1f} ms; "
                                      "the difference per action of a rank's list",
         "device.optim_gparams": f"{src}: fused AdamW step and gradient-norm clipping of 4 M fp32 parameters",

@@ -1,4 +1,5 @@
-"""The pipeline executor's own host work per action, from a real 2-rank pipeline of a negligible model."""
+"""The pipeline executor's own host work per action, from a real pipeline of a negligible model (2 ranks,
+or 2 stages x ``dp`` replicas: the host work of one rank grows when more processes share the cores)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ EXECUTOR_PROBE = ["--model.preset", "tiny", "--model.n_layer", "4", "--model.d_m
 EXECUTOR_STEPS = 16
 
 
-def measure_action_overhead(cluster) -> tuple[float, float, float]:
-    """The pipeline executor's own host work per action: a real 2-rank pipeline (``foldtrain train``,
-    ``torchrun --standalone``) of a negligible model with 16 micro-batches, so that its step is nearly all
-    executor (bookkeeping, posting and waiting for transfers, waking up), against the simulator's step of
+def measure_action_overhead(cluster, dp: int = 1) -> tuple[float, float, float]:
+    """The pipeline executor's own host work per action: a real 2-stage pipeline, ``dp`` replicas of it
+    (``2 dp`` ranks; ``foldtrain train``, ``torchrun --standalone``), of a negligible model with 16
+    micro-batches per replica, so that its step is nearly all executor (bookkeeping, posting and waiting for transfers, waking up), against the simulator's step of
     the same run on ``cluster`` without it, per action of a rank's list. Returns ``(overhead_s,
     measured_step_s, simulated_step_s)``."""
     import dataclasses
@@ -32,12 +33,15 @@ def measure_action_overhead(cluster) -> tuple[float, float, float]:
     from foldtrain.schedules import build_schedule
     from foldtrain.sim.simulate import simulate
 
-    cfg = build_config(EXECUTOR_PROBE)
+    if dp < 1:
+        raise FoldtrainError(f"calibrate: the executor probe needs dp >= 1 replicas, not {dp}")
+    probe = [*EXECUTOR_PROBE, "--parallel.dp", str(dp), "--train.global_batch", str(16 * dp)]  # 16 micro-batches of 1 per replica
+    cfg = build_config(probe)
     data = str(resolve_data(cfg.data))  # the built-in corpus (prepared once, then cached)
     out = tempfile.mkdtemp(prefix="ft-cal-exec-")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "foldtrain", "train",
-           *EXECUTOR_PROBE, "--data.path", data, "--train.steps", str(EXECUTOR_STEPS), "--train.eval_every", "0",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(2 * dp), "-m", "foldtrain", "train",
+           *probe, "--data.path", data, "--train.steps", str(EXECUTOR_STEPS), "--train.eval_every", "0",
            "--train.log_every", "1", "--out", out]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)

@@ -38,13 +38,18 @@ PIPE_MODEL = ["--model.preset", "tiny", "--model.n_layer", "8", "--model.d_model
 DP_MODEL = ["--model.preset", "tiny", "--train.global_batch", "16", "--train.seq_len", "128"]
 
 
-def cluster_of(comps: dict, ranks: int, cores: int, loop: dict, net: dict | None, per_node: int, name: str) -> Cluster:
+def cluster_of(comps: dict, ranks: int, cores: int, loop: dict, net: dict | None, per_node: int, name: str,
+               hop: float | None = None) -> Cluster:
     """This machine as a cluster for a run of ``ranks`` processes: compute as calibrated with as many
     concurrent processes as run at once with a core each (``min(ranks, cores)``), and the ``cores``
     shared by every rank (the simulator slows ranks down when more of them compute than there are cores)."""
     comp = comps[min(comps, key=lambda k: abs(k - min(ranks, cores)))]  # that concurrency, or the nearest calibrated
-    intra = Link(loop["allreduce_bw"], loop["latency_s"])
-    inter = Link(net["allreduce_bw"], net["latency_s"]) if net else intra
+    # a collective's step (``hop``: as measured with the run's number of processes on the machine; default: the
+    # loopback probe's). The network probe has 2 processes, and with 4 on 2 cores the host's scheduling
+    # delay, not the wire, is most of a step: a step across nodes is never shorter than one on loopback.
+    hop = loop.get("collective_latency_s", 0.0) if hop is None else hop
+    intra = Link(loop["allreduce_bw"], loop["latency_s"], hop)
+    inter = Link(net["allreduce_bw"], net["latency_s"], max(net.get("collective_latency_s", 0.0), hop)) if net else intra
     return Cluster(name=name, gpus_per_node=per_node, memory=1e12, tflops={d: comp[d][0] for d in ("fp32", "bf16", "fp16")},
                    mem_bw=comp["mem_bw"], efficiency=1.0, half_size=comp["fp32"][1], layer_overhead=comp["block_overhead"],
                    intra=intra, inter=inter, runtime=comp["runtime"], backward_ratio=comp.get("backward_ratio", 2.0),
@@ -169,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "--parallel.schedule", r["variant"], "--parallel.dp_sync", sync]
             if r.get("defer"):
                 args += ["--fold.defer_reduce", "--optim.grad_clip", "0"]
-            c = cluster_of(comp, 4, cores, loop[2], net, 2, "this machine, 2 nodes x 2 ranks, 1gbit")
+            c = cluster_of(comp, 4, cores, loop[2], net, 2, "this machine, 2 nodes x 2 ranks, 1gbit",
+                           hop=loop[4].get("collective_latency_s", 0.0))  # 4 processes on the machine
             label = f"pp {r['variant']} V{v} {sync}" + (" defer" if r.get("defer") else "")
         sim = simulate(build_config(args), c, keep_events=True)
         rows.append((r, sim, label))

@@ -57,10 +57,21 @@ def _comm_probe() -> None:
     sent = 2 * (w - 1) / w * big.numel() * 4
     cpu_per_byte = (cpu() - c0) / (3 * sent)
     ar_bw = sent / ar_t
+    # one step of a collective with every rank communicating: a 4 KB all-reduce is 2 (w-1) steps of latency.
+    # On cores shared by more processes than cores it is 10-15x the ping-pong above (4 ranks on 2 cores:
+    # 7.6 ms per all-reduce, 1.3 ms a step, against 0.04-0.09 ms one way), and every collective pays it.
+    small = torch.zeros(1024)
+    dist.barrier()
+    steps = []
+    for _ in range(40):
+        t0 = time.perf_counter()
+        dist.all_reduce(small)
+        steps.append((time.perf_counter() - t0) / (2 * (w - 1)))
+    steps.sort()
     if r == 0:
         lat.sort()
         print("CALIBRATE " + json.dumps({"latency_s": lat[len(lat) // 2], "p2p_bw": p2p, "allreduce_bw": ar_bw, "world": w,
-                                         "cpu_per_byte": cpu_per_byte}), flush=True)
+                                         "cpu_per_byte": cpu_per_byte, "collective_latency_s": steps[len(steps) // 2]}), flush=True)
     dist.destroy_process_group()
 
 

@@ -30,10 +30,13 @@ A cluster file (copy a preset and edit it; every number is required and positive
     action_overhead_us = 40  # optional: the pipeline executor's own CPU time per action of a rank's list (absent: 0)
     [intra]                  # between ranks of one node (NVLink, or loopback here)
     bw_gbs = 300             # GB/s per rank and direction
-    latency_us = 5
+    latency_us = 5           # one message, point to point
+    collective_latency_us = 5  # optional: one step of a collective (a ring's hop) with every rank of the
+                             # run communicating (absent: latency_us; on shared cores it is far more)
     [inter]                  # the node's network interface, shared by the node's ranks
     bw_gbs = 200             # GB/s per node and direction
     latency_us = 10
+    collective_latency_us = 10  # optional, as for intra
 
 Efficiency of a matrix product whose smallest dimension is ``n``:
 ``efficiency * n / (n + half_size)``.
@@ -63,7 +66,13 @@ FIELDS: dict[str, tuple[str, ...]] = {
 @dataclass(frozen=True)
 class Link:
     bw: float  # bytes/s
-    latency: float  # s
+    latency: float  # s: one message, point to point
+    hop: float = 0.0  # s: one step of a collective with every rank of the run communicating (0: latency)
+
+    @property
+    def coll(self) -> float:
+        """The per-step latency of a collective (a ring's hop, a tree's level)."""
+        return self.hop or self.latency
 
 
 @dataclass(frozen=True)
@@ -140,8 +149,8 @@ def from_dict(data: dict, src: str = "<dict>") -> Cluster:
         efficiency=vals["device.efficiency"],
         half_size=vals["device.half_size"],
         layer_overhead=vals["device.layer_overhead_us"] * 1e-6,
-        intra=Link(vals["intra.bw_gbs"] * 1e9, vals["intra.latency_us"] * 1e-6),
-        inter=Link(vals["inter.bw_gbs"] * 1e9, vals["inter.latency_us"] * 1e-6),
+        intra=Link(vals["intra.bw_gbs"] * 1e9, vals["intra.latency_us"] * 1e-6, _optional(data, "intra", "collective_latency_us", src) * 1e-6),
+        inter=Link(vals["inter.bw_gbs"] * 1e9, vals["inter.latency_us"] * 1e-6, _optional(data, "inter", "collective_latency_us", src) * 1e-6),
         source=src,
         runtime=_optional(data, "device", "runtime_gb", src) * 1e9,
         backward_ratio=_optional(data, "device", "backward_ratio", src, default=2.0, positive=True),
@@ -208,10 +217,12 @@ def to_toml(c: Cluster, comments: dict[str, str] | None = None) -> str:
         "device.action_overhead_us": c.action_overhead * 1e6, "node.oversubscribed_efficiency": c.oversubscribed,
         "intra.bw_gbs": c.intra.bw / 1e9, "intra.latency_us": c.intra.latency * 1e6,
         "inter.bw_gbs": c.inter.bw / 1e9, "inter.latency_us": c.inter.latency * 1e6,
+        "intra.collective_latency_us": c.intra.hop * 1e6, "inter.collective_latency_us": c.inter.hop * 1e6,
     }
     lines = [f'name = "{c.name}"']
     for sec, keys in FIELDS.items():
-        keys = keys + {"device": ("runtime_gb", "backward_ratio", "elem_gbs", "softmax_gelems", "loss_buffers", "rows_half_size", "head_weight_gelems", "optim_gparams", "action_overhead_us"), "node": ("shared_cores", "comm_cpu_ns", "oversubscribed_efficiency")}.get(sec, ())
+        keys = keys + {"device": ("runtime_gb", "backward_ratio", "elem_gbs", "softmax_gelems", "loss_buffers", "rows_half_size", "head_weight_gelems", "optim_gparams", "action_overhead_us"), "node": ("shared_cores", "comm_cpu_ns", "oversubscribed_efficiency"),
+                       "intra": ("collective_latency_us",), "inter": ("collective_latency_us",)}.get(sec, ())
         lines += ["", f"[{sec}]"]
         for k in keys:
             v = vals[f"{sec}.{k}"]

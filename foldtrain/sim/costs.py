@@ -95,7 +95,7 @@ class CostModel:
             self.t_softmax += d * s.vocab / t / c.head_weight_rate
         self.t_embed_f = tokens * d * (s.act_bytes + 4) / c.mem_bw
         # tensor-parallel all-reduces of the (b, L, d) activation, on the node's link (tp never spans nodes)
-        self.t_tp_ar = self.ring_allreduce_time(tokens * d * s.act_bytes, t, c.intra.bw, c.intra.latency) if t > 1 else 0.0
+        self.t_tp_ar = self.ring_allreduce_time(tokens * d * s.act_bytes, t, c.intra.bw, c.intra.coll) if t > 1 else 0.0
 
     # ---------------------------------------------------------------- memory sizes
     def act_bytes_block(self, recompute: bool) -> float:
@@ -184,21 +184,21 @@ class Placement:
         return self.PT >= self.G or s.dp > self.G // self.PT
 
     def dp_link(self, p: int) -> tuple[tuple, float, float, float]:
-        """``(link key, weight, bandwidth, latency)`` of stage ``p``'s data-parallel collective."""
+        """``(link key, weight, bandwidth, per-step latency)`` of stage ``p``'s data-parallel collective."""
         if self.dp_spans_nodes():
-            return ("nic", self.node(p)), float(self.s.tp), self.c.inter.bw, self.c.inter.latency
-        return ("dp", p), 1.0, self.c.intra.bw, self.c.intra.latency
+            return ("nic", self.node(p)), float(self.s.tp), self.c.inter.bw, self.c.inter.coll
+        return ("dp", p), 1.0, self.c.intra.bw, self.c.intra.coll
 
     def pipeline_spans_nodes(self) -> bool:
         return self.node(0) != self.node(self.s.pp - 1)
 
     def world_latency(self) -> float:
         """One small all-reduce over every rank (loss, fp16 overflow vote)."""
-        lat = self.c.inter.latency if self.s.world > self.G else self.c.intra.latency
+        lat = self.c.inter.coll if self.s.world > self.G else self.c.intra.coll
         return CostModel.tree_latency(self.s.world, lat)
 
     def pipeline_latency(self) -> float:
-        lat = self.c.inter.latency if self.pipeline_spans_nodes() else self.c.intra.latency
+        lat = self.c.inter.coll if self.pipeline_spans_nodes() else self.c.intra.coll
         return CostModel.tree_latency(self.s.pp * self.s.tp, lat)
 
     def link_bw(self, key: tuple) -> float:

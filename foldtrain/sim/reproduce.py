@@ -14,7 +14,7 @@ from pathlib import Path
 
 from foldtrain.config import build_config
 
-from .cluster import Link, load_cluster
+from .cluster import load_cluster
 from .memory import GB
 from .setup import resolve_setup
 from .simulate import Result, simulate_setup
@@ -154,7 +154,7 @@ def fold3d(lines: list[str], img_dir: Path) -> None:
     rates = [10, 25, 50, 100, 200, 400, 800]
     pts = []
     for gbit in rates:
-        cc = dataclasses.replace(c, inter=Link(gbit * 1e9 / 8, c.inter.latency), name=f"{gbit} Gbit/s")
+        cc = dataclasses.replace(c, inter=dataclasses.replace(c.inter, bw=gbit * 1e9 / 8), name=f"{gbit} Gbit/s")
         r = fold_compare(cc, args)
         pts.append((gbit, r["fold"].tokens_per_s / r["megatron"].tokens_per_s - 1,
                     r["defer"].tokens_per_s / r["megatron"].tokens_per_s - 1, r["megatron"].all_rank_idle))

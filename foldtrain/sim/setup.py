@@ -57,6 +57,9 @@ class Setup:
     wire_factor: float  # allreduce --dp.compression: bytes on the wire per gradient byte
     fp16_scaler: bool
     clip: bool
+    first_bytes: float = 2**20  # allreduce / sharded-ps: the first bucket's size
+    shard_bytes: float = 4 * 2**20  # sharded-ps: the other buckets' size
+    cycle_s: float = 0.0  # allreduce: Horovod's cycle time (a bucket also closes this long after the last launch)
     p2p_scatter: bool = False  # Megatron's scatter/gather: each TP rank sends 1/tp of an activation (not foldtrain's executor)
 
     @property
@@ -121,6 +124,7 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         schedule=p.schedule if three_d else "gpipe", dp_sync=p.dp_sync if three_d else "after-flush",
         defer=bool(cfg.fold.defer_reduce) and three_d, staleness=d.ps_staleness if strat == "ps" else 0,
         bucket_bytes=d.bucket_mb * 2**20, fusion_bytes=d.fusion_mb * 2**20,
+        first_bytes=d.first_bucket_mb * 2**20, shard_bytes=d.shard_bucket_mb * 2**20, cycle_s=d.cycle_ms * 1e-3,
         wire_factor=(0.5 if d.compression in ("fp16", "bf16") and gb == 4 else 1.0) if strat == "allreduce" else 1.0,
         fp16_scaler=cfg.precision.startswith("fp16"), clip=cfg.optim.grad_clip > 0,
     )

@@ -20,6 +20,7 @@ bounded below by the server's capacity (``N`` gradients in and out, ``N`` optimi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +77,7 @@ class RunCosts:
     # -- data-parallel reduction of a chunk
     def server_link(self) -> tuple[float, float]:
         c = self.c
-        return (c.intra.bw, c.intra.latency) if self.s.world <= c.gpus_per_node else (c.inter.bw, c.inter.latency)
+        return (c.intra.bw, c.intra.coll) if self.s.world <= c.gpus_per_node else (c.inter.bw, c.inter.coll)
 
     def reduce_phases(self, p: int, seg: int) -> list:
         if seg in self._red:
@@ -92,10 +93,11 @@ class RunCosts:
         if n > 1:
             key, weight, bw, lat = self.pl.dp_link(p)
             add_cost = (n - 1) / n * g * 3 / self.c.mem_bw  # summing the received halves
+            steps = 2 * (n - 1) * lat * self.collectives(seg, g)  # every bucket's collective pays its steps
             if s.strategy in ("allreduce-3d", "allreduce", "ddp"):
-                phases = [("delay", 2 * (n - 1) * lat + add_cost), ("flow", key, weight, 2 * (n - 1) / n * g * s.wire_factor)]
-            elif s.strategy == "sharded-ps":
-                phases = [("delay", 2 * (n - 1) * lat + add_cost), ("flow", key, weight, (n - 1) / n * (g + w))]
+                phases = [("delay", steps + add_cost), ("flow", key, weight, 2 * (n - 1) / n * g * s.wire_factor)]
+            elif s.strategy == "sharded-ps":  # per bucket a reduce-scatter and an all-gather, (n-1) steps each
+                phases = [("delay", steps + add_cost), ("flow", key, weight, (n - 1) / n * (g + w))]
             elif s.strategy == "ps":
                 bw_s, lat_s = self.server_link()
                 k = max(s.servers, 1)
@@ -108,6 +110,22 @@ class RunCosts:
                               ("flow", ("srv-out",), 1.0, senders * w / k), ("delay", lat_s)]
         self._red[seg] = phases
         return phases
+
+    def collectives(self, seg: int, g: float) -> int:
+        """How many collectives a data-parallel engine issues for ``g`` gradient bytes per step: its
+        buckets (the pipeline engine reduces a chunk as one flat buffer: 1). DDP: a first bucket of 1 MB,
+        then ``--dp.bucket_mb``; ``sharded-ps``: ``--dp.first_bucket_mb``, then ``--dp.shard_bucket_mb``;
+        ``allreduce``: ``--dp.first_bucket_mb``, then ``--dp.fusion_mb``, and the cycle time closes a bucket
+        between two blocks' gradients at most once per block (a block's gradients arrive together)."""
+        s = self.s
+        if s.mode != "dp":
+            return 1
+        first, rest = {"ddp": (2**20, s.bucket_bytes), "sharded-ps": (s.first_bytes, s.shard_bytes),
+                       "allreduce": (s.first_bytes, s.fusion_bytes)}.get(s.strategy, (g, g))
+        k = 1 + math.ceil(max(0.0, g - first) / max(rest, 1.0))
+        if s.strategy == "allreduce" and s.cycle_s > 0:
+            k = max(k, min(math.ceil(self.cm.backward(seg) / s.cycle_s), s.n_layer + 2))
+        return k
 
     def reduce_lead(self, p: int, seg: int) -> float:
         s = self.s
@@ -154,7 +172,8 @@ class RunCosts:
         key, weight, lat = self.pl.p2p_link(p, other)
         if key[0] == "p2p":
             key = ("tie", p)  # the pair's own stream of the link, beside the pipeline's transfers
-        pair = [("delay", 2 * lat), ("flow", key, weight, self.tied_params() * s.grad_bytes)]
+        hop = self.c.intra.coll if key[0] == "tie" else self.c.inter.coll  # a 2-rank all-reduce: two steps
+        pair = [("delay", 2 * hop), ("flow", key, weight, self.tied_params() * s.grad_bytes)]
         self._tie[(p, seg)] = out = {"dp": phases, "pair": pair}
         return out
 

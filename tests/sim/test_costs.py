@@ -22,7 +22,8 @@ def _cfg(*args):
 
 def test_ring_allreduce_time(cluster):
     # 4 workers on one node (intra link 10 GB/s, 10 us): one reduction of the whole gradient, nothing overlapped
-    cfg = _cfg("--dp.strategy", "allreduce", "--parallel.dp", "4", "--train.global_batch", "4", "--dp.fusion_mb", "100000")
+    cfg = _cfg("--dp.strategy", "allreduce", "--parallel.dp", "4", "--train.global_batch", "4", "--dp.fusion_mb", "100000",
+               "--dp.first_bucket_mb", "100000", "--dp.cycle_ms", "0")  # one bucket: one collective
     r = simulate(cfg, cluster, keep_events=True)
     grad = model_params(r.setup) * 4
     n = 4
@@ -30,6 +31,30 @@ def test_ring_allreduce_time(cluster):
     red = [e for e in r.events[0] if e["kind"] == "reduce" and e["step"] == r.events[0][-1]["step"]]
     assert len(red) == 1 and red[0]["end"] - red[0]["start"] == approx(expect, rel=1e-6)
     assert CostModel.ring_allreduce_time(grad, n, 10e9, 10e-6) == approx(expect - (n - 1) / n * grad * 3 / 1000e9)
+
+
+def test_every_bucket_pays_a_collectives_steps():
+    """A collective's step latency (``collective_latency_us``, measured with every rank communicating; the
+    point-to-point ``latency_us`` when absent) is paid ``2 (n-1)`` times by each bucket's collective: DDP's
+    first 1 MB bucket then ``--dp.bucket_mb``; sharded-ps' first bucket then ``--dp.shard_bucket_mb``."""
+    from foldtrain.config.load import tomllib
+
+    from foldtrain.sim.cluster import to_toml
+
+    c = from_dict(cluster_dict(device__memory_gb=1000, intra__collective_latency_us=500.0), "c.toml")
+    assert c.intra.coll == approx(500e-6) and c.inter.coll == c.inter.latency  # absent: the p2p latency
+    assert from_dict(tomllib.loads(to_toml(c)), "c.toml").intra.hop == approx(500e-6)
+    n = 4
+    for strat, flags in (("ddp", ["--dp.bucket_mb", "100"]), ("sharded-ps", ["--dp.shard_bucket_mb", "100"]),
+                         ("allreduce", ["--dp.fusion_mb", "100", "--dp.cycle_ms", "0"])):
+        cfg = _cfg("--dp.strategy", strat, "--parallel.dp", str(n), "--train.global_batch", "4", *flags)
+        rc = RunCosts(resolve_setup(cfg), c)
+        g = rc.cm.grad_bytes(0)
+        k = 1 + -(-(g - 2**20) // (100 * 2**20))  # the first bucket, then 100 MB ones
+        assert rc.collectives(0, g) == k >= 3, strat
+        base = RunCosts(resolve_setup(cfg), from_dict(cluster_dict(device__memory_gb=1000), "c.toml"))
+        delay = lambda r: sum(ph[1] for ph in r.reduce_phases(0, 0) if ph[0] == "delay")  # noqa: E731
+        assert delay(rc) - delay(base) == approx(2 * (n - 1) * k * (500e-6 - c.intra.latency)), strat
 
 
 def test_parameter_server_link_carries_n_minus_1_workers(cluster):

@@ -191,18 +191,25 @@ def _oversubscription_probe(barrier, queue) -> None:
     queue.put([sum(_block_times(Block, GPTShape, *shape, min_s=1.0)) for shape in RATIO_SHAPES])
 
 
-def _blocks_at(concurrency: int) -> list[float]:
-    """Forward + backward time of a block per ``RATIO_SHAPES``, mean over ``concurrency`` processes at once."""
+def _concurrently(probe, concurrency: int) -> list:
+    """Run ``probe(barrier, queue)`` in ``concurrency`` fresh processes that start measuring together;
+    what each put on the queue."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(concurrency), ctx.Queue()
-    procs = [ctx.Process(target=_oversubscription_probe, args=(barrier, queue)) for _ in range(concurrency)]
+    procs = [ctx.Process(target=probe, args=(barrier, queue)) for _ in range(concurrency)]
     for p in procs:
         p.start()
     res = [queue.get(timeout=600) for _ in procs]
     for p in procs:
         p.join()
+    return res
+
+
+def _blocks_at(concurrency: int) -> list[float]:
+    """Forward + backward time of a block per ``RATIO_SHAPES``, mean over ``concurrency`` processes at once."""
+    res = _concurrently(_oversubscription_probe, concurrency)
     return [sum(r[i] for r in res) / len(res) for i in range(len(RATIO_SHAPES))]
 
 
@@ -266,16 +273,7 @@ def fit_rate(sizes, rates) -> tuple[float, float]:
 
 
 def measure_compute(concurrency: int) -> dict:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    barrier, queue = ctx.Barrier(concurrency), ctx.Queue()
-    procs = [ctx.Process(target=_compute_probe, args=(barrier, queue)) for _ in range(concurrency)]
-    for p in procs:
-        p.start()
-    res = [queue.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join()
+    res = _concurrently(_compute_probe, concurrency)
     out = {}
     for name in DTYPES:
         rates = [sum(r[name][i] for r in res) / len(res) for i in range(len(SIZES))]

@@ -21,6 +21,12 @@ ROOT = HERE.parents[2]
 WORKER = HERE / "worker.py"
 FP32_TOL = 1e-5
 HALF_TOL = 1e-3  # bf16 / fp16 autocast: both sides autocast, rounding differs in the order of reductions
+# Parameters after several AdamW steps: Adam divides each gradient element by its own running RMS, so an
+# element whose gradient is small carries the summation-order rounding (micro-batches, ranks) at the size
+# of the learning rate. On an AMD EPYC whose kernels differ from the machines these bounds were first set
+# on, fp32 parameters differed by up to 1.1e-5 and bf16 ones by 3.9e-3 (with the code before the tie
+# protocol too), while every loss, gradient norm and evaluation loss stayed within the bounds above.
+PARAM_TOL = {"fp32": 3e-5, "half": 1e-2}
 
 
 
@@ -61,13 +67,14 @@ def test_matches_single_process(suite, world, case):
     """Every step's loss and gradient norm, all final parameters and an evaluation loss equal the
     single-process run."""
     r = result(suite, world, case["id"])
-    tol = HALF_TOL if case.get("precision", "fp32") != "fp32" else FP32_TOL
+    half = case.get("precision", "fp32") != "fp32"
+    tol = HALF_TOL if half else FP32_TOL
     assert r["loss_err"] <= tol, (r["losses"], r["ref_losses"])
     if not case["defer"]:
         assert r["norm_err"] <= tol, (r["norms"], r["ref_norms"])
     if case.get("grad_clip"):  # the case exists to clip: the norm must exceed the threshold on every step
         assert min(r["ref_norms"]) > r["grad_clip"], (r["ref_norms"], r["grad_clip"])
-    assert r["param_err"] <= tol, (r["worst_param"], r["param_err"])
+    assert r["param_err"] <= PARAM_TOL["half" if half else "fp32"], (r["worst_param"], r["param_err"])
     assert r["eval_err"] <= tol
     if case.get("vocab"):  # the tied embedding's dp reduction sent only the touched rows, not the dense gradient
         assert r["tie_rows"] is not None and 0 < r["tie_rows"] <= case["vocab"] // 2, r["tie_rows"]
@@ -140,7 +147,7 @@ def test_deadline_order_in_the_trace(suite, case):
     queued when the iteration ends (after the ranks agreed on the prefix already issued) are issued
     in deadline order (chunk 1 first)."""
     r = result(suite, 4, case["id"])
-    assert r["loss_err"] <= FP32_TOL and r["param_err"] <= FP32_TOL and r["eval_err"] <= FP32_TOL
+    assert r["loss_err"] <= FP32_TOL and r["param_err"] <= PARAM_TOL["fp32"] and r["eval_err"] <= FP32_TOL
     sorted_groups = 0
     for rank, evs in enumerate(r["events"]):
         red = sorted((e for e in evs if e["kind"] == "reduce"), key=lambda e: e["args"]["order"])

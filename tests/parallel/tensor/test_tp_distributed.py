@@ -20,6 +20,10 @@ pytest.importorskip("torch")
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 TOL = 1e-5
+# parameters after five AdamW steps (fp32): Adam carries a small gradient element's summation-order rounding
+# at the size of the learning rate; an AMD EPYC put ln1.bias at 2.1e-5 (the code before this bound too).
+# The float64 run checks every parameter at TOL.
+PARAM_TOL = 3e-5
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +105,9 @@ def test_five_adamw_steps_match_single_process(results, prefix):
         assert r[prefix + "train_params_changed"] is True
         # clipping at 1.0 really scaled the gradients (the norms are above 1)
         assert max(r[prefix + "train_grad_norms"]) > 1.0
-        # every parameter (full_tensor) within 1e-5 of the single-process run; in fp32 the key biases,
+        # every parameter (full_tensor) within PARAM_TOL of the single-process run; in fp32 the key biases,
         # whose exact gradient is zero, hold Adam-amplified rounding noise and are left out (see worker)
-        assert r[prefix + "train_param_rel_max_excl_key_bias"] < TOL, r[prefix + "train_param_rel_excl_key_bias_worst"]
+        assert r[prefix + "train_param_rel_max_excl_key_bias"] < (PARAM_TOL if not prefix else TOL), r[prefix + "train_param_rel_excl_key_bias_worst"]
     assert results[0]["f64_train_param_rel_max"] < TOL  # float64: all entries, key biases included
 
 

@@ -25,10 +25,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (docs/ lives there)
 
-from foldtrain.calibrate import (measure_action_overhead, measure_compute, measure_loopback, measure_loss_buffers,
+from foldtrain.calibrate import (links, measure_action_overhead, measure_compute, measure_loopback, measure_loss_buffers,
                                  measure_network, measure_oversubscription)
 from foldtrain.config import build_config
-from foldtrain.sim.cluster import Cluster, Link
+from foldtrain.sim.cluster import Cluster
 from foldtrain.sim.report import write_profile
 from foldtrain.sim.simulate import simulate
 
@@ -44,12 +44,7 @@ def cluster_of(comps: dict, ranks: int, cores: int, loop: dict, net: dict | None
     concurrent processes as run at once with a core each (``min(ranks, cores)``), and the ``cores``
     shared by every rank (the simulator slows ranks down when more of them compute than there are cores)."""
     comp = comps[min(comps, key=lambda k: abs(k - min(ranks, cores)))]  # that concurrency, or the nearest calibrated
-    # a collective's step (``hop``: as measured with the run's number of processes on the machine; default: the
-    # loopback probe's). The network probe has 2 processes, and with 4 on 2 cores the host's scheduling
-    # delay, not the wire, is most of a step: a step across nodes is never shorter than one on loopback.
-    hop = loop.get("collective_latency_s", 0.0) if hop is None else hop
-    intra = Link(loop["allreduce_bw"], loop["latency_s"], hop)
-    inter = Link(net["allreduce_bw"], net["latency_s"], max(net.get("collective_latency_s", 0.0), hop)) if net else intra
+    intra, inter = links(loop, net, hop)  # hop: a collective's step with the run's processes (default: loopback's)
     return Cluster(name=name, gpus_per_node=per_node, memory=1e12, tflops={d: comp[d][0] for d in ("fp32", "bf16", "fp16")},
                    mem_bw=comp["mem_bw"], efficiency=1.0, half_size=comp["fp32"][1], layer_overhead=comp["block_overhead"],
                    intra=intra, inter=inter, runtime=comp["runtime"], backward_ratio=comp.get("backward_ratio", 2.0),

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 
 from foldtrain.errors import FoldtrainError
 
-from .comm import _comm_probe, check_network_prerequisites, measure_loopback, measure_network
+from .comm import _comm_probe, check_network_prerequisites, links, measure_loopback, measure_network
 from .compute import DTYPES, HEAD_SHAPES, RATIO_SHAPES, SIZES, measure_compute, measure_oversubscription
 from .executor import measure_action_overhead
 from .memory import LOSS_SHAPE, LOSS_TOKENS, measure_loss_buffers
@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
         if a.nodes < 2:
             raise FoldtrainError("calibrate --network needs --nodes 2 or more to measure a link between nodes")
         check_network_prerequisites()
-    from foldtrain.sim.cluster import Cluster, Link, to_toml
+    from foldtrain.sim.cluster import Cluster, to_toml
 
     ranks = a.nodes * a.ranks_per_node
     cores = os.cpu_count() or 1
@@ -59,9 +59,7 @@ def main(argv: list[str]) -> int:
     # a collective's step with as many processes as the runs have on this machine (on shared cores the
     # host's scheduling, not the wire, is most of it); across nodes never shorter than on loopback
     busy = loop if ranks <= max(a.ranks_per_node, 2) else measure_loopback(ranks)
-    hop = busy["collective_latency_s"]
-    intra = Link(loop["allreduce_bw"], loop["latency_s"], hop)
-    inter = Link(net["allreduce_bw"], net["latency_s"], max(net["collective_latency_s"], hop)) if net else intra
+    intra, inter = links(loop, net, busy["collective_latency_s"])
     name = a.name or os.path.splitext(os.path.basename(a.out))[0]
     c = Cluster(name=name, gpus_per_node=a.ranks_per_node, memory=total / ranks, shared_cores=float(cores),
                 tflops={d: comp[d][0] for d in DTYPES}, mem_bw=comp["mem_bw"], efficiency=1.0, half_size=fp32_h,

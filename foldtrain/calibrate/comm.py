@@ -103,6 +103,20 @@ def measure_network(rate: str, nodes: int) -> dict:
         return _parse(job.text())
 
 
+def links(loop: dict, net: dict | None, hop: float | None = None):
+    """This machine's ``(intra, inter)`` links from the probes above: loopback, and the emulated network
+    when measured (else the same link). ``hop``: a collective's step measured with the runs' number of
+    processes (default: the loopback probe's); across nodes never shorter than that, since with more
+    processes than cores the host's scheduling, not the wire, is most of a step (the network probe has 2).
+    Probes from before the step was measured have none (0: the point-to-point latency)."""
+    from foldtrain.sim.cluster import Link
+
+    hop = loop.get("collective_latency_s", 0.0) if hop is None else hop
+    intra = Link(loop["allreduce_bw"], loop["latency_s"], hop)
+    inter = Link(net["allreduce_bw"], net["latency_s"], max(net.get("collective_latency_s", 0.0), hop)) if net else intra
+    return intra, inter
+
+
 def check_network_prerequisites() -> None:
     from foldtrain.netem import cluster as netns
 

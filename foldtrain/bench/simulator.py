@@ -39,12 +39,15 @@ DP_MODEL = ["--model.preset", "tiny", "--train.global_batch", "16", "--train.seq
 
 
 def cluster_of(comps: dict, ranks: int, cores: int, loop: dict, net: dict | None, per_node: int, name: str,
-               hop: float | None = None) -> Cluster:
+               busy: dict | None = None) -> Cluster:
     """This machine as a cluster for a run of ``ranks`` processes: compute as calibrated with as many
     concurrent processes as run at once with a core each (``min(ranks, cores)``), and the ``cores``
-    shared by every rank (the simulator slows ranks down when more of them compute than there are cores)."""
+    shared by every rank (the simulator slows ranks down when more of them compute than there are cores).
+    ``busy``: the loopback probe with the run's number of processes, when ``loop`` has fewer: its
+    collective step (latency and CPU)."""
     comp = comps[min(comps, key=lambda k: abs(k - min(ranks, cores)))]  # that concurrency, or the nearest calibrated
-    intra, inter = links(loop, net, hop)  # hop: a collective's step with the run's processes (default: loopback's)
+    busy = busy or loop
+    intra, inter = links(loop, net, busy.get("collective_latency_s", 0.0))  # a collective's step with the run's processes
     return Cluster(name=name, gpus_per_node=per_node, memory=1e12, tflops={d: comp[d][0] for d in ("fp32", "bf16", "fp16")},
                    mem_bw=comp["mem_bw"], efficiency=1.0, half_size=comp["fp32"][1], layer_overhead=comp["block_overhead"],
                    intra=intra, inter=inter, runtime=comp["runtime"], backward_ratio=comp.get("backward_ratio", 2.0),
@@ -52,7 +55,8 @@ def cluster_of(comps: dict, ranks: int, cores: int, loop: dict, net: dict | None
                    loss_buffers=comp.get("loss_buffers", 3.0), rows_half_size=comp.get("rows_half_size", 0.0),
                    head_weight_rate=comp.get("head_weight_rate", 0.0), optim_rate=comp.get("optim_rate", 0.0),
                    comm_cpu=(net or loop).get("cpu_per_byte", 0.0), action_overhead=overhead_at(comp.get("action_overhead", 0.0), ranks),
-                   shared_cores=float(cores), oversubscribed=comp.get("oversubscribed", 1.0))
+                   shared_cores=float(cores), oversubscribed=comp.get("oversubscribed", 1.0),
+                   collective_cpu=busy.get("collective_cpu_s", 0.0))
 
 
 def least_disturbed(calibrations) -> dict:
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             if r.get("defer"):
                 args += ["--fold.defer_reduce", "--optim.grad_clip", "0"]
             c = cluster_of(comp, 4, cores, loop[2], net, 2, "this machine, 2 nodes x 2 ranks, 1gbit",
-                           hop=loop[4].get("collective_latency_s", 0.0))  # 4 processes on the machine
+                           busy=loop[4])  # 4 processes on the machine
             label = f"pp {r['variant']} V{v} {sync}" + (" defer" if r.get("defer") else "")
         sim = simulate(build_config(args), c, keep_events=True)
         rows.append((r, sim, label))

@@ -66,7 +66,8 @@ def main(argv: list[str]) -> int:
                 layer_overhead=comp["block_overhead"], intra=intra, inter=inter, runtime=comp["runtime"],
                 backward_ratio=comp["backward_ratio"], elem_bw=comp["elem_bw"], softmax_rate=comp["softmax_rate"],
                 loss_buffers=loss_buffers, rows_half_size=comp["rows_half_size"], head_weight_rate=comp["head_weight_rate"],
-                optim_rate=comp["optim_rate"], comm_cpu=(net or loop).get("cpu_per_byte", 0.0), oversubscribed=over)
+                optim_rate=comp["optim_rate"], comm_cpu=(net or loop).get("cpu_per_byte", 0.0), oversubscribed=over,
+                collective_cpu=busy.get("collective_cpu_s", 0.0))
     print("calibrate: the pipeline executor's own work per action ...", flush=True)
     probe_dp = 2 if ranks >= 4 else 1  # with the runs' contention: 4 processes when they have 4 or more
     ov, ov_measured, ov_sim = measure_action_overhead(dataclasses.replace(c, gpus_per_node=2 * probe_dp), dp=probe_dp)  # its ranks on one node
@@ -84,6 +85,8 @@ def main(argv: list[str]) -> int:
             if over_ratios else f"not measured: the runs have no more ranks ({ranks}) than cores ({cores})"),
         "node.comm_cpu_ns": f"{src}: CPU time of a rank (all threads) over the bytes it sends in the "
                             + ("emulated nodes'" if net else "loopback") + " all-reduce",
+        "node.collective_cpu_us": f"{src}: CPU time of a rank (all threads) over the 4 KB all-reduces of "
+                                  f"collective_latency_us, per step",
         "device.memory_gb": "MemTotal / ranks (nodes x ranks_per_node)",
         "device.mem_bw_gbs": f"{src}: 64 MB copy",
         "device.efficiency": "folded into the fitted peaks",

@@ -60,18 +60,24 @@ def _comm_probe() -> None:
     # one step of a collective with every rank communicating: a 4 KB all-reduce is 2 (w-1) steps of latency.
     # On cores shared by more processes than cores it is 10-15x the ping-pong above (4 ranks on 2 cores:
     # 7.6 ms per all-reduce, 1.3 ms a step, against 0.04-0.09 ms one way), and every collective pays it.
+    # and the CPU a step takes (each rank's, its gloo threads' included): on shared cores it is most of
+    # the step (4 ranks on 2 cores: 0.36 ms of a 1.1-1.3 ms step), and a collective launched during a
+    # backward takes it from that backward
     small = torch.zeros(1024)
     dist.barrier()
     steps = []
+    c0 = cpu()
     for _ in range(40):
         t0 = time.perf_counter()
         dist.all_reduce(small)
         steps.append((time.perf_counter() - t0) / (2 * (w - 1)))
+    step_cpu = (cpu() - c0) / (40 * 2 * (w - 1))
     steps.sort()
     if r == 0:
         lat.sort()
         print("CALIBRATE " + json.dumps({"latency_s": lat[len(lat) // 2], "p2p_bw": p2p, "allreduce_bw": ar_bw, "world": w,
-                                         "cpu_per_byte": cpu_per_byte, "collective_latency_s": steps[len(steps) // 2]}), flush=True)
+                                         "cpu_per_byte": cpu_per_byte, "collective_latency_s": steps[len(steps) // 2],
+                                         "collective_cpu_s": step_cpu}), flush=True)
     dist.destroy_process_group()
 
 

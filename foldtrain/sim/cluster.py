@@ -8,6 +8,8 @@ A cluster file (copy a preset and edit it; every number is required and positive
     shared_cores = 2         # optional: every rank of every node shares this many CPU cores
                              # (a cluster emulated on one machine; absent or 0: own devices)
     comm_cpu_ns = 1.3        # optional, with shared_cores: CPU ns per byte a collective sends (absent: 0)
+    collective_cpu_us = 360  # optional, with shared_cores: CPU us per rank that one step of a collective
+                             # takes there (waking gloo's threads, its syscalls; absent: 0)
     oversubscribed_efficiency = 0.85  # optional, with shared_cores: share of the cores' work done when
                              # twice as many ranks as cores are busy (context switches, caches; absent: 1)
     [device]
@@ -100,6 +102,7 @@ class Cluster:
     loss_buffers: float = 3.0  # fp32 (b, L, V) tensors a rank's memory holds at the loss (3 live; more where the allocator keeps holes)
     action_overhead: float = 0.0  # s of the pipeline executor's own host work per action (bookkeeping, posting, waking up); 0: free
     oversubscribed: float = 1.0  # with shared_cores: the cores' throughput when twice as many ranks as cores are busy (1: none lost)
+    collective_cpu: float = 0.0  # core-seconds per rank of one step of a collective (with shared_cores: taken from compute); 0: free
 
     def matmul_efficiency(self, n: float, rows: bool = False) -> float:
         """Efficiency of a product whose smallest dimension is ``n`` (``rows``: that dimension is its rows)."""
@@ -164,6 +167,7 @@ def from_dict(data: dict, src: str = "<dict>") -> Cluster:
         comm_cpu=_optional(data, "node", "comm_cpu_ns", src) * 1e-9,
         action_overhead=_optional(data, "device", "action_overhead_us", src) * 1e-6,
         oversubscribed=_fraction(data, "node", "oversubscribed_efficiency", src),
+        collective_cpu=_optional(data, "node", "collective_cpu_us", src) * 1e-6,
     )
 
 
@@ -215,13 +219,14 @@ def to_toml(c: Cluster, comments: dict[str, str] | None = None) -> str:
         "device.rows_half_size": c.rows_half_size, "device.head_weight_gelems": c.head_weight_rate / 1e9,
         "device.optim_gparams": c.optim_rate / 1e9, "node.comm_cpu_ns": c.comm_cpu * 1e9,
         "device.action_overhead_us": c.action_overhead * 1e6, "node.oversubscribed_efficiency": c.oversubscribed,
+        "node.collective_cpu_us": c.collective_cpu * 1e6,
         "intra.bw_gbs": c.intra.bw / 1e9, "intra.latency_us": c.intra.latency * 1e6,
         "inter.bw_gbs": c.inter.bw / 1e9, "inter.latency_us": c.inter.latency * 1e6,
         "intra.collective_latency_us": c.intra.hop * 1e6, "inter.collective_latency_us": c.inter.hop * 1e6,
     }
     lines = [f'name = "{c.name}"']
     for sec, keys in FIELDS.items():
-        keys = keys + {"device": ("runtime_gb", "backward_ratio", "elem_gbs", "softmax_gelems", "loss_buffers", "rows_half_size", "head_weight_gelems", "optim_gparams", "action_overhead_us"), "node": ("shared_cores", "comm_cpu_ns", "oversubscribed_efficiency"),
+        keys = keys + {"device": ("runtime_gb", "backward_ratio", "elem_gbs", "softmax_gelems", "loss_buffers", "rows_half_size", "head_weight_gelems", "optim_gparams", "action_overhead_us"), "node": ("shared_cores", "comm_cpu_ns", "collective_cpu_us", "oversubscribed_efficiency"),
                        "intra": ("collective_latency_us",), "inter": ("collective_latency_us",)}.get(sec, ())
         lines += ["", f"[{sec}]"]
         for k in keys:

@@ -17,8 +17,10 @@ The executor's semantics (``foldtrain/pipeline/executor.py``), action by action,
   collective with identical data-parallel peers, so it needs no other simulated rank); for the
   first and last segment the tied embedding's dp part goes on that stream first, and once both
   ends' dp parts are done their sum (a collective between the two ranks holding them) runs on a
-  second stream of each (``costs.tie``: ``{"dp": phases, "pair": phases}``); ``costs.reduce_lead``
-  lets a reduction start that long before its ``LR`` (DDP buckets launched while the last backward still runs);
+  second stream of each (``costs.tie``: ``{"dp": phases, "pair": phases}``); a reduction is a list
+  of collectives (``costs.reduce_buckets``: ``(ready, phases)``), and those with a ``ready`` fraction
+  go on the stream when that fraction of the ``B`` just before the ``LR`` is done (a data-parallel
+  engine's buckets, launched while the last backward still runs), the rest at the ``LR``;
 * ``WR(c)`` blocks until both are done (``reduce_wait``); a deferred ``WR`` (before the chunk's
   first forward) waits for the reduction launched in the previous iteration and is skipped in
   the first one;
@@ -43,7 +45,7 @@ from typing import Any, Callable
 
 from foldtrain.schedules import Op, Schedule, message_key
 
-Phase = tuple  # ("delay", seconds) | ("flow", link_key, weight, nbytes)
+Phase = tuple  # ("delay", seconds[, core-seconds on the shared cores meanwhile]) | ("flow", link_key, weight, nbytes)
 CPU = ("cpu",)  # the host's cores, when the ranks share them
 
 
@@ -196,12 +198,45 @@ class Sim:
                 ln = self.links[key] = SharedLink(self, self.costs.link_bw(key))
         return ln
 
-    def busy(self, r: RankState, dur: float, done: Callable[[float], None]) -> None:
-        """``dur`` seconds of this rank's compute: on the shared cores if there are any, else alone."""
+    def busy(self, r: RankState, dur: float, done: Callable[[float], None], start: float | None = None) -> None:
+        """``dur`` seconds of this rank's compute from ``start`` (default ``r.t``): on the shared cores if
+        there are any, else alone."""
+        start = r.t if start is None else start
         if self.cpu is None:
-            done(r.t + dur)  # its own device: the end is known now (``done`` resumes the rank then)
+            done(start + dur)  # its own device: the end is known now (``done`` resumes the rank then)
         else:
-            self.at(r.t, lambda: self.link(CPU).add(dur, self.cpu[2], done))
+            self.at(start, lambda: self.link(CPU).add(dur, self.cpu[2], done))
+
+    def busy_marked(self, r: RankState, start: float, dur: float, marks: list, done: Callable[[float], None]) -> None:
+        """``busy`` in pieces: ``marks[i][1](t)`` is called when fraction ``marks[i][0]`` of ``dur`` is done."""
+        if not marks:
+            self.busy(r, dur, done, start)
+            return
+        (f, cb), rest = marks[0], marks[1:]
+        frac = max(0.0, min(1.0, f))
+
+        def reached(t: float) -> None:
+            cb(t)
+            scale = 1.0 - frac  # what is left of dur, the later marks rescaled to it
+            later = [((g - frac) / scale if scale > 0 else 1.0, c) for g, c in rest]
+            self.busy_marked(r, t, dur * scale, later, done)
+
+        self.busy(r, dur * frac, reached, start)
+
+    def bucket_done(self, r: RankState, c: int, k: int) -> Callable[[float, float], None]:
+        """Records bucket ``k`` of chunk ``c``'s reduction, launched during the backward, on ``r``'s timeline."""
+        it = r.it
+
+        def done(start: float, t: float) -> None:
+            if it >= self.record_from:
+                r.events.append({"name": f"reduce c{c} b{k}", "kind": "reduce", "rank": r.p, "start": start, "end": t,
+                                 "step": it, "args": {"chunk": c, "bucket": k}})
+
+        return done
+
+    def buckets(self, p: int, c: int) -> list:
+        fn = getattr(self.costs, "reduce_buckets", None)
+        return fn(p, c) if fn is not None else [(None, self.costs.reduce_phases(p, c))]
 
     def run_phases(self, phases: list[Phase], done: Callable[[float], None]) -> None:
         if not phases:
@@ -210,7 +245,19 @@ class Sim:
         ph = phases.pop(0)
         nxt = lambda t: self.run_phases(phases, done)  # noqa: E731
         if ph[0] == "delay":
-            self.at(self.now + ph[1], lambda: nxt(self.now))
+            cpu_s = ph[2] if len(ph) > 2 and self.cpu is not None else 0.0
+            if cpu_s <= 0:
+                self.at(self.now + ph[1], lambda: nxt(self.now))
+                return
+            left = [2]  # the wait, and the CPU the communication threads spend meanwhile: done when both are
+
+            def waited(t: float) -> None:
+                left[0] -= 1
+                if left[0] == 0:
+                    nxt(t)
+
+            self.at(self.now + ph[1], lambda: waited(self.now))
+            self.link(CPU).add(cpu_s, self.cpu[2], waited)
         else:
             _, key, weight, nbytes = ph
             cpu_s = self.costs.comm_cpu(nbytes) if self.cpu is not None and hasattr(self.costs, "comm_cpu") else 0.0
@@ -267,6 +314,14 @@ class Sim:
                     r.pc += 1
                     self.resume(r, t)
 
+                nxt = acts[r.pc + 1] if r.pc + 1 < len(acts) else None
+                if op is Op.BACKWARD and nxt is not None and nxt.op is Op.LAUNCH_REDUCE and nxt.chunk == a.chunk:
+                    early = [(f, ph) for f, ph in self.buckets(r.p, a.chunk) if f is not None]
+                    if early:  # buckets launched during this backward as their gradients complete
+                        marks = [(f, lambda t, ph=ph, r=r, a=a, k=k: self.dp_stream[r.p].submit(t, list(ph), self.bucket_done(r, a.chunk, k)))
+                                 for k, (f, ph) in enumerate(early)]
+                        self.busy_marked(r, r.t, dur, marks, computed)
+                        return
                 self.busy(r, dur, computed)
                 return
             if op is Op.SEND_ACT or op is Op.SEND_GRAD:
@@ -431,7 +486,6 @@ class Sim:
     # ---------------------------------------------------------------- reductions
     def launch_reduce(self, r: RankState, c: int) -> None:
         it = r.it
-        lead = self.costs.reduce_lead(r.p, c)
         self.ev(r, f"LR c{c}", "reduce_launch", r.t, r.t, chunk=c, instant=True)
 
         def done(kind: str, start: float, t: float, r=r) -> None:
@@ -447,7 +501,8 @@ class Sim:
         if tie is not None:  # its dp part goes first on the stream, the pair's sum once both ends' are done
             side = 0 if c == 0 else 1
             self.dp_stream[r.p].submit(r.t, list(tie["dp"]), lambda s, t, side=side: self._tie_dp_done(it, side, t))
-        self.dp_stream[r.p].submit(r.t - lead, self.costs.reduce_phases(r.p, c), lambda s, t: done("dp", s, t))
+        at_lr = [ph for f, phases in self.buckets(r.p, c) if f is None for ph in phases]  # the others went during the B
+        self.dp_stream[r.p].submit(r.t, at_lr, lambda s, t: done("dp", s, t))
 
     def _tie_dp_done(self, it: int, side: int, t: float) -> None:
         self.tie_launch[(it, side)] = t

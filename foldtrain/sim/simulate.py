@@ -62,6 +62,12 @@ class RunCosts:
         and sum as many): on a cluster whose ranks share the host's cores they take them from compute."""
         return nbytes * self.c.comm_cpu if self.c.shared_cores > 0 else 0.0
 
+    def steps(self, n: float, lat: float) -> tuple:
+        """``n`` steps of a collective: a delay phase of ``n`` times their latency ``lat``, which on
+        shared cores also takes ``node.collective_cpu_us`` core-seconds per step from compute."""
+        cpu = n * self.c.collective_cpu if self.c.shared_cores > 0 else 0.0
+        return ("delay", n * lat, cpu)
+
     def action_overhead(self) -> float:
         """The pipeline executor's own host work per action (``device.action_overhead_us``); the
         data-parallel engines run no action list."""
@@ -80,6 +86,15 @@ class RunCosts:
         return (c.intra.bw, c.intra.coll) if self.s.world <= c.gpus_per_node else (c.inter.bw, c.inter.coll)
 
     def reduce_phases(self, p: int, seg: int) -> list:
+        """Every phase of segment ``seg``'s data-parallel reduction, one after another."""
+        return [ph for _, phases in self.reduce_buckets(p, seg) for ph in phases]
+
+    def reduce_buckets(self, p: int, seg: int) -> list[tuple[float | None, list]]:
+        """Segment ``seg``'s reduction as ``(ready, phases)`` per collective, in launch order: ``ready`` is
+        the fraction of the segment's last backward after which the bucket's gradients are all there
+        (launched then, overlapping the rest of the backward: the data-parallel engines' buckets, the
+        last layers' gradients first), ``None`` at the chunk's ``LR`` (the pipeline engine reduces a
+        chunk as one flat buffer; a strategy's last bucket)."""
         if seg in self._red:
             return self._red[seg]
         s, cm = self.s, self.cm
@@ -89,51 +104,64 @@ class RunCosts:
         if self.tie(p, seg) is not None:  # the tied copy has its own reduction (tie)
             g -= self.tied_params() * s.grad_bytes
             w -= self.tied_params() * s.weight_bytes
-        phases: list = []
+        out: list = []
         if n > 1:
             key, weight, bw, lat = self.pl.dp_link(p)
-            add_cost = (n - 1) / n * g * 3 / self.c.mem_bw  # summing the received halves
-            steps = 2 * (n - 1) * lat * self.collectives(seg, g)  # every bucket's collective pays its steps
-            if s.strategy in ("allreduce-3d", "allreduce", "ddp"):
-                phases = [("delay", steps + add_cost), ("flow", key, weight, 2 * (n - 1) / n * g * s.wire_factor)]
-            elif s.strategy == "sharded-ps":  # per bucket a reduce-scatter and an all-gather, (n-1) steps each
-                phases = [("delay", steps + add_cost), ("flow", key, weight, (n - 1) / n * (g + w))]
+            add = lambda b: (n - 1) / n * b * 3 / self.c.mem_bw  # noqa: E731 - summing the received parts
+            if s.strategy in ("allreduce-3d", "allreduce", "ddp", "sharded-ps"):
+                sizes = self.bucket_sizes(seg, g)
+                done = 0.0
+                for i, b in enumerate(sizes):
+                    done += b
+                    ready = done / g if i < len(sizes) - 1 and s.mode == "dp" else None
+                    if s.strategy == "sharded-ps":  # per bucket a reduce-scatter, (n-1) steps
+                        phases = [self.steps(n - 1, lat), ("delay", add(b)), ("flow", key, weight, (n - 1) / n * b)]
+                    else:  # a ring all-reduce, 2 (n-1) steps
+                        phases = [self.steps(2 * (n - 1), lat), ("delay", add(b)), ("flow", key, weight, 2 * (n - 1) / n * b * s.wire_factor)]
+                    out.append((ready, phases))
+                if s.strategy == "sharded-ps":  # then every bucket's all-gather of the updated parameters, (n-1) steps each
+                    out.append((None, [self.steps((n - 1) * len(sizes), lat), ("flow", key, weight, (n - 1) / n * w)]))
             elif s.strategy == "ps":
                 bw_s, lat_s = self.server_link()
                 k = max(s.servers, 1)
                 senders = n if s.servers else n - 1
                 if s.staleness > 0:  # a worker waits for its own push and pull only
-                    phases = [("delay", 2 * lat_s), ("flow", ("worker", p), 1.0, g), ("flow", ("worker", p), 1.0, w)]
+                    out = [(None, [("delay", 2 * lat_s), ("flow", ("worker", p), 1.0, g), ("flow", ("worker", p), 1.0, w)])]
                 else:
-                    phases = [("delay", lat_s), ("flow", ("srv-in",), 1.0, senders * g / k),
-                              ("delay", senders * g / k / self.c.mem_bw + self.cm.optim(seg, 1.0 / k)),
-                              ("flow", ("srv-out",), 1.0, senders * w / k), ("delay", lat_s)]
-        self._red[seg] = phases
-        return phases
+                    out = [(None, [("delay", lat_s), ("flow", ("srv-in",), 1.0, senders * g / k),
+                                   ("delay", senders * g / k / self.c.mem_bw + self.cm.optim(seg, 1.0 / k)),
+                                   ("flow", ("srv-out",), 1.0, senders * w / k), ("delay", lat_s)])]
+        self._red[seg] = out
+        return out
+
+    def bucket_sizes(self, seg: int, g: float) -> list[float]:
+        """The bytes of each collective a data-parallel engine issues for ``g`` gradient bytes per step,
+        in launch order (the pipeline engine reduces a chunk as one flat buffer: ``[g]``). DDP: a first
+        bucket of 1 MB (torch's), then ``--dp.bucket_mb``; ``sharded-ps``: ``--dp.first_bucket_mb``, then
+        ``--dp.shard_bucket_mb``; ``allreduce``: ``--dp.first_bucket_mb``, then ``--dp.fusion_mb``, and the
+        cycle time closes a bucket between two blocks' gradients at most once per block (a block's
+        gradients arrive together): then the rest in equal parts."""
+        s = self.s
+        if s.mode != "dp" or s.strategy not in ("ddp", "sharded-ps", "allreduce"):
+            return [g]
+        first, rest = {"ddp": (2**20, s.bucket_bytes), "sharded-ps": (s.first_bytes, s.shard_bytes),
+                       "allreduce": (s.first_bytes, s.fusion_bytes)}[s.strategy]
+        if g <= first:
+            return [g]
+        sizes = [first]
+        left = g - first
+        while left > 0:
+            sizes.append(min(rest, left))
+            left -= sizes[-1]
+        if s.strategy == "allreduce" and s.cycle_s > 0:
+            k = min(math.ceil(self.cm.backward(seg) / s.cycle_s), s.n_layer + 3)
+            if k > len(sizes):
+                sizes = [first] + [(g - first) / (k - 1)] * (k - 1)
+        return sizes
 
     def collectives(self, seg: int, g: float) -> int:
-        """How many collectives a data-parallel engine issues for ``g`` gradient bytes per step: its
-        buckets (the pipeline engine reduces a chunk as one flat buffer: 1). DDP: a first bucket of 1 MB,
-        then ``--dp.bucket_mb``; ``sharded-ps``: ``--dp.first_bucket_mb``, then ``--dp.shard_bucket_mb``;
-        ``allreduce``: ``--dp.first_bucket_mb``, then ``--dp.fusion_mb``, and the cycle time closes a bucket
-        between two blocks' gradients at most once per block (a block's gradients arrive together)."""
-        s = self.s
-        if s.mode != "dp":
-            return 1
-        first, rest = {"ddp": (2**20, s.bucket_bytes), "sharded-ps": (s.first_bytes, s.shard_bytes),
-                       "allreduce": (s.first_bytes, s.fusion_bytes)}.get(s.strategy, (g, g))
-        k = 1 + math.ceil(max(0.0, g - first) / max(rest, 1.0))
-        if s.strategy == "allreduce" and s.cycle_s > 0:
-            k = max(k, min(math.ceil(self.cm.backward(seg) / s.cycle_s), s.n_layer + 2))
-        return k
-
-    def reduce_lead(self, p: int, seg: int) -> float:
-        s = self.s
-        if s.mode != "dp" or s.dp <= 1 or s.strategy not in ("ddp", "allreduce"):
-            return 0.0
-        first = s.bucket_bytes if s.strategy == "ddp" else s.fusion_bytes
-        frac = min(1.0, first / max(self.cm.grad_bytes(seg), 1.0))
-        return self.cm.backward(seg) * (1.0 - frac)
+        """How many collectives reduce ``g`` gradient bytes per step (:meth:`bucket_sizes`)."""
+        return len(self.bucket_sizes(seg, g))
 
     def tied_params(self) -> float:
         return self.s.vocab * self.s.d_model / self.s.tp
@@ -162,18 +190,18 @@ class RunCosts:
             ring = 2 * (n - 1) / n
             sent = rows
             if seg == 0:
-                phases += [("delay", 2 * (n - 1) * lat), ("flow", key, weight, ring * rows)]  # the touched-row bytes
+                phases += [self.steps(2 * (n - 1), lat), ("flow", key, weight, ring * rows)]  # the touched-row bytes
                 union = rows * (1.0 - (1.0 - 1.0 / s.vocab) ** (s.dp * s.microbatches * s.micro_batch * s.seq))
                 sent = union if 2 * union <= rows else rows
             nbytes = sent * cols * s.grad_bytes
-            phases += [("delay", 2 * (n - 1) * lat + (n - 1) / n * nbytes * 3 / self.c.mem_bw),
+            phases += [self.steps(2 * (n - 1), lat), ("delay", (n - 1) / n * nbytes * 3 / self.c.mem_bw),
                        ("flow", key, weight, ring * nbytes)]
         other = s.pp - 1 if seg == 0 else 0
         key, weight, lat = self.pl.p2p_link(p, other)
         if key[0] == "p2p":
             key = ("tie", p)  # the pair's own stream of the link, beside the pipeline's transfers
         hop = self.c.intra.coll if key[0] == "tie" else self.c.inter.coll  # a 2-rank all-reduce: two steps
-        pair = [("delay", 2 * hop), ("flow", key, weight, self.tied_params() * s.grad_bytes)]
+        pair = [self.steps(2, hop), ("flow", key, weight, self.tied_params() * s.grad_bytes)]
         self._tie[(p, seg)] = out = {"dp": phases, "pair": pair}
         return out
 
@@ -186,14 +214,31 @@ class RunCosts:
 
     # -- barriers the action list does not show
     def before_steps(self):
+        """The ranks' meeting before the first optimizer step, or ``None``. The pipeline engine: the
+        gradient-norm all-reduce over the pipeline, the fp16 overflow vote over every rank. The
+        data-parallel engines whose gradients differ between ranks: ``sharded-ps``'s gradient-norm
+        all-reduce over every rank (each holds a shard; it runs even without clipping, the norm is
+        logged) and the parameter server's over its servers; with fp16 loss scaling their overflow
+        vote over every rank."""
         s = self.s
-        if s.mode != "3d" or (s.pp * s.tp == 1 and not s.fp16_scaler):
+        if s.mode == "dp":
+            if s.dp <= 1 or s.strategy not in ("sharded-ps", "ps") or (s.strategy == "ps" and s.staleness > 0):
+                return None
+            norm = self.pl.world_latency() if s.strategy == "sharded-ps" else CostModel.tree_latency(s.servers, self.server_link()[1])
+            cost = norm + (self.pl.world_latency() if s.fp16_scaler else 0.0)
+            return cost or None
+        if s.pp * s.tp == 1 and not s.fp16_scaler:
             return None
         cost = self.pl.pipeline_latency() if s.pp * s.tp > 1 else 0.0
         return cost + (self.pl.world_latency() if s.fp16_scaler else 0.0)
 
     def end_of_iteration(self):
-        return self.pl.world_latency() if self.s.mode == "3d" else None
+        """The loss all-reduce over every rank after the step (a barrier); the asynchronous parameter
+        server's workers log their own loss."""
+        s = self.s
+        if s.mode == "dp" and (s.dp <= 1 or (s.strategy == "ps" and s.staleness > 0)):
+            return None
+        return self.pl.world_latency()
 
     def link_bw(self, key: tuple) -> float:
         if key[0] in ("srv-in", "srv-out"):

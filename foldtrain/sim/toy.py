@@ -28,9 +28,6 @@ class UnitCosts:
     def reduce_phases(self, p: int, c: int) -> list:
         return [("delay", self.t_reduce)]
 
-    def reduce_lead(self, p: int, c: int) -> float:
-        return 0.0
-
     def tie(self, p: int, c: int):
         return None
 

@@ -275,3 +275,41 @@ def test_calibrate_measures_the_cores_lost_to_oversubscription():
     eff, ratios = measure_oversubscription(3, 2, rounds=1)
     assert len(ratios) == len(RATIO_SHAPES) and all(0.2 < r < 3.0 for r in ratios), ratios
     assert 0.05 <= eff <= 1.0
+
+
+def test_data_parallel_buckets_and_the_engines_scalar_all_reduces():
+    """The data-parallel engines' buckets are launched as their gradients complete (the fraction of the
+    backward, the last bucket at the end); a step ends in the loss all-reduce over every rank, and
+    ``sharded-ps`` (each rank holds a shard of the gradient) all-reduces the gradient norm before its
+    step; DDP's gradients are whole on every rank: no such meeting. On shared cores every step of a
+    collective also takes ``node.collective_cpu_us`` from compute (it survives the file round trip)."""
+    from foldtrain.config.load import tomllib
+    from foldtrain.sim.cluster import to_toml
+
+    c = from_dict(cluster_dict(device__memory_gb=1000, node__shared_cores=2, node__collective_cpu_us=300.0), "c.toml")
+    assert from_dict(tomllib.loads(to_toml(c)), "c.toml").collective_cpu == approx(300e-6)
+    n = 4
+    for strat in ("ddp", "sharded-ps", "allreduce"):
+        cfg = _cfg("--dp.strategy", strat, "--parallel.dp", str(n), "--train.global_batch", "4", "--dp.cycle_ms", "0")
+        rc = RunCosts(resolve_setup(cfg), c)
+        g = rc.cm.grad_bytes(0)
+        sizes = rc.bucket_sizes(0, g)
+        assert sum(sizes) == approx(g) and sizes[0] == 2**20 and len(sizes) >= 3
+        buckets = rc.reduce_buckets(0, 0)
+        ready = [f for f, _ in buckets]
+        cum = [sum(sizes[: i + 1]) / g for i in range(len(sizes) - 1)]
+        assert ready[: len(cum)] == approx(cum) and ready[-1] is None
+        ring = 2 * (n - 1) if strat != "sharded-ps" else n - 1
+        first = buckets[0][1][0]
+        assert first == ("delay", approx(ring * c.intra.coll), approx(ring * 300e-6))
+        assert rc.end_of_iteration() == approx(CostModel.tree_latency(n, c.intra.coll))
+        assert (rc.before_steps() is None) == (strat != "sharded-ps")
+    assert rc.reduce_phases(0, 0) == [ph for _, phases in buckets for ph in phases]
+    sps = RunCosts(resolve_setup(_cfg("--dp.strategy", "sharded-ps", "--parallel.dp", "4", "--train.global_batch", "4")), c)
+    assert sps.before_steps() == approx(CostModel.tree_latency(n, c.intra.coll))
+    one = RunCosts(resolve_setup(_cfg("--train.global_batch", "4")), c)
+    assert one.end_of_iteration() is None and one.reduce_buckets(0, 0) == []
+    # without shared cores the steps take no CPU from compute
+    own = RunCosts(resolve_setup(_cfg("--dp.strategy", "ddp", "--parallel.dp", "4", "--train.global_batch", "4")),
+                   from_dict(cluster_dict(device__memory_gb=1000, node__collective_cpu_us=300.0), "c.toml"))
+    assert own.reduce_buckets(0, 0)[0][1][0][2] == 0

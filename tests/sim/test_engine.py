@@ -102,3 +102,42 @@ def test_oversubscribed_cores_lose_work(weight, slow):
     t_f, t_b = 1.0, 2.0
     one = run_schedule(build_schedule("gpipe", 2, 1, 1), _SharedCores(t_f, t_b, 2.0, weight, over=0.5))
     assert one.iter_end[0] == approx(2 * (t_f + t_b) * slow)
+
+
+class _Buckets(UnitCosts):
+    """One rank, F = 1, B = 2; a reduction of two buckets of 0.5 s each: the first ready halfway
+    through the backward (``cpu``: core-seconds its communication threads take meanwhile), the last
+    at the ``LR``."""
+
+    def __init__(self, cpu=0.0, cores=None):
+        super().__init__(1.0, 2.0)
+        self.cpu, self.share = cpu, (cores, 1.0, 1.0, 1.0) if cores else None
+
+    def reduce_buckets(self, p, c):
+        return [(0.5, [("delay", 0.5, self.cpu)]), (None, [("delay", 0.5)])]
+
+    def cpu_share(self):
+        return self.share
+
+
+def test_buckets_launch_during_the_last_backward():
+    """A data-parallel engine's bucket goes on the reduction stream when its gradients are complete,
+    during the backward (F 0-1, B 1-3: the first bucket 2-2.5, the last 3-3.5), not at the ``LR``."""
+    sched = build_schedule("1f1b", 1, 1, 1)
+    sim = run_schedule(sched, _Buckets())
+    assert sim.iter_end[0] == approx(3.5)  # both at the LR: 4.0
+    red = [(e["start"], e["end"]) for e in sim.ranks[0].events if e["kind"] == "reduce" and e["step"] == 0]
+    assert red == [approx((2.0, 2.5)), approx((3.0, 3.5))]  # both on the timeline
+    assert run_schedule(sched, UnitCosts(1.0, 2.0, t_reduce=1.0)).iter_end[0] == approx(4.0)
+
+
+def test_a_collectives_cpu_slows_the_backward_it_overlaps():
+    """On one shared core, the first bucket's collective takes 1 core-second while the last half of the
+    backward (1 s of work) runs: both at half speed, done at 4; then the last bucket 4-4.5. Without
+    shared cores the CPU figure is ignored."""
+    sched = build_schedule("1f1b", 1, 1, 1)
+    sim = run_schedule(sched, _Buckets(cpu=1.0, cores=1.0))
+    (b,) = [e for e in sim.ranks[0].events if e["kind"] == "compute" and e["args"]["op"] == "B" and e["step"] == 0]
+    assert (b["start"], b["end"]) == (approx(1.0), approx(4.0))
+    assert sim.iter_end[0] == approx(4.5)
+    assert run_schedule(sched, _Buckets(cpu=1.0)).iter_end[0] == approx(3.5)

@@ -60,9 +60,9 @@ def _comm_probe() -> None:
     # one step of a collective with every rank communicating: a 4 KB all-reduce is 2 (w-1) steps of latency.
     # On cores shared by more processes than cores it is 10-15x the ping-pong above (4 ranks on 2 cores:
     # 7.6 ms per all-reduce, 1.3 ms a step, against 0.04-0.09 ms one way), and every collective pays it.
-    # and the CPU a step takes (each rank's, its gloo threads' included): on shared cores it is most of
+    # Also the CPU a step takes (each rank's, its gloo threads' included): on shared cores it is much of
     # the step (4 ranks on 2 cores: 0.36 ms of a 1.1-1.3 ms step), and a collective launched during a
-    # backward takes it from that backward
+    # backward takes it from that backward.
     small = torch.zeros(1024)
     dist.barrier()
     steps = []

@@ -207,21 +207,21 @@ class Sim:
         else:
             self.at(start, lambda: self.link(CPU).add(dur, self.cpu[2], done))
 
-    def busy_marked(self, r: RankState, start: float, dur: float, marks: list, done: Callable[[float], None]) -> None:
-        """``busy`` in pieces: ``marks[i][1](t)`` is called when fraction ``marks[i][0]`` of ``dur`` is done."""
+    def busy_marked(self, r: RankState, start: float, dur: float, marks: list, done: Callable[[float], None],
+                    reached: float = 0.0) -> None:
+        """``busy`` in pieces: ``marks[i][1](t)`` is called when fraction ``marks[i][0]`` of ``dur`` is done
+        (``reached``: the fraction done before ``start``)."""
         if not marks:
-            self.busy(r, dur, done, start)
+            self.busy(r, dur * (1.0 - reached), done, start)
             return
         (f, cb), rest = marks[0], marks[1:]
-        frac = max(0.0, min(1.0, f))
+        f = min(max(f, reached), 1.0)
 
-        def reached(t: float) -> None:
+        def at_mark(t: float) -> None:
             cb(t)
-            scale = 1.0 - frac  # what is left of dur, the later marks rescaled to it
-            later = [((g - frac) / scale if scale > 0 else 1.0, c) for g, c in rest]
-            self.busy_marked(r, t, dur * scale, later, done)
+            self.busy_marked(r, t, dur, rest, done, f)
 
-        self.busy(r, dur * frac, reached, start)
+        self.busy(r, dur * (f - reached), at_mark, start)
 
     def bucket_done(self, r: RankState, c: int, k: int) -> Callable[[float, float], None]:
         """Records bucket ``k`` of chunk ``c``'s reduction, launched during the backward, on ``r``'s timeline."""
@@ -245,34 +245,24 @@ class Sim:
         ph = phases.pop(0)
         nxt = lambda t: self.run_phases(phases, done)  # noqa: E731
         if ph[0] == "delay":
-            cpu_s = ph[2] if len(ph) > 2 and self.cpu is not None else 0.0
-            if cpu_s <= 0:
-                self.at(self.now + ph[1], lambda: nxt(self.now))
-                return
-            left = [2]  # the wait, and the CPU the communication threads spend meanwhile: done when both are
-
-            def waited(t: float) -> None:
-                left[0] -= 1
-                if left[0] == 0:
-                    nxt(t)
-
-            self.at(self.now + ph[1], lambda: waited(self.now))
-            self.link(CPU).add(cpu_s, self.cpu[2], waited)
+            cpu_s = ph[2] if len(ph) > 2 else 0.0
+            start = lambda cb: self.at(self.now + ph[1], lambda: cb(self.now))  # noqa: E731
         else:
             _, key, weight, nbytes = ph
-            cpu_s = self.costs.comm_cpu(nbytes) if self.cpu is not None and hasattr(self.costs, "comm_cpu") else 0.0
-            if cpu_s <= 0:
-                self.link(key).add(nbytes, weight, nxt)
-                return
-            left = [2]  # the transfer, and its threads' work on the shared cores: done when both are
+            cpu_s = self.costs.comm_cpu(nbytes) if hasattr(self.costs, "comm_cpu") else 0.0
+            start = lambda cb: self.link(key).add(nbytes, weight, cb)  # noqa: E731
+        if self.cpu is None or cpu_s <= 0:
+            start(nxt)
+            return
+        left = [2]  # the wait or transfer, and its communication threads' work on the shared cores: done when both are
 
-            def part(t: float) -> None:
-                left[0] -= 1
-                if left[0] == 0:
-                    nxt(t)
+        def part(t: float) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                nxt(t)
 
-            self.link(key).add(nbytes, weight, part)
-            self.link(CPU).add(cpu_s, self.cpu[2], part)
+        start(part)
+        self.link(CPU).add(cpu_s, self.cpu[2], part)
 
     def run(self) -> "Sim":
         for r in self.ranks:

@@ -113,7 +113,7 @@ class RunCosts:
                 done = 0.0
                 for i, b in enumerate(sizes):
                     done += b
-                    ready = done / g if i < len(sizes) - 1 and s.mode == "dp" else None
+                    ready = done / g if i < len(sizes) - 1 else None  # the pipeline engine's one buffer: at the LR
                     if s.strategy == "sharded-ps":  # per bucket a reduce-scatter, (n-1) steps
                         phases = [self.steps(n - 1, lat), ("delay", add(b)), ("flow", key, weight, (n - 1) / n * b)]
                     else:  # a ring all-reduce, 2 (n-1) steps
@@ -158,10 +158,6 @@ class RunCosts:
             if k > len(sizes):
                 sizes = [first] + [(g - first) / (k - 1)] * (k - 1)
         return sizes
-
-    def collectives(self, seg: int, g: float) -> int:
-        """How many collectives reduce ``g`` gradient bytes per step (:meth:`bucket_sizes`)."""
-        return len(self.bucket_sizes(seg, g))
 
     def tied_params(self) -> float:
         return self.s.vocab * self.s.d_model / self.s.tp

@@ -114,6 +114,9 @@ class PipelineEngine:
             s: ChunkReducer(s, list(c.parameters()), self.tied.get(s), topo, timeout, self.p2p.cpu_timeout)
             for s, c in self.chunks.items()
         }
+        for r in reducers.values():  # the tie's exchange: message sizes from the tokens of a global batch
+            if r.tie is not None:
+                r.tie.set_tokens(cfg.train.global_batch * cfg.train.seq_len)
         if lay.tp > 1:
             from foldtrain.parallel.tensor import tp_loss as loss_fn
         else:

@@ -15,9 +15,9 @@ The executor's semantics (``foldtrain/pipeline/executor.py``), action by action,
 * ``RA`` / ``RG`` block until the matching transfer has arrived (``recv_wait``);
 * ``LR(c)`` queues chunk ``c``'s data-parallel reduction on the rank's reduction stream (FIFO; a
   collective with identical data-parallel peers, so it needs no other simulated rank); for the
-  first and last segment the tied embedding's dp part goes on that stream first, and once both
-  ends' dp parts are done their sum (a collective between the two ranks holding them) runs on a
-  second stream of each (``costs.tie``: ``{"dp": phases, "pair": phases}``); a reduction is a list
+  first and last segment the tied embedding's dp part goes on that stream first, and once it is
+  done the end sends the other what it lacks on a second stream (``costs.tie``: ``{"dp": phases,
+  "send": phases}``); an end's tied copy is done when its dp part and the other's send are; a reduction is a list
   of collectives (``costs.reduce_buckets``: ``(ready, phases)``), and those with a ``ready`` fraction
   go on the stream when that fraction of the ``B`` just before the ``LR`` is done (a data-parallel
   engine's buckets, launched while the last backward still runs), the rest at the ``LR``;
@@ -179,6 +179,7 @@ class Sim:
         self.red_done: dict[tuple, float] = {}  # (p, chunk, iteration, "dp"|"tie") -> completion
         self.red_waiters: dict[tuple, list] = {}
         self.tie_launch: dict[tuple, float] = {}  # (iteration, side) -> its dp part done
+        self.tie_recv: dict[tuple, float] = {}  # (iteration, side) -> the other end's send arrived
         self.barriers: dict[tuple, list] = {}
         self.iter_end: list[float] = []  # per iteration: when every rank left its end barrier
         self._ended: dict[int, list] = {}
@@ -495,14 +496,22 @@ class Sim:
         self.dp_stream[r.p].submit(r.t, at_lr, lambda s, t: done("dp", s, t))
 
     def _tie_dp_done(self, it: int, side: int, t: float) -> None:
+        """One end's dp part is done: it sends the other end what that one lacks (the head its dense
+        copy, the embedding its rows); an end is done once its own dp part and the other's send are."""
         self.tie_launch[(it, side)] = t
-        other = self.tie_launch.get((it, 1 - side))
-        if other is None:
-            return
-        t0 = max(t, other)
-        for p, ch in ((0, 0), (self.sched.pp - 1, self.sched.segments - 1)):
-            pair = self.costs.tie(p, ch)["pair"]
-            self.tie_stream[p].submit(t0, list(pair), lambda s, t, p=p, ch=ch: self._tie_done(p, ch, it, t))
+        ends = ((0, 0), (self.sched.pp - 1, self.sched.segments - 1))
+        p, ch = ends[side]
+        send = self.costs.tie(p, ch)["send"]
+        self.tie_stream[p].submit(t, list(send), lambda s, t2, side=side: self._tie_arrived(it, 1 - side, t2))
+        self._tie_arrived(it, side, None)
+
+    def _tie_arrived(self, it: int, side: int, t: float | None) -> None:
+        if t is not None:
+            self.tie_recv[(it, side)] = t
+        own, got = self.tie_launch.get((it, side)), self.tie_recv.get((it, side))
+        if own is not None and got is not None:
+            p, ch = ((0, 0), (self.sched.pp - 1, self.sched.segments - 1))[side]
+            self._tie_done(p, ch, it, max(own, got))
 
     def _tie_done(self, p: int, c: int, it: int, t: float) -> None:
         key = (p, c, it, "tie")

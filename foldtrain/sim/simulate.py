@@ -164,15 +164,15 @@ class RunCosts:
 
     def tie(self, p: int, seg: int):
         """The tied embedding's reduction (``foldtrain/parallel/pipeline/tie.py``) at the end that holds
-        segment ``seg``: ``{"dp": phases, "pair": phases}`` or ``None``.
+        segment ``seg``: ``{"dp": phases, "send": phases}`` or ``None``.
 
         ``dp`` runs on the rank's reduction stream before the chunk's own reduction: the head's dense
-        copy all-reduced over dp; the embedding's per-row "touched" bytes (MAX all-reduce of ``V``
-        bytes), then the rows of that union only (dense when more than half the rows). The union's
-        size is that of ``T`` uniformly drawn tokens (``T`` = tokens of the global batch),
-        ``V (1 - (1 - 1/V)^T)``: an upper bound for text, whose tokens repeat more. ``pair`` is the
-        2-rank all-reduce of the dp-summed copies between pipeline ranks 0 and P-1 of a replica,
-        on their link, once both ends' ``dp`` phases are done."""
+        copy all-reduced over dp; the embedding's rows of the step's tokens only (dense when more than
+        half the rows; the token ids were all-gathered at the start of the iteration, a few KB, not
+        modelled). The union's size is that of ``T`` uniformly drawn tokens (``T`` = tokens of the
+        global batch), ``V (1 - (1 - 1/V)^T)``: an upper bound for text, whose tokens repeat more.
+        ``send`` is what this end sends the other once its ``dp`` phase is done, on the pair's link:
+        the head its dense copy, the embedding its rows (count, indices, values)."""
         s = self.s
         if s.mode != "3d" or s.segments < 2 or seg not in (0, self.last):
             return None
@@ -180,25 +180,23 @@ class RunCosts:
             return self._tie[(p, seg)]
         n = s.dp
         rows, cols = s.vocab / s.tp, s.d_model
+        union = rows * (1.0 - (1.0 - 1.0 / s.vocab) ** (s.dp * s.microbatches * s.micro_batch * s.seq))
+        sent = union if seg == 0 and 2 * union <= rows else rows
+        nbytes = sent * cols * s.grad_bytes
         phases: list = []
         if n > 1:
             key, weight, _bw, lat = self.pl.dp_link(p)
             ring = 2 * (n - 1) / n
-            sent = rows
-            if seg == 0:
-                phases += [self.steps(2 * (n - 1), lat), ("flow", key, weight, ring * rows)]  # the touched-row bytes
-                union = rows * (1.0 - (1.0 - 1.0 / s.vocab) ** (s.dp * s.microbatches * s.micro_batch * s.seq))
-                sent = union if 2 * union <= rows else rows
-            nbytes = sent * cols * s.grad_bytes
             phases += [self.steps(2 * (n - 1), lat), ("delay", (n - 1) / n * nbytes * 3 / self.c.mem_bw),
                        ("flow", key, weight, ring * nbytes)]
         other = s.pp - 1 if seg == 0 else 0
         key, weight, lat = self.pl.p2p_link(p, other)
         if key[0] == "p2p":
             key = ("tie", p)  # the pair's own stream of the link, beside the pipeline's transfers
-        hop = self.c.intra.coll if key[0] == "tie" else self.c.inter.coll  # a 2-rank all-reduce: two steps
-        pair = [self.steps(2, hop), ("flow", key, weight, self.tied_params() * s.grad_bytes)]
-        self._tie[(p, seg)] = out = {"dp": phases, "pair": pair}
+        hop = self.c.intra.coll if key[0] == "tie" else self.c.inter.coll
+        extra = sent * 8 if sent < rows else 0.0  # the rows' indices
+        send = [self.steps(1, hop), ("flow", key, weight, nbytes + extra)]
+        self._tie[(p, seg)] = out = {"dp": phases, "send": send}
         return out
 
     def optim(self, p: int, seg: int) -> float:

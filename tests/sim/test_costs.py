@@ -154,8 +154,9 @@ def test_loss_buffers_count_the_losss_vocabulary_sized_tensors():
 
 def test_a_nodes_nic_carries_the_bytes_the_3d_engine_sends():
     """2 nodes x 2 ranks, pipeline inside a node, data parallel across (the issue 9 bench layout): the chunks'
-    reductions leave out the tied embedding; its head copy crosses the NIC dense, its embedding copy as one
-    byte per row and then only the rows of the batch's tokens; the two ends' sum stays inside the node."""
+    reductions leave out the tied embedding; its head copy crosses the NIC dense, its embedding copy as only the
+    rows of the batch's tokens; what the two ends send each other stays inside the node (the head its dense copy,
+    the embedding its rows and their indices)."""
     cfg = build_config(["--model.preset", "tiny", "--model.n_layer", "8", "--model.d_model", "256", "--train.global_batch", "8",
                         "--train.seq_len", "32", "--parallel.dp", "2", "--parallel.pp", "2", "--parallel.microbatches", "4",
                         "--parallel.virtual", "2", "--parallel.schedule", "fold"])
@@ -177,12 +178,13 @@ def test_a_nodes_nic_carries_the_bytes_the_3d_engine_sends():
             dp = [ph for ph in tie["dp"] if ph[0] == "flow"]
             assert all(f[1] == ("nic", 0) and f[2] == 1.0 for f in dp)
             sent = [f[3] for f in dp]
-            assert sent == (approx([s.vocab, union * s.d_model * 4]) if seg == 0 else approx([tied]))
+            assert sent == (approx([union * s.d_model * 4]) if seg == 0 else approx([tied]))
             node0 += sum(sent)
-            (pair,) = [ph for ph in tie["pair"] if ph[0] == "flow"]
-            assert pair[1] == ("tie", p) and pair[3] == approx(tied)  # inside the node
+            (send,) = [ph for ph in tie["send"] if ph[0] == "flow"]
+            expect = union * (s.d_model * 4 + 8) if seg == 0 else tied
+            assert send[1] == ("tie", p) and send[3] == approx(expect)  # inside the node
     chunks = sum(rc.cm.grad_bytes(seg) for seg in range(4)) - 2 * tied
-    assert node0 == approx(chunks + tied + s.vocab + union * s.d_model * 4)
+    assert node0 == approx(chunks + tied + union * s.d_model * 4)
     assert node0 / 1e6 == approx(34.2, abs=0.1)  # was 38.1 with the 4-rank ring of both dense copies
 
 
@@ -237,7 +239,8 @@ def test_the_executors_work_per_action_is_paid_on_each_ranks_timeline():
         busy1 = sum(e["end"] - e["start"] for e in r1.events[p] if e["kind"] in ("compute", "optim") and e["step"] == 0)
         n = len(sched.ranks[p])
         # every action's overhead lands in the rank's compute and optimizer spans, except what is left after its last one
-        assert busy0 + n * ov * 0.8 <= busy1 <= busy0 + n * ov + 1e-9
+        # (+1%: the overhead shifts when the tie's transfer overlaps compute, and that transfer's CPU on the shared cores)
+        assert busy0 + n * ov * 0.8 <= busy1 <= busy0 + n * ov * 1.01
         assert r1.step_time >= busy0 + n * ov
     assert r1.step_time > r0.step_time
     dp = ["--model.preset", "tiny", "--train.seq_len", "32", "--train.global_batch", "8", "--dp.strategy", "allreduce", "--parallel.dp", "2"]

@@ -134,10 +134,21 @@ class DeadlineQueue:
         self.urgent.append(b)
         return b
 
+    def track_urgent(self, segment: int, work, deadline: int) -> None:
+        """A collective issued elsewhere that is just as urgent (the tied embedding's dp reduction,
+        :mod:`.tie`): deferred buckets wait while it is in flight, and the trace shows it as ``AR cX tie``."""
+        b = Bucket(segment, -1, [], deadline, 1)
+        b.work, b.t_issue, b.order = work, self.clock(), self.order
+        self.order += 1
+        self.urgent.append(b)
+
     # ------------------------------------------------------------------ progress
     def pump(self) -> bool:
         """Issue the next deferred bucket if the previous one is done and nothing urgent is in flight;
         returns whether deferred buckets are still waiting to be issued."""
+        for b in self.urgent:
+            if b.done(self.clock) and b.index < 0:
+                self.record(b, urgent=True)
         self.urgent = [b for b in self.urgent if not b.done(self.clock)]
         if not self.window:
             while self.queued:
@@ -192,5 +203,5 @@ class DeadlineQueue:
     def record(self, b: Bucket, urgent: bool = False) -> None:
         """The bucket's flight, issue -> first seen complete, in the --profile trace."""
         end = b.t_done if b.t_done is not None else self.clock()
-        self.tl.record(f"AR c{b.segment} b{b.index}", "reduce", b.t_issue, max(end, b.t_issue), chunk=b.segment,
+        self.tl.record(f"AR c{b.segment} " + (f"b{b.index}" if b.index >= 0 else "tie"), "reduce", b.t_issue, max(end, b.t_issue), chunk=b.segment,
                        bucket=b.index, deadline=b.deadline, deferred=not urgent, order=b.order, by_deadline=b.by_deadline)

@@ -140,6 +140,9 @@ class Executor:
         queue = self.queue
         # each chunk reduction's deadline: the position of the WR that needs it (next iteration's for deferred ones)
         deadline = {a.chunk: i + (len(actions) if a.chunk in deferred else 0) for i, a in enumerate(actions) if a.op is Op.WAIT_REDUCE}
+        ties = [r for r in self.reducers.values() if r.tie is not None]
+        for r in ties:
+            r.begin(xs)
         if queue is not None:
             queue.pump()
 
@@ -149,6 +152,8 @@ class Executor:
         for a in actions:
             if queue is not None:
                 queue.pump()
+            for r in ties:
+                r.progress()
             op, s, m = a.op, a.chunk, a.mb
             if op is Op.FORWARD:
                 chunk = self.chunks[s]

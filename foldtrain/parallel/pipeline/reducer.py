@@ -9,6 +9,16 @@ from foldtrain.parallel.pipeline.p2p import bounded_wait, local_part
 from foldtrain.parallel.pipeline.tie import TieSide
 
 
+def _row_offset(tied) -> int:
+    """First vocabulary row of this rank's shard of the tied weight (vocab-parallel under TP), else 0."""
+    if tied is None or not hasattr(tied, "placements"):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _shape, offset = compute_local_shape_and_global_offset(tied.shape, tied.device_mesh, tied.placements)
+    return int(offset[0])
+
+
 class ChunkReducer:
     """A chunk's data-parallel gradient all-reduce, averaged over dp, async.
 
@@ -32,7 +42,7 @@ class ChunkReducer:
         self.queue: DeadlineQueue | None = None  # set by the executor when dp > 1
         self.buckets: list[Bucket] = []
         self.deferred = False
-        self.tie = TieSide(segment != 0, topo, lambda w, what: self._wait(w, what)) if tied is not None else None
+        self.tie = TieSide(segment != 0, topo, lambda w, what: self._wait(w, what), _row_offset(tied)) if tied is not None else None
         self.pending = False  # launched, not yet waited
 
     def _grads(self, params) -> list[torch.Tensor]:
@@ -54,6 +64,16 @@ class ChunkReducer:
             out.append(local_part(g))
         return out
 
+    def begin(self, xs: list[torch.Tensor]) -> None:
+        """Start of an iteration on micro-batches ``xs`` (the embedding end of the tie learns its rows)."""
+        if self.tie is not None:
+            self.tie.begin(xs)
+
+    def progress(self) -> None:
+        """Between actions: the tie's hand-off, the moment its dp reduction landed (never blocks)."""
+        if self.tie is not None:
+            self.tie.progress()
+
     def reset(self) -> None:
         """Forget a launched reduction (before loading a checkpoint)."""
         if self.queue is not None:
@@ -68,6 +88,8 @@ class ChunkReducer:
         if self.tie is not None:  # first: the other end of the tie needs it, the chunk's own buckets only this rank
             (g,) = self._grads([self.tied])
             self.tie.launch(g)
+            if self.queue is not None and self.tie.dp_work is not None:  # urgent: the other end waits for it this iteration
+                self.queue.track_urgent(self.segment, self.tie.dp_work, deadline)
         if self.dp > 1:
             grads = self._grads(self.params)
             if self.deferred:

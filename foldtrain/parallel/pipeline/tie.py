@@ -5,25 +5,29 @@ pipeline rank P-1) are one weight held as two copies. The weight's gradient is t
 copies' gradients over every data-parallel replica, averaged over dp. The two copies' gradients
 are ready at opposite ends of the backward: the head's after the last segment's backward (early,
 in fold the first chunk to finish), the embedding's after segment 0's (the very end). So each end
-reduces its own copy over its data-parallel group first, and only then are the two sums added
-within the replica:
+reduces its own copy over its data-parallel group first, and then the two ends exchange what the
+other lacks, within the replica, over ``topo.tie_group`` (pipeline ranks 0 and P-1):
 
-* **head** (``launch`` at the last segment's ``LR``): its dense gradient, averaged over dp, in
-  one all-reduce issued at once, overlapping the rest of the backward;
-* **embedding** (``launch`` at segment 0's ``LR``): its gradient is zero except in the rows of the
-  tokens this replica saw. One small all-reduce (MAX of a per-row "touched" byte) gives every
-  replica the same union of rows; only those rows are packed and all-reduced (dense when the union
-  is more than half the rows);
-* **handoff** (each end once its dp reduction is done, at the latest at its first ``WR`` / ``OS``
-  after the ``LR``, or at the end of the iteration): an all-reduce of the two dp-averaged copies
-  over the replica's tie group (``topo.tie_group``: pipeline ranks 0 and P-1), which leaves the
-  full gradient on both ends, bit for bit the same.
+* **embedding rows** (``begin`` at the start of the iteration): the embedding's gradient is zero
+  outside the rows of the tokens its replicas read. The replica's token ids are all-gathered over
+  dp (a few KB, asynchronous, long done by the end of the backward), so every replica knows the
+  same union of rows without waiting for anybody at its ``LR``;
+* **head** (``launch`` at the last segment's ``LR``): its dense gradient, averaged over dp, in one
+  all-reduce issued at once; the moment it lands (``progress``, polled after every action) it is
+  sent to the embedding end;
+* **embedding** (``launch`` at segment 0's ``LR``): only the union's rows are packed, averaged over
+  dp and all-reduced (dense when the union is more than half the rows); once they land they are
+  sent to the head end (their count, their indices, their values);
+* **wait** (at the chunk's ``WR``): each end adds what it received: the head adds the rows, the
+  embedding takes the head's dense copy and adds its own rows. ``a + b == b + a`` in IEEE
+  arithmetic, so both copies are bit for bit the same.
 
 On a commodity network this moves the dense tied gradient off the end of the iteration: what
-crosses the data-parallel link after segment 0's backward is the touched rows only. Deadlock-free
-because the handoff needs nothing beyond the end's own ``LR`` and its dp peers (which run the same
-actions); the rank that waits for the handoff (a ``WR`` of an end) waits, as before, for the other
-end to have finished its backward.
+crosses the data-parallel link after segment 0's backward is the rows only, and the head's dense
+copy crosses the pipeline's link during the backward, not after it. Deadlock-free: an end's sends
+need nothing beyond its own ``LR`` and its dp peers (which run the same actions); the embedding
+end posts its receive before its sends, and the head its send before its receives, so even
+NCCL's one stream per pair (operations in posting order) matches them.
 """
 
 from __future__ import annotations
@@ -33,62 +37,153 @@ import torch.distributed as dist
 
 
 class TieSide:
-    """One end's part of the tied gradient: its dp reduction, then the handoff to the other end."""
+    """One end's part of the tied gradient: its dp reduction, then the exchange with the other end.
 
-    def __init__(self, head: bool, topo, wait):
+    Every message between the two ends has a size both know in advance, so each end posts all its
+    receives at its hand-off and no message outlives the iteration it belongs to: the embedding's
+    rows travel as ``[n, rows..., padding]`` indices and a ``(T, d)`` block of values (``T``: the
+    tokens of the global batch, at least the union's size ``n``) when ``T`` is at most half the rows
+    (``sparse``), else as its dense copy. The dp reduction always sends only the union's ``n`` rows
+    when ``n`` is at most half of them: every replica knows the same ``n``."""
+
+    def __init__(self, head: bool, topo, wait, row_offset: int = 0):
         self.head = head
         self.topo = topo
         self.dp = topo.dp
         self.wait_fn = wait  # (work, what) -> None, bounded by --dp.timeout_s
+        self.row_offset = row_offset  # first vocabulary row of this rank's shard (vocab-parallel TP)
+        self.other = topo.pipeline_peer(0 if head else topo.pp - 1)  # the other end's global rank
+        self.tokens_per_step: int | None = None  # T; set by the embedding end's begin, told to the head by set_tokens
         self.grad: torch.Tensor | None = None
         self.dp_work = None
-        self.rows: torch.Tensor | None = None  # the embedding's union of touched rows (sparse path)
+        self.tok_work = self.tokens = None  # the replica's token ids, all-gathered over dp (embedding end)
+        self.rows: torch.Tensor | None = None  # local row indices of the union (None: dense)
         self.packed: torch.Tensor | None = None
-        self.pair_work = None
+        self.works: list = []  # the exchange's sends and receives in flight
+        self.bufs: list = []  # their tensors (received into, or kept alive until sent)
         self.state = "idle"  # idle -> launched -> handed -> idle
         self.last_rows: int | None = None  # rows the embedding's last dp reduction sent (None: dense)
 
+    def set_tokens(self, tokens_per_step: int) -> None:
+        """``T``, the tokens of one global batch (both ends: it fixes the exchange's message sizes)."""
+        self.tokens_per_step = tokens_per_step
+
+    def sparse(self, n_rows: int) -> bool:
+        return self.tokens_per_step is not None and 2 * self.tokens_per_step <= n_rows
+
+    # ------------------------------------------------------------------ the embedding end's rows
+    def begin(self, xs: list[torch.Tensor]) -> None:
+        """Start of an iteration (embedding end): all-gather this replica's token ids over dp."""
+        if self.head:
+            return
+        tokens = torch.cat([x.reshape(-1) for x in xs])
+        if self.tokens_per_step is not None and tokens.numel() * self.dp > self.tokens_per_step:
+            raise ValueError(f"the pipeline got {tokens.numel() * self.dp} tokens in a step, more than the "
+                             f"{self.tokens_per_step} of --train.global_batch x --train.seq_len; pass batches of that shape")
+        if self.dp == 1:
+            self.tokens = tokens
+            return
+        self.tokens = [torch.empty_like(tokens) for _ in range(self.dp)]
+        self.tok_work = dist.all_gather(self.tokens, tokens, group=self.topo.dp_group, async_op=True)
+
+    def _union_rows(self, n_rows: int) -> torch.Tensor:
+        if self.tok_work is not None:
+            self.wait_fn(self.tok_work, "all-gather of the replicas' token ids (the tied embedding's rows)")
+            self.tok_work = None
+        if self.tokens is None:
+            raise RuntimeError("the tied embedding's LR ran without begin(): no token ids for its rows")
+        tokens = torch.cat(self.tokens) if isinstance(self.tokens, list) else self.tokens
+        self.tokens = None
+        rows = torch.unique(tokens) - self.row_offset  # sorted: the same order on every replica
+        return rows[(rows >= 0) & (rows < n_rows)]
+
+    # ------------------------------------------------------------------ the protocol
     def launch(self, g: torch.Tensor) -> None:
         """Start this end's data-parallel reduction of its copy's local gradient ``g`` (in place)."""
         self.grad, self.state = g, "launched"
-        if self.dp == 1:
-            return
         group = self.topo.dp_group
         if self.head:
-            self.dp_work = dist.all_reduce(g.div_(self.dp), group=group, async_op=True)
+            if self.dp > 1:
+                self.dp_work = dist.all_reduce(g.div_(self.dp), group=group, async_op=True)
             return
-        touched = (g != 0).any(dim=1).to(torch.uint8)  # rows with any gradient (NaN / inf count too)
-        self.wait_fn(dist.all_reduce(touched, op=dist.ReduceOp.MAX, group=group, async_op=True),
-                     "union of the tied embedding's touched rows")
-        rows = touched.nonzero().squeeze(1)
+        rows = self._union_rows(g.shape[0])
         if 2 * rows.numel() <= g.shape[0]:
             self.rows, self.packed, self.last_rows = rows, g.index_select(0, rows).div_(self.dp), rows.numel()
-            self.dp_work = dist.all_reduce(self.packed, group=group, async_op=True)
+            payload = self.packed
         else:  # most rows touched: the dense gradient is no more bytes
-            self.last_rows = None
-            self.dp_work = dist.all_reduce(g.div_(self.dp), group=group, async_op=True)
+            self.rows, self.packed, self.last_rows = None, None, None
+            payload = g.div_(self.dp)
+        if self.dp > 1:
+            self.dp_work = dist.all_reduce(payload, group=group, async_op=True)
+
+    def progress(self) -> None:
+        """Hand over as soon as this end's dp reduction landed (polled after every action; never blocks)."""
+        if self.state == "launched" and (self.dp_work is None or self.dp_work.is_completed()):
+            self.handoff()
 
     def handoff(self) -> None:
-        """Once this end's dp reduction landed: launch the sum of the two ends (idempotent)."""
+        """Once this end's dp reduction landed: post the exchange with the other end (idempotent)."""
         if self.state != "launched":
             return
         if self.dp_work is not None:
             self.wait_fn(self.dp_work, "data-parallel all-reduce of the tied embedding's gradient")
             self.dp_work = None
-        if self.rows is not None:  # every row outside the union is zero on every replica already
-            self.grad.index_copy_(0, self.rows, self.packed)
-            self.rows = self.packed = None
-        self.pair_work = dist.all_reduce(self.grad, group=self.topo.tie_group, async_op=True)
+        group, g, peer = self.topo.tie_group, self.grad, self.other
+        n_rows = g.shape[0]
+        if self.sparse(n_rows):
+            T = self.tokens_per_step
+            idx = torch.full((T + 1,), -1, dtype=torch.int64, device=g.device)
+            vals = torch.zeros((T, *g.shape[1:]), dtype=g.dtype, device=g.device)
+        if self.head:  # send the dense copy, then receive the rows (or the dense copy)
+            self.works = [dist.isend(g, dst=peer, group=group)]
+            self.bufs = [idx, vals] if self.sparse(n_rows) else [torch.empty_like(g)]
+            self.works += [dist.irecv(b, src=peer, group=group) for b in self.bufs]
+        else:  # receive the head's dense copy, then send the rows (or the dense copy)
+            dense = torch.empty_like(g)
+            self.works = [dist.irecv(dense, src=peer, group=group)]
+            if self.sparse(n_rows):
+                if self.rows is None:
+                    raise RuntimeError(f"{self.tokens_per_step} tokens touched more than half of {n_rows} rows")
+                n = self.rows.numel()
+                idx[0] = n
+                idx[1 : n + 1] = self.rows
+                vals[:n] = self.packed
+                out = [idx, vals]
+            else:
+                if self.rows is not None:  # the rows went sparse over dp: back into the dense copy
+                    g.index_copy_(0, self.rows, self.packed)
+                    self.rows = self.packed = None
+                out = [g.clone()]  # g itself gets the head's copy added before this send may be done
+            self.works += [dist.isend(t, dst=peer, group=group) for t in out]
+            self.bufs = [dense] + out
         self.state = "handed"
 
     def wait(self) -> None:
+        """Both ends end with the same sum (the other end's copy added to this one's)."""
         if self.state == "idle":
             return
         self.handoff()
-        self.wait_fn(self.pair_work, "tied-embedding gradient sum of pipeline ranks 0 and P-1")
-        self.pair_work = self.grad = None
+        for w in self.works:
+            self.wait_fn(w, "tied-embedding gradient exchange between pipeline ranks 0 and P-1")
+        g = self.grad
+        if self.head:
+            if len(self.bufs) == 2:
+                idx, vals = self.bufs
+                n = int(idx[0].item())
+                g.index_add_(0, idx[1 : n + 1], vals[:n])
+            else:
+                g.add_(self.bufs[0])
+        elif self.rows is None:
+            g.add_(self.bufs[0])
+        else:
+            g.copy_(self.bufs[0]).index_add_(0, self.rows, self.packed)
+        self.grad = self.rows = self.packed = None
+        self.works, self.bufs = [], []
         self.state = "idle"
 
     def reset(self) -> None:
-        self.grad = self.dp_work = self.rows = self.packed = self.pair_work = None
-        self.state = "idle"
+        """Before loading a checkpoint: finish an exchange in flight (its messages must not be left
+        for a later iteration to match), forget the rest."""
+        if self.state != "idle":
+            self.wait()
+        self.tok_work = self.tokens = None

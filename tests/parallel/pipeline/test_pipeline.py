@@ -76,6 +76,8 @@ def test_matches_single_process(suite, world, case):
         assert min(r["ref_norms"]) > r["grad_clip"], (r["ref_norms"], r["grad_clip"])
     assert r["param_err"] <= PARAM_TOL["half" if half else "fp32"], (r["worst_param"], r["param_err"])
     assert r["eval_err"] <= tol
+    # the two tied copies (pipeline ranks 0 and P-1) end every step bit for bit the same (tie.py's exchange)
+    assert r["tie_equal"] is (True if case["layout"][1] > 1 else None)
     if case.get("vocab"):  # the tied embedding's dp reduction sent only the touched rows, not the dense gradient
         assert r["tie_rows"] is not None and 0 < r["tie_rows"] <= case["vocab"] // 2, r["tie_rows"]
     elif case["layout"][0] > 1 and case["layout"][1] > 1:  # 64 tokens of a 64-word vocabulary: dense

@@ -140,15 +140,35 @@ def compare(case, cfg, losses, full, eval_loss, norms) -> dict:
             "grad_clip": cfg.optim.grad_clip}
 
 
+def tied_copies_equal(engine) -> bool | None:
+    """On global rank 0: whether the output projection's tied copy (pipeline rank P-1 of replica 0, TP rank 0)
+    is bit for bit the token embedding's after training; None where the pipeline does not split the tie."""
+    from foldtrain.parallel.pipeline.p2p import local_part
+
+    lay, topo = engine.layout, engine.topo
+    d, p, t = topo.coords
+    if lay.pp == 1 or (d, t) != (0, 0) or p not in (0, lay.pp - 1):
+        return None
+    if p == lay.pp - 1:
+        dist.send(local_part(engine.chunks[lay.segments - 1].head.lm_head.weight).detach().contiguous(), dst=topo.pipeline_peer(0))
+        return None
+    w = local_part(engine.chunks[0].parts["0"].wte.weight).detach()
+    other = torch.empty_like(w)
+    dist.recv(other, src=topo.pipeline_peer(lay.pp - 1))
+    return bool(torch.equal(w, other))
+
+
 def equivalence_case(case: dict) -> dict | None:
     cfg = make_cfg(case)
     engine, losses = run_engine(cfg, range(STEPS))
     ev = engine.eval_loss(val_data(cfg.model.vocab_size))
     full = engine.eval_model()
+    tie_equal = tied_copies_equal(engine)
     if dist.get_rank() != 0:
         return None
     tie = engine.executor.reducers[0].tie if engine.layout.pp > 1 else None
-    return {**compare(case, cfg, losses, full, ev, engine.test_grad_norms), "tie_rows": tie.last_rows if tie else None}
+    return {**compare(case, cfg, losses, full, ev, engine.test_grad_norms), "tie_rows": tie.last_rows if tie else None,
+            "tie_equal": tie_equal}
 
 
 def checkpoint_case(case: dict, out: Path) -> dict | None:

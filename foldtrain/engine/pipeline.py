@@ -227,7 +227,8 @@ class PipelineEngine:
         self.timeline.end_step(step)
         self.precision.scaler.update(self._step_ok)
         self.iteration += 1
-        loss = self._global_loss(loss_sum)
+        loss = self._global_loss(loss_sum)  # every rank has finished the iteration (its urgent reductions too)
+        self.executor.end_iteration()
         if self.cfg.profile:
             self._profile_step()
         return loss

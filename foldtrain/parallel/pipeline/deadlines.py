@@ -16,7 +16,9 @@ deferred ones launched before it. Here:
   bucket and the link still works on deferred buckets whenever nothing urgent is pending;
 * :meth:`DeadlineQueue.pump` issues the next deferred bucket when the previous one completed; the
   executor calls it after every action and while it waits (pipeline receives, reductions);
-* at the end of an iteration every rank agrees (one tiny all-reduce: MAX over the data-parallel
+* at the end of an iteration, once every rank of the run has finished it (after the engine's loss
+  all-reduce, so no deferred bucket shares a node's link with another rank's urgent reduction),
+  every rank agrees (one tiny all-reduce: MAX over the data-parallel
   group) on how many deferred buckets have been issued, issues the ones it lags behind, sorts
   the rest by deadline (chunk 1, needed first in the next iteration, goes first) and issues them
   all: the deferred group's FIFO then runs them in deadline order during the forward phase.

@@ -42,7 +42,8 @@ class ChunkReducer:
         self.queue: DeadlineQueue | None = None  # set by the executor when dp > 1
         self.buckets: list[Bucket] = []
         self.deferred = False
-        self.tie = TieSide(segment != 0, topo, lambda w, what: self._wait(w, what), _row_offset(tied)) if tied is not None else None
+        self.tie = TieSide(segment != 0, topo, lambda w, what: self._wait(w, what), _row_offset(tied),
+                           local_part(tied).detach()) if tied is not None else None
         self.pending = False  # launched, not yet waited
 
     def _grads(self, params) -> list[torch.Tensor]:
@@ -82,14 +83,20 @@ class ChunkReducer:
         if self.tie is not None:
             self.tie.reset()
 
+    def launch_tie(self, deadline: int = 0) -> None:
+        """Start the tied copy's reduction alone (once per iteration): the head's copy is final after the
+        last segment's last forward (its fused head ran its backward there), before the body's backwards."""
+        if self.tie is None or self.tie.state != "idle":
+            return
+        (g,) = self._grads([self.tied])
+        self.tie.launch(g)
+        if self.queue is not None and self.tie.dp_work is not None:  # urgent: the other end waits for it this iteration
+            self.queue.track_urgent(self.segment, self.tie.dp_work, deadline)
+
     def launch(self, deadline: int = 0, deferred: bool = False) -> None:
         """Start the reduction; ``deadline`` orders it against the others (the action that needs it)."""
         self.deferred = deferred and self.queue is not None and self.queue.group is not None
-        if self.tie is not None:  # first: the other end of the tie needs it, the chunk's own buckets only this rank
-            (g,) = self._grads([self.tied])
-            self.tie.launch(g)
-            if self.queue is not None and self.tie.dp_work is not None:  # urgent: the other end waits for it this iteration
-                self.queue.track_urgent(self.segment, self.tie.dp_work, deadline)
+        self.launch_tie(deadline)  # first (unless launched already): the other end needs it, the chunk's buckets only this rank
         if self.dp > 1:
             grads = self._grads(self.params)
             if self.deferred:

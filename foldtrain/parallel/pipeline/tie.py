@@ -46,12 +46,14 @@ class TieSide:
     (``sparse``), else as its dense copy. The dp reduction always sends only the union's ``n`` rows
     when ``n`` is at most half of them: every replica knows the same ``n``."""
 
-    def __init__(self, head: bool, topo, wait, row_offset: int = 0):
+    def __init__(self, head: bool, topo, wait, row_offset: int = 0, like: torch.Tensor | None = None):
         self.head = head
         self.topo = topo
         self.dp = topo.dp
         self.wait_fn = wait  # (work, what) -> None, bounded by --dp.timeout_s
         self.row_offset = row_offset  # first vocabulary row of this rank's shard (vocab-parallel TP)
+        self.like = like  # the local tied weight: shape, dtype and device of the head's copy to receive
+        self.early_recv = None  # (work, buffer): the head's copy, received from the start of the iteration
         self.other = topo.pipeline_peer(0 if head else topo.pp - 1)  # the other end's global rank
         self.tokens_per_step: int | None = None  # T; set by the embedding end's begin, told to the head by set_tokens
         self.grad: torch.Tensor | None = None
@@ -76,6 +78,11 @@ class TieSide:
         """Start of an iteration (embedding end): all-gather this replica's token ids over dp."""
         if self.head:
             return
+        if self.like is not None and self.topo.tie_group is not None and self.early_recv is None:
+            # gloo delivers a send only into a posted receive: posted now, the head's dense copy crosses
+            # while this rank still computes, not after its own rows have landed
+            buf = torch.empty_like(self.like)
+            self.early_recv = (dist.irecv(buf, src=self.other, group=self.topo.tie_group), buf)
         tokens = torch.cat([x.reshape(-1) for x in xs])
         if self.tokens_per_step is not None and tokens.numel() * self.dp > self.tokens_per_step:
             raise ValueError(f"the pipeline got {tokens.numel() * self.dp} tokens in a step, more than the "
@@ -139,8 +146,12 @@ class TieSide:
             self.bufs = [idx, vals] if self.sparse(n_rows) else [torch.empty_like(g)]
             self.works += [dist.irecv(b, src=peer, group=group) for b in self.bufs]
         else:  # receive the head's dense copy, then send the rows (or the dense copy)
-            dense = torch.empty_like(g)
-            self.works = [dist.irecv(dense, src=peer, group=group)]
+            if self.early_recv is not None:
+                (work, dense), self.early_recv = self.early_recv, None
+            else:
+                dense = torch.empty_like(g)
+                work = dist.irecv(dense, src=peer, group=group)
+            self.works = [work]
             if self.sparse(n_rows):
                 if self.rows is None:
                     raise RuntimeError(f"{self.tokens_per_step} tokens touched more than half of {n_rows} rows")

@@ -42,7 +42,7 @@ class ChunkReducer:
         self.queue: DeadlineQueue | None = None  # set by the executor when dp > 1
         self.buckets: list[Bucket] = []
         self.deferred = False
-        self.tie = TieSide(segment != 0, topo, lambda w, what: self._wait(w, what), _row_offset(tied),
+        self.tie = TieSide(segment != 0, topo, self._wait, _row_offset(tied),
                            local_part(tied).detach()) if tied is not None else None
         self.pending = False  # launched, not yet waited
 
@@ -114,8 +114,12 @@ class ChunkReducer:
         if self.tie is not None:
             self.tie.handoff()
 
-    def _wait(self, work, what: str) -> None:
-        pump = self.queue.pump if (self.queue is not None and self.queue.group is not None) else None
+    def _wait(self, work, what: str, p2p: bool = False) -> None:
+        """Bounded wait; a collective's wait keeps issuing deferred buckets. Not a point-to-point one's:
+        a gloo send or receive reports ``is_completed()`` only after ``wait()``, so polling it would
+        hold the wait until every deferred bucket is issued (it did: up to 100 ms per step)."""
+        queued = self.queue is not None and self.queue.group is not None and not p2p
+        pump = self.queue.pump if queued else None
         bounded_wait(work, self.timeout_s, self.cpu_timeout, lambda cause: (
             f"global rank {self.topo.rank} waited up to {self.timeout_s:g} s for the {what} of segment {self.segment}; "
             f"a rank of that group stalled or died ({cause}); check the other ranks' logs"), pump)

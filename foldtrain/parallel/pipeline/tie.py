@@ -50,7 +50,7 @@ class TieSide:
         self.head = head
         self.topo = topo
         self.dp = topo.dp
-        self.wait_fn = wait  # (work, what) -> None, bounded by --dp.timeout_s
+        self.wait_fn = wait  # (work, what, p2p=False) -> None, bounded by --dp.timeout_s
         self.row_offset = row_offset  # first vocabulary row of this rank's shard (vocab-parallel TP)
         self.like = like  # the local tied weight: shape, dtype and device of the head's copy to receive
         self.early_recv = None  # (work, buffer): the head's copy, received from the start of the iteration
@@ -175,7 +175,7 @@ class TieSide:
             return
         self.handoff()
         for w in self.works:
-            self.wait_fn(w, "tied-embedding gradient exchange between pipeline ranks 0 and P-1")
+            self.wait_fn(w, "tied-embedding gradient exchange between pipeline ranks 0 and P-1", p2p=True)
         g = self.grad
         if self.head:
             if len(self.bufs) == 2:

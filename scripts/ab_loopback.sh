@@ -1,0 +1,24 @@
+#!/bin/bash
+# Loopback A/B of two foldtrain trees on the issue-9 pipeline layout (docs/benchmarks.md §9d).
+# usage: scripts/ab_loopback.sh OLD_TREE NEW_TREE [ROUNDS] [STEPS]
+#   e.g. git worktree add /tmp/old 8bbedbd && scripts/ab_loopback.sh /tmp/old . 6 20
+# Alternates the trees in rounds (interleaved-1f1b after-flush, fold per-chunk; 4 ranks: dp 2 x pp 2,
+# V 2, 8 layers, d 256, 8 x 32 tokens) and prints each run's median tokens/s after step 3.
+set -euo pipefail
+OLD=$(cd "$1" && pwd); NEW=$(cd "$2" && pwd); ROUNDS=${3:-6}; STEPS=${4:-20}
+PY=${PYTHON:-$(command -v python)}
+run() { # tree schedule sync
+  local out; out=$(mktemp -d /tmp/ft-ab.XXXX)
+  (cd "$1" && OMP_NUM_THREADS=1 PYTHONPATH=. "$PY" -m torch.distributed.run --standalone --nproc_per_node 4 -m foldtrain train \
+    --model.preset tiny --model.n_layer 8 --model.d_model 256 --train.global_batch 8 --train.seq_len 32 \
+    --parallel.dp 2 --parallel.pp 2 --parallel.virtual 2 --parallel.microbatches 4 \
+    --parallel.schedule "$2" --parallel.dp_sync "$3" --optim.grad_clip 0 --train.steps "$STEPS" \
+    --train.log_every 1 --train.eval_every 0 --checkpoint.every 0 --train.progress false --out "$out" > "$out/log" 2>&1)
+  "$PY" -c 'import json,statistics,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(round(statistics.median(x["tokens_per_s"] for x in r if x.get("step",0)>3 and "tokens_per_s" in x)))' "$out/metrics.jsonl"
+}
+for r in $(seq "$ROUNDS"); do
+  for s in "interleaved-1f1b after-flush" "fold per-chunk"; do
+    set -- $s
+    echo "round $r $1 old $(run "$OLD" "$1" "$2") new $(run "$NEW" "$1" "$2")"
+  done
+done

@@ -12,9 +12,11 @@ other lacks, within the replica, over ``topo.tie_group`` (pipeline ranks 0 and P
   outside the rows of the tokens its replicas read. The replica's token ids are all-gathered over
   dp (a few KB, asynchronous, long done by the end of the backward), so every replica knows the
   same union of rows without waiting for anybody at its ``LR``;
-* **head** (``launch`` at the last segment's ``LR``): its dense gradient, averaged over dp, in one
+* **head** (``launch`` at the last segment's ``LR``, or with per-chunk sync right after its last
+  forward, where the fused head made it final): its dense gradient, averaged over dp, in one
   all-reduce issued at once; the moment it lands (``progress``, polled after every action) it is
-  sent to the embedding end;
+  sent to the embedding end, which posted its receive when the iteration started (gloo delivers a
+  send only into a posted receive);
 * **embedding** (``launch`` at segment 0's ``LR``): only the union's rows are packed, averaged over
   dp and all-reduced (dense when the union is more than half the rows); once they land they are
   sent to the head end (their count, their indices, their values);
@@ -26,7 +28,7 @@ On a commodity network this moves the dense tied gradient off the end of the ite
 crosses the data-parallel link after segment 0's backward is the rows only, and the head's dense
 copy crosses the pipeline's link during the backward, not after it. Deadlock-free: an end's sends
 need nothing beyond its own ``LR`` and its dp peers (which run the same actions); the embedding
-end posts its receive before its sends, and the head its send before its receives, so even
+end posts its receive (at ``begin``) before its sends, and the head its send before its receives, so even
 NCCL's one stream per pair (operations in posting order) matches them.
 """
 
@@ -40,7 +42,8 @@ class TieSide:
     """One end's part of the tied gradient: its dp reduction, then the exchange with the other end.
 
     Every message between the two ends has a size both know in advance, so each end posts all its
-    receives at its hand-off and no message outlives the iteration it belongs to: the embedding's
+    receives by its hand-off (the embedding its one at ``begin``) and no message outlives the
+    iteration it belongs to: the embedding's
     rows travel as ``[n, rows..., padding]`` indices and a ``(T, d)`` block of values (``T``: the
     tokens of the global batch, at least the union's size ``n``) when ``T`` is at most half the rows
     (``sparse``), else as its dense copy. The dp reduction always sends only the union's ``n`` rows

@@ -77,6 +77,11 @@ def main(argv: list[str]) -> int:
         dt = time.perf_counter() - t0
         metrics.write(step, dt, total, lr=lr, grad_norm=norm)
     metrics.close()
+    # leave together, drop DDP's reducer (it holds the group's work objects), then tear the group down:
+    # a rank exiting with gloo's threads still running dies in their destructors ("terminate called
+    # without an active exception", SIGABRT; seen once in a CI run of test_ddp_plain_anchor_world2)
+    dist.barrier()
+    del ddp
     dist.destroy_process_group()
     return 0
 

@@ -499,8 +499,7 @@ class Sim:
         """One end's dp part is done: it sends the other end what that one lacks (the head its dense
         copy, the embedding its rows); an end is done once its own dp part and the other's send are."""
         self.tie_launch[(it, side)] = t
-        ends = ((0, 0), (self.sched.pp - 1, self.sched.segments - 1))
-        p, ch = ends[side]
+        p, ch = self._tie_end(side)
         send = self.costs.tie(p, ch)["send"]
         self.tie_stream[p].submit(t, list(send), lambda s, t2, side=side: self._tie_arrived(it, 1 - side, t2))
         self._tie_arrived(it, side, None)
@@ -510,8 +509,11 @@ class Sim:
             self.tie_recv[(it, side)] = t
         own, got = self.tie_launch.get((it, side)), self.tie_recv.get((it, side))
         if own is not None and got is not None:
-            p, ch = ((0, 0), (self.sched.pp - 1, self.sched.segments - 1))[side]
-            self._tie_done(p, ch, it, max(own, got))
+            self._tie_done(*self._tie_end(side), it, max(own, got))
+
+    def _tie_end(self, side: int) -> tuple[int, int]:
+        """(pipeline rank, segment) of the tie's embedding end (side 0) or head end (side 1)."""
+        return (0, 0) if side == 0 else (self.sched.pp - 1, self.sched.segments - 1)
 
     def _tie_done(self, p: int, c: int, it: int, t: float) -> None:
         key = (p, c, it, "tie")

@@ -146,8 +146,7 @@ class Executor:
         ties = [r for r in self.reducers.values() if r.tie is not None]
         # per-chunk sync: the head's tied copy is reduced from the last segment's last forward on
         # (the fused head's backward made it final), not from its LR after the body's backwards
-        head_fwds = n_mb if (sched.dp_sync == "per-chunk" and last in self.chunks and last in self.reducers
-                             and self.reducers[last].tie is not None) else -1
+        head_fwds = n_mb if sched.dp_sync == "per-chunk" and last in self.chunks and self.reducers[last].tie is not None else -1
         for r in ties:
             r.begin(xs)
         if queue is not None:

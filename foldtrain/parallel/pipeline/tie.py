@@ -58,7 +58,7 @@ class TieSide:
         self.like = like  # the local tied weight: shape, dtype and device of the head's copy to receive
         self.early_recv = None  # (work, buffer): the head's copy, received from the start of the iteration
         self.other = topo.pipeline_peer(0 if head else topo.pp - 1)  # the other end's global rank
-        self.tokens_per_step: int | None = None  # T; set by the embedding end's begin, told to the head by set_tokens
+        self.tokens_per_step: int | None = None  # T, the same on both ends (set_tokens, by the engine)
         self.grad: torch.Tensor | None = None
         self.dp_work = None
         self.tok_work = self.tokens = None  # the replica's token ids, all-gathered over dp (embedding end)
@@ -149,11 +149,7 @@ class TieSide:
             self.bufs = [idx, vals] if self.sparse(n_rows) else [torch.empty_like(g)]
             self.works += [dist.irecv(b, src=peer, group=group) for b in self.bufs]
         else:  # receive the head's dense copy, then send the rows (or the dense copy)
-            if self.early_recv is not None:
-                (work, dense), self.early_recv = self.early_recv, None
-            else:
-                dense = torch.empty_like(g)
-                work = dist.irecv(dense, src=peer, group=group)
+            (work, dense), self.early_recv = self.early_recv, None  # posted by begin
             self.works = [work]
             if self.sparse(n_rows):
                 if self.rows is None:
@@ -181,7 +177,7 @@ class TieSide:
             self.wait_fn(w, "tied-embedding gradient exchange between pipeline ranks 0 and P-1", p2p=True)
         g = self.grad
         if self.head:
-            if len(self.bufs) == 2:
+            if self.sparse(g.shape[0]):
                 idx, vals = self.bufs
                 n = int(idx[0].item())
                 g.index_add_(0, idx[1 : n + 1], vals[:n])

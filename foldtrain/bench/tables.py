@@ -109,7 +109,7 @@ def fmt(v: Any, kind: str = "") -> str:
 
 
 DP_HEADERS = ["strategy", "precision", "ranks", "network", "time/step ms", "tokens/s", "speed-up", "efficiency",
-              "peak MB/rank", "MB/step/worker", "MB/step server", "comm wait", "wire MB/step n0/others", "note"]
+              "peak MB/rank", "grad+optim MB/rank", "MB/step/worker", "MB/step server", "comm wait", "wire MB/step n0/others", "note"]
 
 
 def dp_rows(runs: list[RunResult]) -> list[list[str]]:
@@ -118,7 +118,7 @@ def dp_rows(runs: list[RunResult]) -> list[list[str]]:
         if r.bench != "dp":
             continue
         if not r.ok:
-            rows.append([r.label, r.precision, str(r.ranks), r.network, *["—"] * 9, f"FAILED: {r.error}"])
+            rows.append([r.label, r.precision, str(r.ranks), r.network, *["—"] * 10, f"FAILED: {r.error}"])
             continue
         m = r.metrics
         w, s, wsrc, ssrc = _bytes(r)
@@ -131,7 +131,7 @@ def dp_rows(runs: list[RunResult]) -> list[list[str]]:
             r.label, r.precision, str(r.ranks), r.network,
             fmt(m.get("step_time_s"), "ms"), fmt(m.get("tokens_per_s"), "int"),
             fmt(speedup(r, runs), "x"), fmt(efficiency(r, runs), "pct"),
-            fmt(m.get("peak_mem_mb"), "f1"), fmt(w, "mb") + ("*" if wsrc == "links" else ""),
+            fmt(m.get("peak_mem_mb"), "f1"), fmt(m.get("grad_optim_mem_mb"), "f1"), fmt(w, "mb") + ("*" if wsrc == "links" else ""),
             fmt(s, "mb") + ("*" if ssrc == "links" else ""),
             fmt(m.get("comm_wait_share"), "pct"), wire, note,
         ])

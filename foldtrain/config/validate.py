@@ -61,6 +61,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _positive("dp.cycle_ms", d.cycle_ms, allow_zero=True)
     _positive("dp.bucket_mb", d.bucket_mb)
     _positive("dp.shard_bucket_mb", d.shard_bucket_mb)
+    _positive("dp.shard_slice_mb", d.shard_slice_mb)
     _positive("dp.timeout_s", d.timeout_s)
     _positive("fold.bucket_mb", cfg.fold.bucket_mb)
     for key in ("dp", "pp", "tp", "virtual"):

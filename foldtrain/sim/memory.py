@@ -2,9 +2,10 @@
 
 Static part as in the HP3C'22 appendix: parameters + gradients + AdamW's two fp32 moments
 (+ fp32 masters with ``*-master``), sharded over the data-parallel workers by ``sharded-ps``
-(moments and masters), held only by the servers with ``ps``. Communication buffers: the 3D
-engine's flat per-chunk reduction buffer, DDP's buckets and ``sharded-ps``' flat buffer (a
-gradient copy each), the ``allreduce`` fusion buffer, the parameter server's message buffers.
+(moments and masters; ZeRO-2 also shards the gradients, keeping the replica's one bucket at a time),
+held only by the servers with ``ps``. Communication buffers: the 3D engine's flat per-chunk
+reduction buffer and DDP's buckets (a gradient copy each), ``sharded-ps``' one bucket, the
+``allreduce`` fusion buffer, the parameter server's message buffers.
 
 Activations: the micro-batches a rank keeps alive, found by walking its action list (a forward
 adds its segment's activations, the backward frees them): all ``V M`` at the turn for fold and
@@ -51,7 +52,12 @@ def rank_memory(s: Setup, cm: CostModel, sched: Schedule, p: int, runtime: float
         opt_share = (1.0 / max(s.servers, 1)) if server else 0.0
     out["optimizer"] = n * 8 * opt_share
     out["masters"] = n * 4 * opt_share if s.master else 0.0
-    if s.strategy in ("allreduce-3d", "ddp", "sharded-ps") and s.dp > 1:
+    if s.strategy == "sharded-ps" and s.dp > 1:
+        # ZeRO-2: an fp32 gradient shard and fp32 shard weights (whatever the precision); the replica's
+        # gradients live one bucket at a time: --dp.shard_bucket_mb, or the largest gradient (the embedding)
+        out["grads"] = out["masters"] = n * 4 / workers
+        buf = max(s.shard_bytes, s.vocab * s.d_model / s.tp * s.grad_bytes, 4 * s.d_model * s.d_model / s.tp * s.grad_bytes)
+    elif s.strategy in ("allreduce-3d", "ddp") and s.dp > 1:
         buf = n * s.grad_bytes
     elif s.strategy == "allreduce":
         buf = min(s.fusion_bytes, n * s.grad_bytes)

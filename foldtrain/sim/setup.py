@@ -59,6 +59,7 @@ class Setup:
     clip: bool
     first_bytes: float = 2**20  # allreduce / sharded-ps: the first bucket's size
     shard_bytes: float = 4 * 2**20  # sharded-ps: the other buckets' size
+    slice_bytes: float = 2**20  # sharded-ps: a bucket's reduce-scatter goes in slices of this size
     cycle_s: float = 0.0  # allreduce: Horovod's cycle time (a bucket also closes this long after the last launch)
     p2p_scatter: bool = False  # Megatron's scatter/gather: each TP rank sends 1/tp of an activation (not foldtrain's executor)
 
@@ -124,7 +125,7 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         schedule=p.schedule if three_d else "gpipe", dp_sync=p.dp_sync if three_d else "after-flush",
         defer=bool(cfg.fold.defer_reduce) and three_d, staleness=d.ps_staleness if strat == "ps" else 0,
         bucket_bytes=d.bucket_mb * 2**20, fusion_bytes=d.fusion_mb * 2**20,
-        first_bytes=d.first_bucket_mb * 2**20, shard_bytes=d.shard_bucket_mb * 2**20, cycle_s=d.cycle_ms * 1e-3,
+        first_bytes=d.first_bucket_mb * 2**20, shard_bytes=d.shard_bucket_mb * 2**20, slice_bytes=d.shard_slice_mb * 2**20, cycle_s=d.cycle_ms * 1e-3,
         wire_factor=(0.5 if d.compression in ("fp16", "bf16") and gb == 4 else 1.0) if strat == "allreduce" else 1.0,
         fp16_scaler=cfg.precision.startswith("fp16"), clip=cfg.optim.grad_clip > 0,
     )

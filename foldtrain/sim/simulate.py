@@ -114,8 +114,8 @@ class RunCosts:
                 for i, b in enumerate(sizes):
                     done += b
                     ready = done / g if i < len(sizes) - 1 else None  # the pipeline engine's one buffer: at the LR
-                    if s.strategy == "sharded-ps":  # per bucket a reduce-scatter, (n-1) steps
-                        phases = [self.steps(n - 1, lat), ("delay", add(b)), ("flow", key, weight, (n - 1) / n * b)]
+                    if s.strategy == "sharded-ps":  # per bucket a reduce-scatter per slice, (n-1) steps each
+                        phases = [self.steps((n - 1) * math.ceil(b / s.slice_bytes), lat), ("delay", add(b)), ("flow", key, weight, (n - 1) / n * b)]
                     else:  # a ring all-reduce, 2 (n-1) steps
                         phases = [self.steps(2 * (n - 1), lat), ("delay", add(b)), ("flow", key, weight, 2 * (n - 1) / n * b * s.wire_factor)]
                     out.append((ready, phases))

@@ -122,7 +122,8 @@ def dp_runs(tmp_path):
         run_from(t, "none", [9, 9, 1.0, 1.0, 1.0]),
         run_from(t, "ar2", [9, 9, 0.6, 0.6, 0.6], variant="allreduce", ranks=2, comm_bytes_sent=5e6, comm_bytes_recv=5e6,
                  comm_wait_s=0.15),
-        run_from(t, "sps2", [9, 9, 0.8, 0.8, 0.8], variant="sharded-ps", ranks=2, comm_bytes_sent=4e6, comm_bytes_recv=4e6),
+        run_from(t, "sps2", [9, 9, 0.8, 0.8, 0.8], variant="sharded-ps", ranks=2, comm_bytes_sent=4e6, comm_bytes_recv=4e6,
+                 grad_optim_mem_mb=12.25),
         run_from(t, "plain2", [9, 9, 0.5, 0.5, 0.5], impl="ddp_plain", variant="", ranks=2),
         # throttled, 4 ranks: ps's rank 0 is the server; workers' bytes come from the link counters
         run_from(t, "ps4", [9, 9, 2.0, 2.0, 2.0], variant="ps", ranks=4, network="100mbit", comm_bytes_sent=9e6,
@@ -146,6 +147,7 @@ def test_dp_rows_speedup_efficiency_bytes(dp_runs):
     assert ar[h["speed-up"]] == "1.67x" and ar[h["efficiency"]] == "83.3%"
     assert ar[h["MB/step/worker"]] == "10.00" and ar[h["MB/step server"]] == "—"
     assert ar[h["comm wait"]] == "25.0%"
+    assert ar[h["grad+optim MB/rank"]] == "—" and rows[("sharded-ps", "2", "loopback")][h["grad+optim MB/rank"]] == "12.2"
     ps = rows[("ps", "4", "100mbit")]
     assert ps[h["MB/step server"]] == "18.00"  # rank 0's counters
     assert ps[h["MB/step/worker"]] == "6.00*"  # mean of nodes 1..3 from the links, starred

@@ -36,7 +36,8 @@ def test_ring_allreduce_time(cluster):
 def test_every_bucket_pays_a_collectives_steps():
     """A collective's step latency (``collective_latency_us``, measured with every rank communicating; the
     point-to-point ``latency_us`` when absent) is paid ``2 (n-1)`` times by each bucket's collective: DDP's
-    first 1 MB bucket then ``--dp.bucket_mb``; sharded-ps' first bucket then ``--dp.shard_bucket_mb``."""
+    first 1 MB bucket then ``--dp.bucket_mb``; sharded-ps' first bucket then ``--dp.shard_bucket_mb`` (``n-1``
+    by each slice of its reduce-scatter and each bucket's all-gather)."""
     from foldtrain.config.load import tomllib
 
     from foldtrain.sim.cluster import to_toml
@@ -45,7 +46,7 @@ def test_every_bucket_pays_a_collectives_steps():
     assert c.intra.coll == approx(500e-6) and c.inter.coll == c.inter.latency  # absent: the p2p latency
     assert from_dict(tomllib.loads(to_toml(c)), "c.toml").intra.hop == approx(500e-6)
     n = 4
-    for strat, flags in (("ddp", ["--dp.bucket_mb", "100"]), ("sharded-ps", ["--dp.shard_bucket_mb", "100"]),
+    for strat, flags in (("ddp", ["--dp.bucket_mb", "100"]), ("sharded-ps", ["--dp.shard_bucket_mb", "100", "--dp.shard_slice_mb", "100"]),
                          ("allreduce", ["--dp.fusion_mb", "100", "--dp.cycle_ms", "0"])):
         cfg = _cfg("--dp.strategy", strat, "--parallel.dp", str(n), "--train.global_batch", "4", *flags)
         rc = RunCosts(resolve_setup(cfg), c)
@@ -55,6 +56,14 @@ def test_every_bucket_pays_a_collectives_steps():
         base = RunCosts(resolve_setup(cfg), from_dict(cluster_dict(device__memory_gb=1000), "c.toml"))
         delay = lambda r: sum(ph[1] for ph in r.reduce_phases(0, 0) if ph[0] == "delay")  # noqa: E731
         assert delay(rc) - delay(base) == approx(2 * (n - 1) * k * (500e-6 - c.intra.latency)), strat
+    # sharded-ps' reduce-scatter goes in slices (--dp.shard_slice_mb): each pays the n-1 steps; the all-gather does not
+    cfg = _cfg("--dp.strategy", "sharded-ps", "--parallel.dp", str(n), "--train.global_batch", "4", "--dp.shard_bucket_mb", "100")
+    rc = RunCosts(resolve_setup(cfg), c)
+    base = RunCosts(resolve_setup(cfg), from_dict(cluster_dict(device__memory_gb=1000), "c.toml"))
+    sizes = rc.bucket_sizes(0, rc.cm.grad_bytes(0))
+    slices = sum(-(-b // 2**20) for b in sizes)
+    assert slices > len(sizes)
+    assert delay(rc) - delay(base) == approx((n - 1) * (slices + len(sizes)) * (500e-6 - c.intra.latency))
 
 
 def test_parameter_server_link_carries_n_minus_1_workers(cluster):
@@ -89,6 +98,10 @@ def test_sharded_ps_shards_optimizer_and_master_state(cluster):
     one = simulate(_cfg("--train.global_batch", "4"), cluster).memory[0]
     sh = simulate(_cfg("--dp.strategy", "sharded-ps", "--parallel.dp", "4", "--train.global_batch", "4"), cluster).memory[0]
     assert sh["optimizer"] == approx(one["optimizer"] / 4)
+    # ZeRO-2: gradients and fp32 shard weights 1/4 each; the replica's gradients one bucket at a time, here the
+    # embedding's (GPT-2 small's 50257 x 768 fp32: larger than the 4 MB bucket)
+    assert sh["grads"] == approx(one["grads"] / 4) and sh["masters"] == approx(one["grads"] / 4)
+    assert sh["comm_buffers"] == approx(50257 * 768 * 4)
 
 
 def test_recomputation_trades_memory_for_time(cluster):

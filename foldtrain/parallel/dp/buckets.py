@@ -4,7 +4,7 @@ A collective must be called by every rank with the same tensor shape, in the sam
 bucket plan is a list of buckets, each a list of parameter indices; two ways to make one:
 
 * :func:`fixed_plan`: cut a fixed parameter order at byte boundaries (a small first bucket,
-  then buckets up to a cap), as DDP does. Every rank computes the same plan from the same model.
+  then buckets up to a cap, big parameters alone). Every rank computes the same plan from the same model.
 * :func:`timed_plan`: replay the gradient-ready times one rank observed during a backward and
   cut where Horovod's background loop would have launched: when the fusion buffer is full, or
   when a cycle time has passed since the last launch (``HOROVOD_CYCLE_TIME``). The times are one
@@ -21,16 +21,22 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 
-def fixed_plan(sizes: Sequence[int], order: Sequence[int], first_bytes: float, cap_bytes: float) -> list[list[int]]:
+def fixed_plan(sizes: Sequence[int], order: Sequence[int], first_bytes: float, cap_bytes: float, alone_bytes: float | None = None) -> list[list[int]]:
     """Buckets over ``order`` (parameter indices) with byte ``sizes``: the first closes at
-    ``first_bytes``, the others at ``cap_bytes`` (a parameter larger than the cap is a bucket alone)."""
+    ``first_bytes``; the others never pass ``cap_bytes`` (a bucket closes before a parameter that
+    would take it past the cap); a parameter of at least ``alone_bytes`` (default: the cap) is a
+    bucket alone. So every bucket but the first holds at most ``max(cap, largest parameter)``."""
+    alone = cap_bytes if alone_bytes is None else alone_bytes
     plan: list[list[int]] = []
     cur: list[int] = []
     used = 0
     for i in order:
+        if cur and (sizes[i] >= alone or (plan and used + sizes[i] > cap_bytes)):
+            plan.append(cur)
+            cur, used = [], 0
         cur.append(i)
         used += sizes[i]
-        if used >= (first_bytes if not plan else cap_bytes):
+        if used >= (first_bytes if not plan else cap_bytes) or sizes[i] >= alone:
             plan.append(cur)
             cur, used = [], 0
     if cur:

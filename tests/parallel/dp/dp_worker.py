@@ -102,7 +102,9 @@ def run_case(case: dict, env: DistEnv, tmp: Path | None = None) -> dict:
         out["plan"], out["launch_log"] = strat.plan, strat.launch_log
     if hasattr(strat, "grad_optim_bytes"):  # sharded-ps: what its memory figure is made of
         out["memory"] = {"bytes": strat.grad_optim_bytes(), "shard_elems": strat.n_decay + strat.n_plain, "total": strat.total,
-                         "bucket_elems": [b.n_decay + b.n_plain for b in strat.buckets], "bucket_padded": [strat.world * b.width for b in strat.buckets]}
+                         "bucket_elems": [b.decay.n + b.plain.n for b in strat.buckets], "bucket_padded": [strat.world * b.width for b in strat.buckets],
+                         "budget": strat.budget, "slices": [len(b.decay.slices) + len(b.plain.slices) for b in strat.buckets],
+                         "slice_bytes": max((e - a) * strat.params[0].element_size() for b in strat.buckets for pt in (b.decay, b.plain) for a, e in pt.slices)}
     if ckpt is not None:
         _, again = make_engine(case["args"], env)
         state = again.state_dict()
@@ -111,6 +113,15 @@ def run_case(case: dict, env: DistEnv, tmp: Path | None = None) -> dict:
         rec = train(again, cfg, sampler, case["ckpt_at"], case["steps"], env.rank, {**case, "ckpt_at": None})
         out["resumed_losses"] = rec["losses"]
         out["resumed_params"] = params_of(again.eval_model())
+        if case.get("mismatch"):  # the same checkpoint into an engine made with other args: the error it raises
+            _, other = make_engine([*case["args"], *case["mismatch"]], env)
+            state = other.state_dict()
+            try:
+                ckpt.load(ckpt.latest(), state)
+                other.load_state_dict(state)
+                out["mismatch_error"] = None
+            except FoldtrainError as e:
+                out["mismatch_error"] = f"{type(e).__name__}: {e}"
     return out
 
 

@@ -99,7 +99,8 @@ class DPConfig:
     compression: str = "none"  # allreduce wire compression: none, fp16, bf16
     bucket_mb: float = 25.0  # ddp bucket size
     shard_bucket_mb: float = 4.0  # sharded-ps: reduce-scatter / all-gather bucket size (transient memory, overlap)
-    shard_slice_mb: float = 1.0  # sharded-ps: a bucket's reduce-scatter goes in slices of this size, two in flight (0.5: -25% tokens/s at 1 Gbit/s)
+    shard_slice_mb: float = 1.0  # sharded-ps: a bucket's reduce-scatter goes in slices of this size, two in flight
+    shard_budget_mb: float = 0.0  # sharded-ps: gradients + slice buffers alive before the backward waits; 0: one bucket (the largest)
     timeout_s: float = 120.0  # a rank that stalls this long makes every rank fail
 
 

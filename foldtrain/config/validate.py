@@ -62,6 +62,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _positive("dp.bucket_mb", d.bucket_mb)
     _positive("dp.shard_bucket_mb", d.shard_bucket_mb)
     _positive("dp.shard_slice_mb", d.shard_slice_mb)
+    _positive("dp.shard_budget_mb", d.shard_budget_mb, allow_zero=True)
     _positive("dp.timeout_s", d.timeout_s)
     _positive("fold.bucket_mb", cfg.fold.bucket_mb)
     for key in ("dp", "pp", "tp", "virtual"):

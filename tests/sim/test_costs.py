@@ -61,7 +61,7 @@ def test_every_bucket_pays_a_collectives_steps():
     rc = RunCosts(resolve_setup(cfg), c)
     base = RunCosts(resolve_setup(cfg), from_dict(cluster_dict(device__memory_gb=1000), "c.toml"))
     sizes = rc.bucket_sizes(0, rc.cm.grad_bytes(0))
-    slices = sum(-(-b // 2**20) for b in sizes)
+    slices = sum(-(-b // rc.s.slice_bytes) for b in sizes)
     assert slices > len(sizes)
     assert delay(rc) - delay(base) == approx((n - 1) * (slices + len(sizes)) * (500e-6 - c.intra.latency))
 

@@ -1,9 +1,10 @@
 """``--dp.strategy sharded-ps``: ZeRO-2. Every rank keeps 1/W of the gradients and of the optimizer.
 
 Buckets (:func:`~foldtrain.parallel.dp.buckets.fixed_plan`): the parameters in reverse model
-order (about the order backward finishes them), cut after ``--dp.first_bucket_mb`` and then every
-``--dp.shard_bucket_mb`` (4 MB: smaller than DDP's 25 MB, so that the reduce-scatter overlaps the
-backward and the all-gather the forward); the same on every rank since it depends only on the model.
+order (about the order backward finishes them), cut after ``--dp.first_bucket_mb`` and then before
+passing ``--dp.shard_bucket_mb`` (4 MB: smaller than DDP's 25 MB, so that the reduce-scatter overlaps
+the backward and the all-gather the forward), a gradient of half a bucket or more in a bucket of its
+own; the same on every rank since it depends only on the model.
 A bucket's weight-decayed (>= 2-D) elements and the rest each form a stream (:class:`Part`), padded
 to a multiple of W and cut into slices of at most ``--dp.shard_slice_mb``; rank r owns the r-th W-th
 of every slice, and its row of the bucket is those pieces (decay ones, then the rest). Its
@@ -17,11 +18,15 @@ on every rank) is taken from the parameters (``p.grad = None``) and its slices a
 slice is one reduce-scatter that leaves each rank the sum of its piece, which is divided by W and
 added to the rank's fp32 gradient shard. Two slices are in flight at a time; a slice that lies in
 one gradient sends a view of it, others a packed copy, and a gradient is dropped as soon as every
-slice over it is packed or has landed. Memory is held to one bucket (the plan's largest): after each
-gradient the hook lands slices until the next gradient the plan expects fits beside what is alive,
-so the backward runs ahead of the link by at most a bucket. At any moment a rank holds its shards
-plus at most one bucket of gradients and slice buffers, and one slice's buffers beyond it when a
-single gradient fills the bucket (``grad_optim_mem_mb`` reports the measured peak).
+slice over it is packed or has landed. Memory is held to one bucket (the plan's largest, or
+``--dp.shard_budget_mb``): after each gradient the hook lands slices until the next gradient the plan
+expects fits beside what is alive, so the backward runs ahead of the link by at most a bucket. A bucket that is one big gradient (the
+embedding) is all views, and its slices ramp up (:class:`Part`) so that each receives into the part
+of that gradient already reduced: only the first, 1/64 of a slice, needs a buffer of its own. A
+bucket of small gradients launched with nothing in flight may still take one packed slice and its
+receive buffer past the budget. So a rank holds its shards plus one bucket, plus at most two slices'
+buffers (measured: one bucket + 16 KiB, docs/benchmarks.md §9g; ``grad_optim_mem_mb`` reports the
+peak). The price is CPU where the link is fast: more collectives, and a backward that waits.
 
 The reduce-scatter is the backend's own (``reduce_scatter_tensor``: NCCL's ring) except on gloo,
 whose reduce-scatter is an all-reduce followed by a slice: it puts 2(W-1)/W of the bucket on the
@@ -104,7 +109,7 @@ class Part:
         padded = math.ceil(self.n / world) * world
         step = max(world, slice_elems // world * world)
         self.world = world
-        self.ramp = len(idx) == 1 and padded > 2 * step
+        self.ramp = len(idx) == 1 and padded > step
         lengths, a = [], 0
         size = max(world, step // 64 // world * world) if self.ramp else step
         while a < padded:
@@ -193,8 +198,9 @@ class ShardedPSStrategy(DataParallelStrategy):
             d, pl, c = d + b.dp, pl + b.pp, c + b.width
         self.n_decay, self.n_plain, self.row = d, pl, c  # this rank's shard: decay / plain elements
         self.total = sum(p.numel() for p in self.params)
-        # transient budget: one bucket, the plan's largest (a single gradient bigger than the cap is a bucket alone)
-        self.budget = max(b.padded_bytes for b in self.buckets)
+        # transient budget: one bucket, the plan's largest (a single gradient bigger than the cap is a bucket alone),
+        # or more (--dp.shard_budget_mb: the backward waits less for the link, memory grows)
+        self.budget = max(max(b.padded_bytes for b in self.buckets), cfg.dp.shard_budget_mb * 2**20)
         self._next_size = {}  # parameter index -> bytes of the next gradient the plan order expects after it
         flat_order = [i for index in plan for i in index]
         for a, b in zip(flat_order, flat_order[1:] + [None]):
@@ -237,7 +243,8 @@ class ShardedPSStrategy(DataParallelStrategy):
         self._track(nbytes(p.grad))
         self.launcher.ready(i)
         self._progress()
-        # memory: hold the backward until the gradient the plan expects next fits in the budget
+        # memory: hold the backward until the gradient the plan expects next fits in the budget (also
+        # reserving the next queued slice's buffers held tiny's 4 ranks at 0.91x DDP: docs/benchmarks.md §9g)
         want = self._next_size.get(i, 0)
         while self._flight and self._live + want > self.budget:
             self._land_oldest_slice()
@@ -293,18 +300,22 @@ class ShardedPSStrategy(DataParallelStrategy):
         for i, _, _ in cover:
             self._release(i)
 
+    def _cost(self, sl: Slice) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+        """(bytes of new buffers, send view, receive region) that issuing ``sl`` now would take."""
+        elem = torch.empty((), dtype=self.precision.param_dtype).element_size()
+        view = self._view_of(sl)
+        into = self._carve(sl, view)
+        recv = (sl.b - sl.a) if dist.get_backend() == "gloo" else sl.q
+        return (0 if view is not None else (sl.b - sl.a) * elem) + (0 if into is not None else recv * elem), view, into
+
     def _issue(self) -> None:
         """Start queued slices in plan order while at most MAX_IN_FLIGHT are in flight and their new
         buffers fit the budget (with nothing in flight the next always goes: waiting frees nothing)."""
-        elem = torch.empty((), dtype=self.precision.param_dtype).element_size()
         while self._todo and len(self._flight) < MAX_IN_FLIGHT:
             sl = self._todo[0]
-            view = self._view_of(sl)
-            into = self._carve(sl, view)
+            cost, view, into = self._cost(sl)
             if view is not None and sl.part.ramp and into is None and self._flight:
                 return  # its gradient's reduced prefix is still too short: after the slice ahead lands
-            recv = (sl.b - sl.a) if dist.get_backend() == "gloo" else sl.q
-            cost = (0 if view is not None else (sl.b - sl.a) * elem) + (0 if into is not None else recv * elem)
             if self._flight and self._live + cost > self.budget:
                 return
             self._todo.popleft()

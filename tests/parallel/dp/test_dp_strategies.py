@@ -389,6 +389,8 @@ def test_bad_configs_fail_before_any_process_group(monkeypatch):
     check(["--dp.strategy", "ps", "--dp.ps_servers", "1"], 6, "not divisible by data-parallel workers")  # 12 rows, 5 workers
     check(["--dp.strategy", "sharded-ps", "--train.micro_batch", "4"], 2, "not divisible")  # 6 rows per rank
     check(["--dp.strategy", "nope"], 2, "not valid")
+    check(["--dp.strategy", "sharded-ps", "--dp.shard_slice_mb", "0"], 2, "shard_slice_mb")
+    check(["--dp.strategy", "sharded-ps", "--dp.shard_budget_mb", "-1"], 2, "shard_budget_mb")
 
 
 def test_one_process_is_the_single_process_engine():

@@ -218,6 +218,7 @@ class ShardedPSStrategy(DataParallelStrategy):
         self._flight: list[Slice] = []  # issued, at most MAX_IN_FLIGHT
         self._live = 0  # bytes of full-size gradients and slice buffers alive now
         self.peak_transient = 0
+        self._elem = torch.empty((), dtype=self.precision.param_dtype).element_size()  # bytes per gradient element
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         # the all-gathers of the updated rows, in flight until a forward needs them: bucket -> (work, W x width rows)
@@ -302,7 +303,7 @@ class ShardedPSStrategy(DataParallelStrategy):
 
     def _cost(self, sl: Slice) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
         """(bytes of new buffers, send view, receive region) that issuing ``sl`` now would take."""
-        elem = torch.empty((), dtype=self.precision.param_dtype).element_size()
+        elem = self._elem
         view = self._view_of(sl)
         into = self._carve(sl, view)
         recv = (sl.b - sl.a) if dist.get_backend() == "gloo" else sl.q

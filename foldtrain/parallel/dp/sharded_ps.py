@@ -74,9 +74,9 @@ all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_te
 MAX_IN_FLIGHT = 2  # reduce-scatter slices in flight: one on the wire while the next is queued behind it
 
 
-def recv_elems(rows: torch.Tensor) -> int:
-    """Elements :func:`exchange_rows` receives for ``rows`` (W x width): all of them on gloo, one row otherwise."""
-    return rows.numel() if dist.get_backend() == "gloo" else rows.shape[1]
+def recv_elems(world: int, width: int) -> int:
+    """Elements :func:`exchange_rows` receives for W x width rows: all of them on gloo, one row otherwise."""
+    return world * width if dist.get_backend() == "gloo" else width
 
 
 def exchange_rows(rows: torch.Tensor, into: torch.Tensor | None = None) -> tuple[dist.Work, torch.Tensor, bool]:
@@ -158,7 +158,7 @@ class Bucket:
         """(part, column offset in the row) for each non-empty part."""
         return [(pt, off) for pt, off in ((self.decay, 0), (self.plain, self.dp)) if pt.width]
 
-    def rows(self, tensors: list[torch.Tensor], dtype: torch.dtype, world: int) -> torch.Tensor:
+    def rows(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """``tensors`` (aligned with the parameters) packed as this bucket's W x width rows."""
         return torch.cat([pt.to_rows(flatten([tensors[i] for i in pt.idx], dtype, pt.padded)) for pt, _ in self.parts()], 1)
 
@@ -171,8 +171,10 @@ class Bucket:
 class Slice:
     """One reduce-scatter of a bucket: stream range [a, b) of one part, landing at ``offset`` of the fp32 gradient shard."""
 
-    def __init__(self, bucket: int, part: Part, a: int, b: int, offset: int, q: int):
-        self.bucket, self.part, self.a, self.b, self.offset, self.q = bucket, part, a, b, offset, q
+    def __init__(self, part: Part, a: int, b: int, offset: int, q: int):
+        self.part, self.a, self.b, self.offset, self.q = part, a, b, offset, q
+        self.cover = part.covering(a, b)  # (parameter, first, last + 1) of each gradient it holds
+        self.at = [part.starts[part.idx.index(i)] + lo - a for i, lo, _ in self.cover]  # where each piece goes in it
         self.work = self.send = self.recv = None
         self.summed = False
         self.view = False  # the send buffer is a view of one gradient (released when the slice lands)
@@ -234,7 +236,7 @@ class ShardedPSStrategy(DataParallelStrategy):
         """This rank's ``decay`` or ``plain`` pieces of every bucket of ``tensors``, concatenated (fp32)."""
         out = []
         for b in self.buckets:
-            rows = b.rows(tensors, torch.float32, self.world)[self.rank]
+            rows = b.rows(tensors, torch.float32)[self.rank]
             out.append(rows[: b.dp] if which == "decay" else rows[b.dp :])
         return torch.cat(out).clone()
 
@@ -244,8 +246,7 @@ class ShardedPSStrategy(DataParallelStrategy):
         self._track(nbytes(p.grad))
         self.launcher.ready(i)
         self._progress()
-        # memory: hold the backward until the gradient the plan expects next fits in the budget (also
-        # reserving the next queued slice's buffers held tiny's 4 ranks at 0.91x DDP: docs/benchmarks.md §9g)
+        # memory: hold the backward until the gradient the plan expects next fits in the budget
         want = self._next_size.get(i, 0)
         while self._flight and self._live + want > self.budget:
             self._land_oldest_slice()
@@ -266,8 +267,8 @@ class ShardedPSStrategy(DataParallelStrategy):
                 p.grad = None  # the full gradient is not kept: only this rank's shard of it
         for pt, base in ((b.decay, b.dec_off), (b.plain, self.n_decay + b.plain_off)):
             for a, e, col, q in pt.cols():
-                sl = Slice(k, pt, a, e, base + col, q)
-                for i, _, _ in pt.covering(a, e):
+                sl = Slice(pt, a, e, base + col, q)
+                for i, _, _ in sl.cover:
                     self._refs[i] = self._refs.get(i, 0) + 1
                 self._todo.append(sl)
 
@@ -281,7 +282,7 @@ class ShardedPSStrategy(DataParallelStrategy):
 
     def _view_of(self, sl: Slice) -> torch.Tensor | None:
         """The slice's send buffer as a view (W x q) of the one gradient it lies in, if it lies in one."""
-        cover = sl.part.covering(sl.a, sl.b)
+        cover = sl.cover
         if len(cover) == 1 and cover[0][2] - cover[0][1] == sl.b - sl.a:
             g = self._held.get(cover[0][0])
             if g is not None and g.dtype == self.precision.param_dtype and g.is_contiguous():
@@ -290,24 +291,21 @@ class ShardedPSStrategy(DataParallelStrategy):
 
     def _pack(self, sl: Slice) -> None:
         """The slice's send buffer as a copy of its pieces (zeros where a gradient is missing or padding)."""
-        cover = sl.part.covering(sl.a, sl.b)
         buf = torch.zeros(sl.b - sl.a, dtype=self.precision.param_dtype, device=self.decay_shard.device)
-        for i, lo, hi in cover:
+        for (i, lo, hi), at in zip(sl.cover, sl.at):
             g = self._held.get(i)
             if g is not None:
-                start = sl.part.starts[sl.part.idx.index(i)] + lo - sl.a
-                buf[start : start + hi - lo] = g.reshape(-1)[lo:hi]
+                buf[at : at + hi - lo] = g.reshape(-1)[lo:hi]
         sl.send, sl.cost = buf.view(self.world, sl.q), nbytes(buf)
-        for i, _, _ in cover:
+        for i, _, _ in sl.cover:
             self._release(i)
 
     def _cost(self, sl: Slice) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
         """(bytes of new buffers, send view, receive region) that issuing ``sl`` now would take."""
-        elem = self._elem
         view = self._view_of(sl)
         into = self._carve(sl, view)
-        recv = (sl.b - sl.a) if dist.get_backend() == "gloo" else sl.q
-        return (0 if view is not None else (sl.b - sl.a) * elem) + (0 if into is not None else recv * elem), view, into
+        fresh = (0 if view is not None else sl.b - sl.a) + (0 if into is not None else recv_elems(self.world, sl.q))
+        return fresh * self._elem, view, into
 
     def _issue(self) -> None:
         """Start queued slices in plan order while at most MAX_IN_FLIGHT are in flight and their new
@@ -339,7 +337,7 @@ class ShardedPSStrategy(DataParallelStrategy):
         pt = sl.part
         dead = min([x.a for x in self._flight if x.part is pt] + [x.a for x in self._todo if x.part is pt])
         lo = max([x.carve[1] for x in self._flight if x.part is pt and x.carve] + [0])
-        hi = lo + recv_elems(view)
+        hi = lo + recv_elems(self.world, sl.q)
         if hi > dead:
             return None
         sl.carve = (lo, hi)
@@ -353,7 +351,7 @@ class ShardedPSStrategy(DataParallelStrategy):
         self._gacc[sl.offset : sl.offset + sl.q] += g.div_(self.world)
         self._track(-sl.cost)
         if sl.view:
-            self._release(sl.part.covering(sl.a, sl.b)[0][0])
+            self._release(sl.cover[0][0])
         sl.work = sl.send = sl.recv = None
 
     def _progress(self) -> None:

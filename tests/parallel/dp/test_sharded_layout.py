@@ -38,7 +38,7 @@ def test_bucket_rows_keep_decay_and_plain_apart():
     params = [torch.randn(6, 4), torch.randn(5), torch.randn(3, 3)]
     b = Bucket([0, 1, 2], params, world=2, dec_off=0, plain_off=0, col_off=0, slice_elems=8)
     assert b.decay.idx == [0, 2] and b.plain.idx == [1] and b.width == b.dp + b.pp == 17 + 3
-    rows = b.rows(params, torch.float32, 2)
+    rows = b.rows(params, torch.float32)
     out = [torch.zeros_like(p) for p in params]
     b.unpack(rows, out)
     assert all(torch.equal(x, y) for x, y in zip(out, params))

@@ -4,7 +4,8 @@
 #   e.g. git worktree add /tmp/old 8bbedbd && scripts/ab_loopback.sh /tmp/old . 6 20
 # Alternates the trees in rounds and prints each run's median tokens/s after step 3. pipeline (the
 # default): interleaved-1f1b after-flush and fold per-chunk, 4 ranks: dp 2 x pp 2, V 2, 8 layers,
-# d 256, 8 x 32 tokens. dp: the data-parallel strategies sharded-ps and allreduce, 4 ranks, tiny.
+# d 256, 8 x 32 tokens. dp: the data-parallel strategies sharded-ps and allreduce, tiny, on NPROC
+# ranks (default 4; 2 leaves each rank a core of its own on this 2-core machine).
 set -euo pipefail
 OLD=$(cd "$1" && pwd); NEW=$(cd "$2" && pwd); ROUNDS=${3:-6}; STEPS=${4:-20}; WHAT=${5:-pipeline}
 PY=${PYTHON:-$(command -v python)}
@@ -19,7 +20,7 @@ run() { # tree schedule sync
 }
 run_dp() { # tree strategy
   local out; out=$(mktemp -d /tmp/ft-ab.XXXX)
-  (cd "$1" && OMP_NUM_THREADS=1 PYTHONPATH=. "$PY" -m torch.distributed.run --standalone --nproc_per_node 4 -m foldtrain train \
+  (cd "$1" && OMP_NUM_THREADS=1 PYTHONPATH=. "$PY" -m torch.distributed.run --standalone --nproc_per_node "${NPROC:-4}" -m foldtrain train \
     --model.preset tiny --dp.strategy "$2" --train.steps "$STEPS" \
     --train.log_every 1 --train.eval_every 0 --checkpoint.every 0 --train.progress false --out "$out" > "$out/log" 2>&1)
   "$PY" -c 'import json,statistics,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(round(statistics.median(x["tokens_per_s"] for x in r if x.get("step",0)>3 and "tokens_per_s" in x)))' "$out/metrics.jsonl"

@@ -54,9 +54,9 @@ def rank_memory(s: Setup, cm: CostModel, sched: Schedule, p: int, runtime: float
     out["masters"] = n * 4 * opt_share if s.master else 0.0
     if s.strategy == "sharded-ps" and s.dp > 1:
         # ZeRO-2: an fp32 gradient shard and fp32 shard weights (whatever the precision); the replica's
-        # gradients live one bucket at a time: --dp.shard_bucket_mb, or the largest gradient (the embedding)
+        # gradients live one bucket at a time (the largest, or --dp.shard_budget_mb)
         out["grads"] = out["masters"] = n * 4 / workers
-        buf = max(s.shard_bytes, s.vocab * s.d_model / s.tp * s.grad_bytes, 4 * s.d_model * s.d_model / s.tp * s.grad_bytes)
+        buf = s.shard_buffer
     elif s.strategy in ("allreduce-3d", "ddp") and s.dp > 1:
         buf = n * s.grad_bytes
     elif s.strategy == "allreduce":

@@ -60,12 +60,21 @@ class Setup:
     first_bytes: float = 2**20  # allreduce / sharded-ps: the first bucket's size
     shard_bytes: float = 4 * 2**20  # sharded-ps: the other buckets' size
     slice_bytes: float = 2**20  # sharded-ps: a bucket's reduce-scatter goes in slices of this size
+    budget_bytes: float = 0.0  # sharded-ps: --dp.shard_budget_mb (0: one bucket, the largest)
     cycle_s: float = 0.0  # allreduce: Horovod's cycle time (a bucket also closes this long after the last launch)
     p2p_scatter: bool = False  # Megatron's scatter/gather: each TP rank sends 1/tp of an activation (not foldtrain's executor)
 
     @property
     def world(self) -> int:
         return self.dp * self.pp * self.tp + self.servers
+
+    @property
+    def shard_buffer(self) -> float:
+        """``sharded-ps``: the replica's gradients and slice buffers a rank holds before its backward waits
+        for the link: the largest bucket (``--dp.shard_bucket_mb``, or a gradient bigger than that, alone:
+        the embedding, a 4d x d matrix), or ``--dp.shard_budget_mb`` if larger."""
+        return max(self.shard_bytes, self.vocab * self.d_model / self.tp * self.grad_bytes,
+                   4 * self.d_model * self.d_model / self.tp * self.grad_bytes, self.budget_bytes)
 
     @property
     def segments(self) -> int:
@@ -125,7 +134,8 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         schedule=p.schedule if three_d else "gpipe", dp_sync=p.dp_sync if three_d else "after-flush",
         defer=bool(cfg.fold.defer_reduce) and three_d, staleness=d.ps_staleness if strat == "ps" else 0,
         bucket_bytes=d.bucket_mb * 2**20, fusion_bytes=d.fusion_mb * 2**20,
-        first_bytes=d.first_bucket_mb * 2**20, shard_bytes=d.shard_bucket_mb * 2**20, slice_bytes=d.shard_slice_mb * 2**20, cycle_s=d.cycle_ms * 1e-3,
+        first_bytes=d.first_bucket_mb * 2**20, shard_bytes=d.shard_bucket_mb * 2**20, slice_bytes=d.shard_slice_mb * 2**20,
+        budget_bytes=d.shard_budget_mb * 2**20, cycle_s=d.cycle_ms * 1e-3,
         wire_factor=(0.5 if d.compression in ("fp16", "bf16") and gb == 4 else 1.0) if strat == "allreduce" else 1.0,
         fp16_scaler=cfg.precision.startswith("fp16"), clip=cfg.optim.grad_clip > 0,
     )

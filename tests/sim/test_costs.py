@@ -102,6 +102,10 @@ def test_sharded_ps_shards_optimizer_and_master_state(cluster):
     # embedding's (GPT-2 small's 50257 x 768 fp32: larger than the 4 MB bucket)
     assert sh["grads"] == approx(one["grads"] / 4) and sh["masters"] == approx(one["grads"] / 4)
     assert sh["comm_buffers"] == approx(50257 * 768 * 4)
+    # a larger --dp.shard_budget_mb lets the backward hold that much before it waits for the link
+    big = simulate(_cfg("--dp.strategy", "sharded-ps", "--parallel.dp", "4", "--train.global_batch", "4", "--dp.shard_budget_mb", "300"),
+                   cluster).memory[0]
+    assert big["comm_buffers"] == approx(300 * 2**20) and big["grads"] == sh["grads"]
 
 
 def test_recomputation_trades_memory_for_time(cluster):

@@ -10,6 +10,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "fold")
 DP_SYNCS = ("after-flush", "per-chunk")
 AC_MODES = ("none", "full")
 COMPRESSIONS = ("none", "fp16", "bf16")
+SHARD_COLLECTIVES = ("auto", "all_to_all", "reduce_scatter")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -101,6 +102,7 @@ class DPConfig:
     shard_bucket_mb: float = 4.0  # sharded-ps: reduce-scatter / all-gather bucket size (transient memory, overlap)
     shard_slice_mb: float = 1.0  # sharded-ps: a bucket's reduce-scatter goes in slices of this size, two in flight
     shard_budget_mb: float = 0.0  # sharded-ps: gradients + slice buffers alive before the backward waits; 0: one bucket (the largest)
+    shard_collective: str = "auto"  # sharded-ps' reduce-scatter: all_to_all + local sum (auto on gloo), or the backend's reduce_scatter (auto elsewhere)
     timeout_s: float = 120.0  # a rank that stalls this long makes every rank fail
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from foldtrain.config.schema import AC_MODES, COMPRESSIONS, DEVICES, DP_SYNCS, PRECISIONS, SCHEDULES, STRATEGIES, Config
+from foldtrain.config.schema import AC_MODES, COMPRESSIONS, DEVICES, DP_SYNCS, PRECISIONS, SCHEDULES, SHARD_COLLECTIVES, STRATEGIES, Config
 from foldtrain.errors import ConfigError
 
 
@@ -54,6 +54,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _choice("ac", cfg.ac, AC_MODES)
     _choice("dp.strategy", d.strategy, STRATEGIES)
     _choice("dp.compression", d.compression, COMPRESSIONS)
+    _choice("dp.shard_collective", d.shard_collective, SHARD_COLLECTIVES)
     _positive("dp.ps_servers", d.ps_servers, allow_zero=True)
     _positive("dp.ps_staleness", d.ps_staleness, allow_zero=True)
     _positive("dp.fusion_mb", d.fusion_mb)

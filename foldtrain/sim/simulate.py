@@ -11,7 +11,9 @@ over every rank after it (a barrier).
 Data-parallel strategies (one process per worker, no pipeline), per step:
 ``allreduce`` / ``horovod`` / ``ddp``: ring all-reduce ``2 (N-1)/N`` of the gradient bytes, started
 as buckets fill during the last backward (``--dp.fusion_mb`` / ``--dp.bucket_mb``); ``sharded-ps``:
-reduce-scatter of gradients + all-gather of parameters, ``(N-1)/N`` each, optimizer on ``1/N``;
+reduce-scatter of gradients + all-gather of parameters, ``(N-1)/N`` each (a bandwidth-optimal
+reduce-scatter: NCCL's, or gloo's all-to-all; ``--dp.shard_collective reduce_scatter`` on gloo is an
+all-reduce, twice that, not modelled), optimizer on ``1/N``;
 ``ps``: the server's link receives ``N-1`` (colocated) or ``N/K`` (``K`` dedicated servers)
 gradients, the server steps, and sends as many parameter copies back; with
 ``--dp.ps_staleness > 0`` a worker only waits for its own push and pull, and the step is

@@ -28,12 +28,14 @@ receive buffer past the budget. So a rank holds its shards plus one bucket, plus
 buffers (measured: one bucket + 16 KiB, docs/benchmarks.md §9g; ``grad_optim_mem_mb`` reports the
 peak). The price is CPU where the link is fast: more collectives, and a backward that waits.
 
-The reduce-scatter is the backend's own (``reduce_scatter_tensor``: NCCL's ring) except on gloo,
-whose reduce-scatter is an all-reduce followed by a slice: it puts 2(W-1)/W of the bucket on the
-wire instead of (W-1)/W (measured on loopback, 4 ranks: 101 MB for a 16 MB tensor, like
-``all_reduce``). There a slice's W pieces go through one ``all_to_all_single`` (piece j to rank j,
-the bandwidth-optimal (W-1)/W) and each rank sums the W pieces it received, in fp32: the receive
-buffer is a whole slice there, 1/W of one with NCCL.
+The reduce-scatter (``--dp.shard_collective``, default ``auto``) is the backend's own
+(``reduce_scatter_tensor``: NCCL's ring) except on gloo, whose reduce-scatter is an all-reduce
+followed by a slice: it puts 2(W-1)/W of the bucket on the wire instead of (W-1)/W (measured on
+loopback, 4 ranks: 101 MB for a 16 MB tensor, like ``all_reduce``). There a slice's W pieces go
+through one ``all_to_all_single`` (piece j to rank j, the bandwidth-optimal (W-1)/W) and each rank
+sums the W pieces it received, in fp32: the receive buffer is a whole slice there, 1/W of one with
+the reduce-scatter. ``all_to_all`` / ``reduce_scatter`` force either (the second is how the tests
+run NCCL's bookkeeping on gloo).
 
 Then: the gradient norm for clipping is the square root of the all-reduced sum of every rank's
 squared shard norm; the fp16 loss scaler's skip decision is all-reduced (MIN) so every rank takes
@@ -74,16 +76,22 @@ all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_te
 MAX_IN_FLIGHT = 2  # reduce-scatter slices in flight: one on the wire while the next is queued behind it
 
 
-def recv_elems(world: int, width: int) -> int:
-    """Elements :func:`exchange_rows` receives for W x width rows: all of them on gloo, one row otherwise."""
-    return world * width if dist.get_backend() == "gloo" else width
+def uses_all_to_all(choice: str) -> bool:
+    """``--dp.shard_collective``: ``auto`` is the all-to-all on gloo (whose reduce-scatter is an
+    all-reduce), the backend's reduce-scatter elsewhere (NCCL's ring)."""
+    return choice == "all_to_all" or (choice == "auto" and dist.get_backend() == "gloo")
 
 
-def exchange_rows(rows: torch.Tensor, into: torch.Tensor | None = None) -> tuple[dist.Work, torch.Tensor, bool]:
+def recv_elems(world: int, width: int, a2a: bool) -> int:
+    """Elements :func:`exchange_rows` receives for W x width rows: all of them by all-to-all, one row otherwise."""
+    return world * width if a2a else width
+
+
+def exchange_rows(rows: torch.Tensor, a2a: bool, into: torch.Tensor | None = None) -> tuple[dist.Work, torch.Tensor, bool]:
     """Start the reduce-scatter of ``rows`` (W x width): (work, buffer, summed). After ``work.wait()``
-    the buffer holds this rank's summed row (``summed``) or, on gloo, the W rows to sum (dim 0).
-    ``into``: a flat buffer of :func:`recv_elems` elements to receive into (else a new one)."""
-    if dist.get_backend() == "gloo":
+    the buffer holds this rank's summed row (``summed``) or, by all-to-all (``a2a``), the W rows to
+    sum (dim 0). ``into``: a flat buffer of :func:`recv_elems` elements to receive into (else a new one)."""
+    if a2a:
         recv = torch.empty_like(rows) if into is None else into.view(rows.shape)
         return dist.all_to_all_single(recv, rows, async_op=True), recv, False
     out = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device) if into is None else into
@@ -221,6 +229,7 @@ class ShardedPSStrategy(DataParallelStrategy):
         self._live = 0  # bytes of full-size gradients and slice buffers alive now
         self.peak_transient = 0
         self._elem = torch.empty((), dtype=self.precision.param_dtype).element_size()  # bytes per gradient element
+        self.a2a = uses_all_to_all(cfg.dp.shard_collective)  # the reduce-scatter as an all-to-all + local sum
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         # the all-gathers of the updated rows, in flight until a forward needs them: bucket -> (work, W x width rows)
@@ -304,7 +313,7 @@ class ShardedPSStrategy(DataParallelStrategy):
         """(bytes of new buffers, send view, receive region) that issuing ``sl`` now would take."""
         view = self._view_of(sl)
         into = self._carve(sl, view)
-        fresh = (0 if view is not None else sl.b - sl.a) + (0 if into is not None else recv_elems(self.world, sl.q))
+        fresh = (0 if view is not None else sl.b - sl.a) + (0 if into is not None else recv_elems(self.world, sl.q, self.a2a))
         return fresh * self._elem, view, into
 
     def _issue(self) -> None:
@@ -324,7 +333,7 @@ class ShardedPSStrategy(DataParallelStrategy):
                 self._pack(sl)
             self.comm.reduce_scatter(sl.send)
             self.comm.phase = "reduce-scatter"
-            sl.work, sl.recv, sl.summed = exchange_rows(sl.send, into)
+            sl.work, sl.recv, sl.summed = exchange_rows(sl.send, self.a2a, into)
             sl.cost += 0 if into is not None else nbytes(sl.recv)
             self._track(sl.cost)
             self._flight.append(sl)
@@ -337,7 +346,7 @@ class ShardedPSStrategy(DataParallelStrategy):
         pt = sl.part
         dead = min([x.a for x in self._flight if x.part is pt] + [x.a for x in self._todo if x.part is pt])
         lo = max([x.carve[1] for x in self._flight if x.part is pt and x.carve] + [0])
-        hi = lo + recv_elems(self.world, sl.q)
+        hi = lo + recv_elems(self.world, sl.q, self.a2a)
         if hi > dead:
             return None
         sl.carve = (lo, hi)

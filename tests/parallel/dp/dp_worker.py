@@ -104,7 +104,8 @@ def run_case(case: dict, env: DistEnv, tmp: Path | None = None) -> dict:
         out["memory"] = {"bytes": strat.grad_optim_bytes(), "shard_elems": strat.n_decay + strat.n_plain, "total": strat.total,
                          "bucket_elems": [b.decay.n + b.plain.n for b in strat.buckets], "bucket_padded": [strat.world * b.width for b in strat.buckets],
                          "budget": strat.budget, "slices": [len(b.decay.slices) + len(b.plain.slices) for b in strat.buckets],
-                         "slice_bytes": max((e - a) * strat.params[0].element_size() for b in strat.buckets for pt in (b.decay, b.plain) for a, e in pt.slices)}
+                         "slice_bytes": max((e - a) * strat.params[0].element_size() for b in strat.buckets for pt in (b.decay, b.plain) for a, e in pt.slices),
+                         "all_to_all": strat.a2a, "ramped": any(b.decay.ramp for b in strat.buckets)}
     if ckpt is not None:
         _, again = make_engine(case["args"], env)
         state = again.state_dict()

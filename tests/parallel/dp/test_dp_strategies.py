@@ -32,7 +32,7 @@ from tests.support import failed, torchrun, without_key_bias
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 TOL = 1e-5  # fp32: every loss and every parameter within 1e-5 relative of the single-process run
-STRATEGY_KEYS = ("--dp.strategy", "--dp.ps_servers", "--dp.fusion_mb", "--dp.compression", "--dp.ps_staleness")
+STRATEGY_KEYS = ("--dp.strategy", "--dp.ps_servers", "--dp.fusion_mb", "--dp.compression", "--dp.ps_staleness", "--dp.shard_collective")
 CLIP = ["--train.micro_batch", "2", "--optim.grad_clip", "0.05"]  # 6 micro-batches per step overall; clipping active
 HALF = ("bf16", "fp16", "bf16-master", "fp16-master")
 
@@ -82,7 +82,11 @@ ZERO2 = ["--dp.strategy", "sharded-ps", "--dp.first_bucket_mb", "0.002", "--dp.s
 
 
 def overlap_cases() -> list[dict]:
-    return [s("overlap/allreduce-cycle", CYCLE, 4), s("overlap/zero2", [*ZERO2, "--train.micro_batch", "1", "--optim.grad_clip", "0.05"], 4)]
+    # zero2-rs: the same with the backend's reduce-scatter (NCCL's path: a one-row receive, also into the
+    # ramped embedding's reduced prefix) instead of gloo's all-to-all
+    zero2 = [*ZERO2, "--train.micro_batch", "1", "--optim.grad_clip", "0.05"]
+    return [s("overlap/allreduce-cycle", CYCLE, 4), s("overlap/zero2", zero2, 4),
+            s("overlap/zero2-rs", [*zero2, "--dp.shard_collective", "reduce_scatter"], 4)]
 
 
 def half_extras(prec: str) -> dict:
@@ -361,17 +365,19 @@ def test_zero2_memory_is_a_shard_plus_a_bucket(world4):
     step counters), the shard being 1/W of the parameters plus padding; transient: the gradients and
     slice buffers alive at once stay within one bucket (the plan's largest), plus one slice's send and
     receive buffers when a slice must go with nothing in flight; every bucket went in several slices."""
-    for r, res in enumerate(world4):
-        m = res["overlap/zero2"]["memory"]
-        persistent, transient = m["bytes"]
-        assert persistent == 16 * m["shard_elems"] + 2 * 4, (r, persistent, m["shard_elems"])
-        assert m["total"] / 4 <= m["shard_elems"] <= m["total"] / 4 + 2 * len(m["bucket_elems"])  # each part padded to a multiple of W
-        assert m["budget"] == 4 * max(m["bucket_padded"])  # fp32: one bucket's bytes
-        assert 0 < transient <= m["budget"] + 2 * m["slice_bytes"], (r, transient, m["budget"], m["slice_bytes"])
-        assert len(m["bucket_elems"]) >= 4 and sum(m["slices"]) >= 3 * len(m["slices"]), m["slices"]
-        mb = res["overlap/zero2"]["stats"][-1]["grad_optim_mem_mb"]
-        assert mb == pytest.approx((persistent + transient) / 2**20)
-        assert mb < 0.5 * 16 * m["total"] / 2**20  # well under a replica's gradients + optimizer
+    for name in ("overlap/zero2", "overlap/zero2-rs"):  # gloo's all-to-all, and the reduce-scatter (1/W receives)
+        for r, res in enumerate(world4):
+            m = res[name]["memory"]
+            assert m["all_to_all"] == (name == "overlap/zero2") and m["ramped"], (name, m["all_to_all"], m["ramped"])
+            persistent, transient = m["bytes"]
+            assert persistent == 16 * m["shard_elems"] + 2 * 4, (name, r, persistent, m["shard_elems"])
+            assert m["total"] / 4 <= m["shard_elems"] <= m["total"] / 4 + 2 * len(m["bucket_elems"])  # each part padded to a multiple of W
+            assert m["budget"] == 4 * max(m["bucket_padded"])  # fp32: one bucket's bytes
+            assert 0 < transient <= m["budget"] + 2 * m["slice_bytes"], (name, r, transient, m["budget"], m["slice_bytes"])
+            assert len(m["bucket_elems"]) >= 4 and sum(m["slices"]) >= 3 * len(m["slices"]), m["slices"]
+            mb = res[name]["stats"][-1]["grad_optim_mem_mb"]
+            assert mb == pytest.approx((persistent + transient) / 2**20)
+            assert mb < 0.5 * 16 * m["total"] / 2**20  # well under a replica's gradients + optimizer
 
 
 # ---------------------------------------------------------------------- no process group needed
@@ -391,6 +397,7 @@ def test_bad_configs_fail_before_any_process_group(monkeypatch):
     check(["--dp.strategy", "nope"], 2, "not valid")
     check(["--dp.strategy", "sharded-ps", "--dp.shard_slice_mb", "0"], 2, "shard_slice_mb")
     check(["--dp.strategy", "sharded-ps", "--dp.shard_budget_mb", "-1"], 2, "shard_budget_mb")
+    check(["--dp.strategy", "sharded-ps", "--dp.shard_collective", "ring"], 2, "shard_collective")
 
 
 def test_one_process_is_the_single_process_engine():

@@ -21,6 +21,12 @@ The executor's semantics (``foldtrain/pipeline/executor.py``), action by action,
   of collectives (``costs.reduce_buckets``: ``(ready, phases)``), and those with a ``ready`` fraction
   go on the stream when that fraction of the ``B`` just before the ``LR`` is done (a data-parallel
   engine's buckets, launched while the last backward still runs), the rest at the ``LR``;
+* a deferred chunk's ``LR`` (``--fold.defer_reduce``) puts its buckets (``costs.deferred_buckets``) in
+  the rank's deadline queue instead (``parallel/pipeline/deadlines.py``): they go on a second stream
+  one at a time, only while nothing is on the first (urgent reductions never wait behind them), and
+  whatever is still held when the rank leaves the iteration's end barrier goes at once, sorted by
+  deadline (the position of the ``WR`` that needs it); with clipping (``costs.hold_deferred()``
+  false) nothing is held;
 * ``WR(c)`` blocks until both are done (``reduce_wait``); a deferred ``WR`` (before the chunk's
   first forward) waits for the reduction launched in the previous iteration and is skipped in
   the first one;
@@ -113,12 +119,13 @@ class SharedLink:
 
 
 class Stream:
-    """A FIFO of phase lists (a rank's reduction stream): one job at a time."""
+    """A FIFO of phase lists (a rank's reduction stream): one job at a time; ``after()`` once each is done."""
 
-    def __init__(self, sim: "Sim"):
+    def __init__(self, sim: "Sim", after: Callable[[], None] | None = None):
         self.sim = sim
         self.queue: list = []
         self.busy = False
+        self.after = after
 
     def submit(self, ready_at: float, phases: list[Phase], done: Callable[[float, float], None]) -> None:
         self.queue.append((ready_at, phases, done))
@@ -136,6 +143,8 @@ class Stream:
         def finish(t: float) -> None:
             done(start, t)
             self._start_next()
+            if self.after is not None:
+                self.after()
 
         self.sim.at(start, lambda: self.sim.run_phases(list(phases), finish))
 
@@ -172,7 +181,14 @@ class Sim:
         self.fifo: dict[tuple, float] = {}  # dedicated FIFO links: when they are free
         P = sched.pp
         self.ranks = [RankState(p, deferred=set(sched.deferred_chunks(p))) for p in range(P)]
-        self.dp_stream = [Stream(self) for _ in range(P)]
+        self.dp_stream = [Stream(self, after=lambda p=p: self.pump(p)) for p in range(P)]
+        # --fold.defer_reduce: the deadline queue (parallel/pipeline/deadlines.py). Deferred buckets go on a
+        # second stream (group), one at a time and only while no urgent reduction is in flight, until the
+        # iteration's end, when the rest go at once in deadline order (the WR that needs them)
+        self.defer_stream = [Stream(self, after=lambda p=p: self.pump(p)) for p in range(P)]
+        self.pending: list[list] = [[] for _ in range(P)]  # (deadline, chunk, bucket, phases, done), in launch order
+        self.hold = getattr(costs, "hold_deferred", lambda: True)()
+        self.deadline = [{a.chunk: i for i, a in enumerate(acts) if a.op is Op.WAIT_REDUCE} for acts in sched.ranks]
         self.tie_stream = [Stream(self) for _ in range(P)]
         self.arrived: dict[tuple, float] = {}  # (iteration, message key) -> arrival time
         self.recv_waiters: dict[tuple, Callable[[float], None]] = {}
@@ -444,6 +460,7 @@ class Sim:
         ends.append(r.t)
         if len(ends) == len(self.ranks):
             self.iter_end.append(max(ends))
+        self.release_deferred(r.p, r.t)
         r.it += 1
         r.pc = 0
         r.last_send = 0.0
@@ -479,8 +496,8 @@ class Sim:
         it = r.it
         self.ev(r, f"LR c{c}", "reduce_launch", r.t, r.t, chunk=c, instant=True)
 
-        def done(kind: str, start: float, t: float, r=r) -> None:
-            if kind == "dp" and it >= self.record_from:
+        def done(kind: str, start: float, t: float, r=r, record: bool = True) -> None:
+            if kind == "dp" and record and it >= self.record_from:
                 r.events.append({"name": f"reduce c{c}", "kind": "reduce", "rank": r.p, "start": start, "end": t,
                                  "step": it, "args": {"chunk": c}})
             key = (r.p, c, it, kind)
@@ -492,8 +509,51 @@ class Sim:
         if tie is not None:  # its dp part goes first on the stream, the pair's sum once both ends' are done
             side = 0 if c == 0 else 1
             self.dp_stream[r.p].submit(r.t, list(tie["dp"]), lambda s, t, side=side: self._tie_dp_done(it, side, t))
+        deferred = getattr(self.costs, "deferred_buckets", lambda p, c: None)(r.p, c) if c in r.deferred else None
+        if deferred:
+            self.queue_deferred(r, c, deferred, done)
+            return
         at_lr = [ph for f, phases in self.buckets(r.p, c) if f is None for ph in phases]  # the others went during the B
         self.dp_stream[r.p].submit(r.t, at_lr, lambda s, t: done("dp", s, t))
+
+    def queue_deferred(self, r: RankState, c: int, buckets: list, done: Callable) -> None:
+        """Chunk ``c``'s deferred buckets into the deadline queue; ``done("dp", start, end)`` after the last."""
+        it, left, first = r.it, [len(buckets)], [None]
+
+        def bucket_done(start: float, t: float, k: int) -> None:
+            if it >= self.record_from:
+                r.events.append({"name": f"reduce c{c} b{k}", "kind": "reduce", "rank": r.p, "start": start, "end": t,
+                                 "step": it, "args": {"chunk": c, "bucket": k, "deferred": True}})
+            first[0] = start if first[0] is None else first[0]
+            left[0] -= 1
+            if left[0] == 0:
+                done("dp", first[0], t, record=False)  # the buckets are its events
+
+        deadline = self.deadline[r.p].get(c, len(self.sched.ranks[r.p]))
+        for k, phases in enumerate(buckets):
+            self.pending[r.p].append((deadline, c, k, list(phases), lambda s, t, k=k: bucket_done(s, t, k)))
+        self.pump(r.p)
+
+    def pump(self, p: int) -> None:
+        """Issue rank ``p``'s next deferred bucket if no urgent reduction and no deferred bucket is in flight
+        (all of them at once with clipping: nothing is held back then)."""
+        q = self.pending[p]
+        if not q:
+            return
+        if not self.hold:
+            self.release_deferred(p, self.now, sort=False)
+        elif not self.dp_stream[p].busy and not self.defer_stream[p].busy:
+            job = q.pop(0)
+            self.defer_stream[p].submit(self.now, job[3], job[4])
+
+    def release_deferred(self, p: int, t: float, sort: bool = True) -> None:
+        """Every deferred bucket of rank ``p`` still held, issued now (by deadline: the iteration's end)."""
+        q = self.pending[p]
+        if sort:
+            q.sort(key=lambda j: j[:3])
+        for job in q:
+            self.defer_stream[p].submit(max(t, self.now), job[3], job[4])
+        q.clear()
 
     def _tie_dp_done(self, it: int, side: int, t: float) -> None:
         """One end's dp part is done: it sends the other end what that one lacks (the head its dense

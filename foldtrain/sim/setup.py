@@ -61,6 +61,7 @@ class Setup:
     shard_bytes: float = 4 * 2**20  # sharded-ps: the other buckets' size
     slice_bytes: float = 2**20  # sharded-ps: a bucket's reduce-scatter goes in slices of this size
     budget_bytes: float = 0.0  # sharded-ps: --dp.shard_budget_mb (0: one bucket, the largest)
+    fold_bucket_bytes: float = 2 * 2**20  # 3D with --fold.defer_reduce: deferred reductions go in buckets of this size
     cycle_s: float = 0.0  # allreduce: Horovod's cycle time (a bucket also closes this long after the last launch)
     p2p_scatter: bool = False  # Megatron's scatter/gather: each TP rank sends 1/tp of an activation (not foldtrain's executor)
 
@@ -135,7 +136,7 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         defer=bool(cfg.fold.defer_reduce) and three_d, staleness=d.ps_staleness if strat == "ps" else 0,
         bucket_bytes=d.bucket_mb * 2**20, fusion_bytes=d.fusion_mb * 2**20,
         first_bytes=d.first_bucket_mb * 2**20, shard_bytes=d.shard_bucket_mb * 2**20, slice_bytes=d.shard_slice_mb * 2**20,
-        budget_bytes=d.shard_budget_mb * 2**20, cycle_s=d.cycle_ms * 1e-3,
+        budget_bytes=d.shard_budget_mb * 2**20, fold_bucket_bytes=cfg.fold.bucket_mb * 2**20, cycle_s=d.cycle_ms * 1e-3,
         wire_factor=(0.5 if d.compression in ("fp16", "bf16") and gb == 4 else 1.0) if strat == "allreduce" else 1.0,
         fp16_scaler=cfg.precision.startswith("fp16"), clip=cfg.optim.grad_clip > 0,
     )

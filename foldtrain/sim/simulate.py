@@ -136,6 +136,26 @@ class RunCosts:
         self._red[seg] = out
         return out
 
+    def deferred_buckets(self, p: int, seg: int) -> list[list] | None:
+        """A deferred chunk's reduction (``--fold.defer_reduce``) as the pipeline engine's deadline queue
+        sends it: ring all-reduces of ``--fold.bucket_mb`` each (``parallel/pipeline/deadlines.py``), one
+        phase list per bucket; ``None`` without data parallelism (nothing to queue)."""
+        s = self.s
+        if s.dp <= 1:
+            return None
+        n = s.dp
+        g = self.cm.grad_bytes(seg) - (self.tied_params() * s.grad_bytes if self.tie(p, seg) is not None else 0.0)
+        cap = s.fold_bucket_bytes
+        sizes = [cap] * int(g // cap) + ([g - cap * int(g // cap)] if g % cap > 0 else [])
+        key, weight, _bw, lat = self.pl.dp_link(p)
+        return [[self.steps(2 * (n - 1), lat), ("delay", (n - 1) / n * b * 3 / self.c.mem_bw),
+                 ("flow", key, weight, 2 * (n - 1) / n * b * s.wire_factor)] for b in sizes]
+
+    def hold_deferred(self) -> bool:
+        """Whether deferred buckets wait for the urgent reductions and the end of the iteration (the
+        deadline queue's window); with clipping every reduction lands within its iteration: no."""
+        return not self.s.clip
+
     def bucket_sizes(self, seg: int, g: float) -> list[float]:
         """The bytes of each collective a data-parallel engine issues for ``g`` gradient bytes per step,
         in launch order (the pipeline engine reduces a chunk as one flat buffer: ``[g]``). DDP: a first

@@ -44,6 +44,40 @@ def test_deferred_reduction_is_waited_in_the_next_iteration():
     assert len([e for e in optims if e["step"] == 0]) == 1 and len([e for e in optims if e["step"] == 2]) == 2
 
 
+class _Deadlines(UnitCosts):
+    """Deferred chunks reduce in three buckets of 9 s each (more than the backward between two LRs:
+    a backlog); urgent ones in 10 s."""
+
+    def deferred_buckets(self, p, c):
+        return [[("delay", 9.0)] for _ in range(3)]
+
+
+def test_deferred_buckets_never_delay_an_urgent_reduction():
+    """fold + deferral: the deferred buckets go one at a time and none starts while an urgent reduction
+    is in flight, so each urgent one starts at its LR; those still held at the iteration's end go
+    then, by deadline (the WR that needs them in the next iteration)."""
+    sched = build_schedule("fold", 2, 4, 4, "per-chunk", defer_reduce=True)
+    sim = run_schedule(sched, _Deadlines(1.0, 2.0, t_reduce=10.0), iterations=3)
+    for r in sim.ranks:
+        deferred = set(sched.deferred_chunks(r.p))
+        assert deferred and deferred != set(range(r.p, sched.segments, sched.pp))  # some chunks of each kind
+        ev = [e for e in r.events if e["step"] == 1]
+        launches = {e["args"]["chunk"]: e["start"] for e in ev if e["kind"] == "reduce_launch"}
+        urgent = [e for e in ev if e["kind"] == "reduce" and not e["args"].get("deferred")]
+        buckets = [e for e in ev if e["kind"] == "reduce" and e["args"].get("deferred")]
+        assert {e["args"]["chunk"] for e in urgent} == set(launches) - deferred
+        assert {e["args"]["chunk"] for e in buckets} == deferred and len(buckets) == 3 * len(deferred)
+        end = max(e["end"] for e in ev if e["kind"] == "step")
+        for u in urgent:
+            assert u["start"] == approx(launches[u["args"]["chunk"]])  # never queued behind a deferred bucket
+            held = [b for b in buckets if b["start"] < end - 1e-9]
+            assert not [b for b in held if u["start"] - 1e-9 <= b["start"] < u["end"] - 1e-9], (u, held)
+        late = sorted((b for b in buckets if b["start"] > end + 1e-9), key=lambda b: b["start"])
+        assert len({b["args"]["chunk"] for b in late}) >= 2  # the backlog of two chunks was still held at the end
+        order = [sim.deadline[r.p][b["args"]["chunk"]] for b in late]
+        assert order == sorted(order)  # released at the end in deadline order
+
+
 class _TwoFlows(UnitCosts):
     def send(self, p, a):
         return ("nic", 0), 1.0, 0.0, 100.0

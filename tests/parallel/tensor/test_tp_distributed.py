@@ -20,10 +20,12 @@ pytest.importorskip("torch")
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 TOL = 1e-5
-# parameters after five AdamW steps (fp32): Adam carries a small gradient element's summation-order rounding
-# at the size of the learning rate; an AMD EPYC put ln1.bias at 2.1e-5 (the code before this bound too).
-# The float64 run checks every parameter at TOL.
-PARAM_TOL = 3e-5
+# fp32 parameters after five AdamW steps: every tensor within TOL in the 2-norm, the measure of the dp and
+# pipeline equivalence tests (measured 5.9e-6 at worst); single elements within ELEM_TOL of their tensor's
+# largest entry, since Adam turns a nearly cancelling gradient element's summation-order rounding into an
+# update of arbitrary sign (an AMD EPYC put one ln1.bias element at 2.1e-5). The float64 run checks every
+# element of every parameter at TOL.
+ELEM_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +107,10 @@ def test_five_adamw_steps_match_single_process(results, prefix):
         assert r[prefix + "train_params_changed"] is True
         # clipping at 1.0 really scaled the gradients (the norms are above 1)
         assert max(r[prefix + "train_grad_norms"]) > 1.0
-        # every parameter (full_tensor) within PARAM_TOL of the single-process run; in fp32 the key biases,
-        # whose exact gradient is zero, hold Adam-amplified rounding noise and are left out (see worker)
-        assert r[prefix + "train_param_rel_max_excl_key_bias"] < (PARAM_TOL if not prefix else TOL), r[prefix + "train_param_rel_excl_key_bias_worst"]
+        # every parameter (full_tensor) against the single-process run; in fp32 the key biases, whose exact
+        # gradient is zero, hold Adam-amplified rounding noise and are left out (see worker)
+        assert r[prefix + "train_param_rel2_max_excl_key_bias"] < TOL, r[prefix + "train_param_rel2_excl_key_bias_worst"]
+        assert r[prefix + "train_param_rel_max_excl_key_bias"] < (ELEM_TOL if not prefix else TOL), r[prefix + "train_param_rel_excl_key_bias_worst"]
     assert results[0]["f64_train_param_rel_max"] < TOL  # float64: all entries, key biases included
 
 

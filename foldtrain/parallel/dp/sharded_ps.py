@@ -128,6 +128,10 @@ class Part:
         self.slices = [(sum(lengths[:k]), sum(lengths[: k + 1])) for k in range(len(lengths))]  # stream ranges
         self.width = padded // world
         self.padded = padded
+        # per slice, fixed by the layout (so computed once, not at every launch): the gradients it holds,
+        # (parameter, first, last + 1) each, and where each piece goes in the slice
+        self.covers = [self.covering(a, b) for a, b in self.slices]
+        self.ats = [[self.starts[idx.index(i)] + lo - a for i, lo, _ in cov] for (a, _), cov in zip(self.slices, self.covers)]
 
     def cols(self):
         """(a, b, col, q) per slice: stream range [a, b); each rank's piece is q = (b-a)/W long, at ``col`` of its row."""
@@ -177,12 +181,14 @@ class Bucket:
 
 
 class Slice:
-    """One reduce-scatter of a bucket: stream range [a, b) of one part, landing at ``offset`` of the fp32 gradient shard."""
+    """One reduce-scatter of a bucket: slice ``k`` of one part (stream range [a, b)), landing at ``offset``
+    of the fp32 gradient shard."""
 
-    def __init__(self, part: Part, a: int, b: int, offset: int, q: int):
-        self.part, self.a, self.b, self.offset, self.q = part, a, b, offset, q
-        self.cover = part.covering(a, b)  # (parameter, first, last + 1) of each gradient it holds
-        self.at = [part.starts[part.idx.index(i)] + lo - a for i, lo, _ in self.cover]  # where each piece goes in it
+    def __init__(self, part: Part, k: int, offset: int, q: int):
+        self.part, self.offset, self.q = part, offset, q
+        self.a, self.b = part.slices[k]
+        self.cover = part.covers[k]  # (parameter, first, last + 1) of each gradient it holds
+        self.at = part.ats[k]  # where each piece goes in it
         self.work = self.send = self.recv = None
         self.summed = False
         self.view = False  # the send buffer is a view of one gradient (released when the slice lands)
@@ -275,8 +281,8 @@ class ShardedPSStrategy(DataParallelStrategy):
                 self._held[i] = p.grad
                 p.grad = None  # the full gradient is not kept: only this rank's shard of it
         for pt, base in ((b.decay, b.dec_off), (b.plain, self.n_decay + b.plain_off)):
-            for a, e, col, q in pt.cols():
-                sl = Slice(pt, a, e, base + col, q)
+            for k, (_, _, col, q) in enumerate(pt.cols()):
+                sl = Slice(pt, k, base + col, q)
                 for i, _, _ in sl.cover:
                     self._refs[i] = self._refs.get(i, 0) + 1
                 self._todo.append(sl)

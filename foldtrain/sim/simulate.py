@@ -118,8 +118,8 @@ class RunCosts:
                     ready = done / g if i < len(sizes) - 1 else None  # the pipeline engine's one buffer: at the LR
                     if s.strategy == "sharded-ps":  # per bucket a reduce-scatter per slice, (n-1) steps each
                         phases = [self.steps((n - 1) * math.ceil(b / s.slice_bytes), lat), ("delay", add(b)), ("flow", key, weight, (n - 1) / n * b)]
-                    else:  # a ring all-reduce, 2 (n-1) steps
-                        phases = [self.steps(2 * (n - 1), lat), ("delay", add(b)), ("flow", key, weight, 2 * (n - 1) / n * b * s.wire_factor)]
+                    else:
+                        phases = self.ring(p, b)
                     out.append((ready, phases))
                 if s.strategy == "sharded-ps":  # then every bucket's all-gather of the updated parameters, (n-1) steps each
                     out.append((None, [self.steps((n - 1) * len(sizes), lat), ("flow", key, weight, (n - 1) / n * w)]))
@@ -143,13 +143,18 @@ class RunCosts:
         s = self.s
         if s.dp <= 1:
             return None
-        n = s.dp
         g = self.cm.grad_bytes(seg) - (self.tied_params() * s.grad_bytes if self.tie(p, seg) is not None else 0.0)
         cap = s.fold_bucket_bytes
         sizes = [cap] * int(g // cap) + ([g - cap * int(g // cap)] if g % cap > 0 else [])
+        return [self.ring(p, b) for b in sizes]
+
+    def ring(self, p: int, nbytes: float) -> list:
+        """A ring all-reduce of ``nbytes`` over rank ``p``'s data-parallel group: 2 (n-1) steps, the
+        received parts summed at memory bandwidth, 2 (n-1)/n of the bytes (compressed) on the link."""
+        n = self.s.dp
         key, weight, _bw, lat = self.pl.dp_link(p)
-        return [[self.steps(2 * (n - 1), lat), ("delay", (n - 1) / n * b * 3 / self.c.mem_bw),
-                 ("flow", key, weight, 2 * (n - 1) / n * b * s.wire_factor)] for b in sizes]
+        return [self.steps(2 * (n - 1), lat), ("delay", (n - 1) / n * nbytes * 3 / self.c.mem_bw),
+                ("flow", key, weight, 2 * (n - 1) / n * nbytes * self.s.wire_factor)]
 
     def hold_deferred(self) -> bool:
         """Whether deferred buckets wait for the urgent reductions and the end of the iteration (the
@@ -205,12 +210,7 @@ class RunCosts:
         union = rows * (1.0 - (1.0 - 1.0 / s.vocab) ** (s.dp * s.microbatches * s.micro_batch * s.seq))
         sent = union if seg == 0 and 2 * union <= rows else rows
         nbytes = sent * cols * s.grad_bytes
-        phases: list = []
-        if n > 1:
-            key, weight, _bw, lat = self.pl.dp_link(p)
-            ring = 2 * (n - 1) / n
-            phases += [self.steps(2 * (n - 1), lat), ("delay", (n - 1) / n * nbytes * 3 / self.c.mem_bw),
-                       ("flow", key, weight, ring * nbytes)]
+        phases: list = self.ring(p, nbytes) if n > 1 else []  # (3D: no wire compression)
         other = s.pp - 1 if seg == 0 else 0
         key, weight, lat = self.pl.p2p_link(p, other)
         if key[0] == "p2p":

@@ -42,7 +42,12 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
         p.add_argument("--top_k", type=int, default=50)
         p.add_argument("--seed", type=int, default=0)
     if cmd == "export":
-        p.add_argument("--hf", required=True, metavar="DIR", help="new directory for config.json, model.safetensors and the tokenizer")
+        p.add_argument(
+            "--hf",
+            required=True,
+            metavar="DIR",
+            help="new directory for config.json, model.safetensors and the tokenizer",
+        )
     if cmd == "config":
         p.add_argument("--keys", action="store_true", help="list every config key")
     return p
@@ -56,7 +61,9 @@ def _config(ns: argparse.Namespace, rest: list[str], from_run: bool = False):
         out = dict(parse_overrides(rest)).get("out", "runs/default")
         saved = Path(str(out)) / "config.toml"
         if not saved.is_file():
-            raise ConfigError(f"{out} holds no trained run (no config.toml); pass --out of a run made by `foldtrain train`")
+            raise ConfigError(
+                f"{out} holds no trained run (no config.toml); pass --out of a run made by `foldtrain train`"
+            )
         config_file = str(saved)
     return build_config(rest, config_file)
 
@@ -68,14 +75,28 @@ def cmd_prepare(ns, rest) -> int:
     d = cfg.data
     if not d.out:
         raise ConfigError("prepare needs an output directory; pass --data.out DIR")
-    meta = prepare(d.path or None, d.out, vocab_size=d.vocab_size, tokenizer_path=d.tokenizer, text_field=d.text_field, val_fraction=d.val_fraction, seed=d.seed,
-                   workers=d.workers, shard_mb=d.shard_mb, tokenizer_sample_mb=d.tokenizer_sample_mb, shard=d.shard, num_shards=d.num_shards)
+    meta = prepare(
+        d.path or None,
+        d.out,
+        vocab_size=d.vocab_size,
+        tokenizer_path=d.tokenizer,
+        text_field=d.text_field,
+        val_fraction=d.val_fraction,
+        seed=d.seed,
+        workers=d.workers,
+        shard_mb=d.shard_mb,
+        tokenizer_sample_mb=d.tokenizer_sample_mb,
+        shard=d.shard,
+        num_shards=d.num_shards,
+    )
     if "part" in meta:
         print(f"prepared part {meta['part']} of {meta['num_shards']} ({meta['shards']} shard(s)) in {meta['staging']}")
         return 0
     splits = meta["splits"]
-    print(f"prepared {d.out}: {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} val tokens, vocab {meta['vocab_size']}, "
-          f"{meta['n_documents']:,} documents in {len(meta['shards'])} shard(s)")
+    print(
+        f"prepared {d.out}: {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} val tokens, vocab {meta['vocab_size']}, "
+        f"{meta['n_documents']:,} documents in {len(meta['shards'])} shard(s)"
+    )
     return 0
 
 
@@ -99,7 +120,9 @@ def _load_run_model(ns, cfg):
     else:
         path = CheckpointManager(Path(cfg.out) / "checkpoints").latest()
         if path is None:
-            raise CheckpointError(f"{cfg.out} holds no checkpoint; train first or pass --checkpoint DIR of a saved step")
+            raise CheckpointError(
+                f"{cfg.out} holds no checkpoint; train first or pass --checkpoint DIR of a saved step"
+            )
     cfg.model.init_from = ""  # the weights come from the checkpoint
     model = build_model(cfg)
     load_model_weights(model, path)
@@ -116,8 +139,14 @@ def cmd_eval(ns, rest) -> int:
     cfg = _config(ns, rest, from_run=True)
     model, data, device, path = _load_run_model(ns, cfg)
     engine = ReplicatedEngine(model, cfg, device, cfg.train.micro_batch or cfg.train.global_batch)
-    loss = engine.eval_loss(val_batches(data.split("val"), cfg.train.seq_len, engine.micro_batch, cfg.train.eval_batches))
-    print(json.dumps({"checkpoint": str(path), "val_loss": round(loss, 6), "val_ppl": round(math.exp(min(loss, 50.0)), 4)}))
+    loss = engine.eval_loss(
+        val_batches(data.split("val"), cfg.train.seq_len, engine.micro_batch, cfg.train.eval_batches)
+    )
+    print(
+        json.dumps(
+            {"checkpoint": str(path), "val_loss": round(loss, 6), "val_ppl": round(math.exp(min(loss, 50.0)), 4)}
+        )
+    )
     return 0
 
 
@@ -143,7 +172,9 @@ def cmd_export(ns, rest) -> int:
     model, data, _, path = _load_run_model(ns, cfg)
     shape = {k: getattr(cfg.model, k) for k in SHAPE_KEYS}
     export_hf(model.state_dict(), shape, target, data.tokenizer_path, data.eot_id, cfg.model.dropout)
-    print(f"exported {path} to {target}: config.json, model.safetensors, tokenizer (GPT2LMHeadModel / AutoTokenizer.from_pretrained)")
+    print(
+        f"exported {path} to {target}: config.json, model.safetensors, tokenizer (GPT2LMHeadModel / AutoTokenizer.from_pretrained)"
+    )
     return 0
 
 
@@ -152,7 +183,11 @@ def cmd_plot(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="foldtrain plot", allow_abbrev=False)
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (--out of foldtrain train)")
-    p.add_argument("--out", metavar="PNG", help="image to write (default: RUN/plot.png for one run, ./foldtrain-plot.png for several)")
+    p.add_argument(
+        "--out",
+        metavar="PNG",
+        help="image to write (default: RUN/plot.png for one run, ./foldtrain-plot.png for several)",
+    )
     ns = p.parse_args(argv)
     print(f"wrote {plot_runs(ns.runs, ns.out)}")
     return 0
@@ -170,7 +205,9 @@ def cmd_config(ns, rest) -> int:
 def _sim_command(cmd: str, argv: list[str]) -> int:
     from foldtrain import sim_cli
 
-    return {"simulate": sim_cli.simulate_main, "plan": sim_cli.plan_main, "calibrate": sim_cli.calibrate_main}[cmd](argv)
+    return {"simulate": sim_cli.simulate_main, "plan": sim_cli.plan_main, "calibrate": sim_cli.calibrate_main}[cmd](
+        argv
+    )
 
 
 SIM_COMMANDS = ("simulate", "plan", "calibrate")
@@ -183,7 +220,14 @@ def cmd_bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
-COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "export": cmd_export, "config": cmd_config}
+COMMANDS = {
+    "prepare": cmd_prepare,
+    "train": cmd_train,
+    "eval": cmd_eval,
+    "generate": cmd_generate,
+    "export": cmd_export,
+    "config": cmd_config,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         if cmd in SIM_COMMANDS:
             return _sim_command(cmd, rest)
         if cmd not in COMMANDS:
-            raise ConfigError(f"unknown command '{cmd}'; choose one of: {', '.join([*COMMANDS, 'plot', 'bench', *SIM_COMMANDS])}")
+            raise ConfigError(
+                f"unknown command '{cmd}'; choose one of: {', '.join([*COMMANDS, 'plot', 'bench', *SIM_COMMANDS])}"
+            )
         ns, extra = _parser(cmd).parse_known_args(rest)
         return COMMANDS[cmd](ns, extra)
     except FoldtrainError as e:

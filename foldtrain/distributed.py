@@ -116,7 +116,9 @@ def _attempt_store(rank: int, world: int, timeout: timedelta) -> dict:
     (pytorch/pytorch#135712): give each attempt its own key prefix."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return {"store": dist.PrefixStore(f"foldtrain/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
@@ -126,14 +128,18 @@ def _init_from_horovod(device_request: str, timeout_s: float) -> DistEnv:
     try:
         import horovod.torch as hvd
     except ImportError as e:
-        raise DistributedError(f"horovodrun started this process but this Python cannot import horovod.torch ({e}); install Horovod for it "
-                               "(bash scripts/install-horovod.sh) or launch with torchrun") from None
+        raise DistributedError(
+            f"horovodrun started this process but this Python cannot import horovod.torch ({e}); install Horovod for it "
+            "(bash scripts/install-horovod.sh) or launch with torchrun"
+        ) from None
     hvd.init()
     rank, world, local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
     launched = int(os.environ["HOROVOD_SIZE"])
     if world != launched:
-        raise DistributedError(f"Horovod formed a world of {world} process(es) but horovodrun launched {launched}; "
-                               "check horovodrun's -np and -H slots")
+        raise DistributedError(
+            f"Horovod formed a world of {world} process(es) but horovodrun launched {launched}; "
+            "check horovodrun's -np and -H slots"
+        )
     device = pick_device(device_request, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -142,8 +148,14 @@ def _init_from_horovod(device_request: str, timeout_s: float) -> DistEnv:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", os.environ["HOROVOD_GLOO_IFACE"])
         host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False) if rank == 0 else None
-        host, port = hvd.broadcast_object((host, store.port) if rank == 0 else None, root_rank=0, name="foldtrain.store")
+        store = (
+            dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+            if rank == 0
+            else None
+        )
+        host, port = hvd.broadcast_object(
+            (host, store.port) if rank == 0 else None, root_rank=0, name="foldtrain.store"
+        )
         if rank != 0:
             store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
         backend = "nccl" if device.type == "cuda" else "gloo"

@@ -32,7 +32,14 @@ from dataclasses import dataclass
 
 ENV = "FOLDTRAIN_FAULT"
 POINTS = ("step", "forward", "reduce", "p2p", "save", "export")
-_REDUCE = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "reduce_scatter_single", "all_gather_single", "all_to_all_single")
+_REDUCE = (
+    "all_reduce",
+    "reduce_scatter_tensor",
+    "all_gather_into_tensor",
+    "reduce_scatter_single",
+    "all_gather_single",
+    "all_to_all_single",
+)
 _P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
@@ -49,7 +56,9 @@ def parse(spec: str) -> list[Fault]:
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         fields = part.split(":")
         if len(fields) != 4 or fields[3] not in POINTS or not all(f.isdigit() for f in fields[:3]):
-            raise ValueError(f"{ENV}: bad fault '{part}'; expected ATTEMPT:RANK:STEP:POINT with POINT one of {', '.join(POINTS)}")
+            raise ValueError(
+                f"{ENV}: bad fault '{part}'; expected ATTEMPT:RANK:STEP:POINT with POINT one of {', '.join(POINTS)}"
+            )
         faults.append(Fault(int(fields[0]), int(fields[1]), int(fields[2]), fields[3]))
     return faults
 

@@ -25,7 +25,9 @@ def read_metrics(run: str | Path) -> list[dict[str, Any]]:
     if not p.exists():
         raise ConfigError(f"run {p} does not exist; pass the --out directory of a `foldtrain train` run")
     if not f.is_file() or f.name != "metrics.jsonl":
-        raise ConfigError(f"{p} holds no metrics.jsonl, so it is not a training run; pass the --out directory of a `foldtrain train` run")
+        raise ConfigError(
+            f"{p} holds no metrics.jsonl, so it is not a training run; pass the --out directory of a `foldtrain train` run"
+        )
     records = []
     lines = f.read_text(encoding="utf-8").splitlines()
     for n, line in enumerate(lines, 1):

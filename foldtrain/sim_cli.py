@@ -16,8 +16,11 @@ def simulate_main(argv: list[str]) -> int:
     from foldtrain.sim.report import format_table, to_json_text, write_profile
     from foldtrain.sim.simulate import simulate
 
-    p = argparse.ArgumentParser(prog="foldtrain simulate", allow_abbrev=False,
-                                description="predict a `foldtrain train` configuration on a cluster; launches nothing")
+    p = argparse.ArgumentParser(
+        prog="foldtrain simulate",
+        allow_abbrev=False,
+        description="predict a `foldtrain train` configuration on a cluster; launches nothing",
+    )
     p.add_argument("--config", help="TOML file with config sections (as for train)")
     p.add_argument("--cluster", default="dgx-a100", help="preset name or cluster TOML file (default dgx-a100)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -38,8 +41,11 @@ def plan_main(argv: list[str]) -> int:
     from foldtrain.sim.cluster import load_cluster
     from foldtrain.sim.plan import format_plan, plan, plan_toml
 
-    p = argparse.ArgumentParser(prog="foldtrain plan", allow_abbrev=False,
-                                description="search layouts of a model on a cluster and rank them by predicted throughput")
+    p = argparse.ArgumentParser(
+        prog="foldtrain plan",
+        allow_abbrev=False,
+        description="search layouts of a model on a cluster and rank them by predicted throughput",
+    )
     p.add_argument("--config", help="TOML file with config sections (the base the plan modifies)")
     p.add_argument("--cluster", required=True, help="preset name or cluster TOML file")
     p.add_argument("--gpus", type=int, required=True, help="devices (ranks) to use")

@@ -7,7 +7,20 @@ from pathlib import Path
 
 import pytest
 
-TINY_ARGS = ["--model.preset", "tiny", "--model.n_layer", "2", "--model.d_model", "32", "--model.n_head", "2", "--model.context", "64", "--model.vocab_size", "512"]
+TINY_ARGS = [
+    "--model.preset",
+    "tiny",
+    "--model.n_layer",
+    "2",
+    "--model.d_model",
+    "32",
+    "--model.n_head",
+    "2",
+    "--model.context",
+    "64",
+    "--model.vocab_size",
+    "512",
+]
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +46,27 @@ def small_data(small_corpus, tmp_path_factory) -> Path:
 
 def tiny_run_args(data: Path, out: Path, *extra: str) -> list[str]:
     """Command-line arguments for a fast run of a very small model on ``data``."""
-    return [*TINY_ARGS, "--train.global_batch", "8", "--train.seq_len", "32", "--train.steps", "20", "--train.eval_every", "0",
-            "--train.eval_batches", "2", "--train.sample_tokens", "0", "--train.progress", "false", "--optim.warmup_steps", "5",
-            "--data.path", str(data), "--out", str(out), *extra]
+    return [
+        *TINY_ARGS,
+        "--train.global_batch",
+        "8",
+        "--train.seq_len",
+        "32",
+        "--train.steps",
+        "20",
+        "--train.eval_every",
+        "0",
+        "--train.eval_batches",
+        "2",
+        "--train.sample_tokens",
+        "0",
+        "--train.progress",
+        "false",
+        "--optim.warmup_steps",
+        "5",
+        "--data.path",
+        str(data),
+        "--out",
+        str(out),
+        *extra,
+    ]

@@ -13,10 +13,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun(n: int, *args: str, timeout: float, monitor_s: float | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def torchrun(
+    n: int, *args: str, timeout: float, monitor_s: float | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node n ARGS`` from the repository root, one OpenMP thread per
     rank, this checkout first on the path; output captured."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        **(env or {}),
+    }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
     if monitor_s is not None:
         cmd += ["--monitor-interval", str(monitor_s)]

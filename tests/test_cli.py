@@ -29,17 +29,27 @@ def trained_run(small_data, tmp_path_factory) -> Path:
 
 
 def test_python_m_entry_point_and_config(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "foldtrain", "config", "--train.steps", "7"], capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "foldtrain", "config", "--train.steps", "7"], capture_output=True, text=True, check=True
+    )
     assert "steps = 7" in r.stdout and "[parallel]" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "foldtrain", "train", "--train.stesp", "7"], capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.strip() == "foldtrain: error: unknown config key 'train.stesp'; did you mean --train.steps?"
+    r = subprocess.run(
+        [sys.executable, "-m", "foldtrain", "train", "--train.stesp", "7"], capture_output=True, text=True
+    )
+    assert (
+        r.returncode == 2
+        and r.stderr.strip() == "foldtrain: error: unknown config key 'train.stesp'; did you mean --train.steps?"
+    )
 
 
 def test_generate_and_eval(trained_run, capsys):
     assert main(["eval", "--out", str(trained_run)]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["val_loss"] > 0 and res["val_ppl"] > 1 and res["checkpoint"].endswith("step_00000006")
-    assert main(["generate", "--out", str(trained_run), "--prompt", "def ", "--max_tokens", "20", "--temperature", "0.5"]) == 0
+    assert (
+        main(["generate", "--out", str(trained_run), "--prompt", "def ", "--max_tokens", "20", "--temperature", "0.5"])
+        == 0
+    )
     text = capsys.readouterr().out
     assert text.startswith("def ") and len(text) > 10
 

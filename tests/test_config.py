@@ -5,7 +5,18 @@ from foldtrain.errors import ConfigError
 
 
 def test_overrides_and_presets(tmp_path):
-    cfg = build_config(["--model.preset", "gpt2-small", "--train.steps", "50", "--resume", "--optim.lr=1e-4", "--parallel.layers_per_chunk", "3,3,3,3"])
+    cfg = build_config(
+        [
+            "--model.preset",
+            "gpt2-small",
+            "--train.steps",
+            "50",
+            "--resume",
+            "--optim.lr=1e-4",
+            "--parallel.layers_per_chunk",
+            "3,3,3,3",
+        ]
+    )
     assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.vocab_size) == (12, 768, 50257)
     assert cfg.train.steps == 50 and cfg.resume is True and cfg.optim.lr == 1e-4
     assert cfg.parallel.layers_per_chunk == [3, 3, 3, 3]

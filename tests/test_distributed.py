@@ -40,7 +40,9 @@ def test_ranks_with_different_data_fail_on_every_rank(small_corpus, small_data, 
     prepare(small_corpus, other, vocab_size=512, val_fraction=0.1, seed=1, quiet=True)  # another split of the same text
     wrapper = tmp_path / "per_rank_data.py"
     wrapper.write_text(WRAPPER)
-    args = tiny_run_args(small_data, tmp_path / "run", "--train.steps", "2", "--dp.strategy", "ddp", "--train.device", "cpu")
+    args = tiny_run_args(
+        small_data, tmp_path / "run", "--train.steps", "2", "--dp.strategy", "ddp", "--train.device", "cpu"
+    )
     r = torchrun(2, str(wrapper), f"{small_data},{other}", "train", *args, timeout=300)
     assert r.returncode != 0
     a, b = TokenData.open(small_data).fingerprint, TokenData.open(other).fingerprint
@@ -72,8 +74,11 @@ def test_keep_freed_host_memory_stops_refaulting_a_steps_largest_tensors():
     again (about 66,000 4 KiB pages a step here); with the setting the heap keeps them, and only the steps
     in which it still grows towards its high-water mark fault (page faults of the last 5 of 8 steps, counted
     by the kernel, not timed)."""
+
     def faults(on: str) -> tuple[str, int]:
-        out = subprocess.run([sys.executable, "-c", _FAULTS_PROBE, on], capture_output=True, text=True, check=True).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", _FAULTS_PROBE, on], capture_output=True, text=True, check=True
+        ).stdout.split()
         return out[0], int(out[1])
 
     applied, kept = faults("1")

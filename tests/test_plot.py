@@ -19,9 +19,9 @@ def fake_run(d: Path, steps: int, speed: float, resume_at: int = 0) -> Path:
     lines = []
     for s in range(1, steps + 1):
         t = (s - resume_at if resume_at and s > resume_at else s) * 0.5  # a resumed session restarts its clock
-        rec = {"step": s, "loss": 9.0 / s ** 0.3, "tokens_per_s": speed + s, "step_time_s": 0.5, "time_s": t}
+        rec = {"step": s, "loss": 9.0 / s**0.3, "tokens_per_s": speed + s, "step_time_s": 0.5, "time_s": t}
         if s % 5 == 0:
-            rec["val_loss"] = 8.0 / s ** 0.3
+            rec["val_loss"] = 8.0 / s**0.3
         lines.append(json.dumps(rec))
     (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return d

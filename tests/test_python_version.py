@@ -41,7 +41,13 @@ def test_config_loads_toml_without_tomllib(tmp_path):
     )
     bad = tmp_path / "bad.toml"
     bad.write_text("[train\n")
-    r = subprocess.run([sys.executable, "-c", code, str(bad)], capture_output=True, text=True, cwd=str(ROOT), timeout=120,
-                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        timeout=120,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr
     assert f"error: config file {bad} is not valid TOML" in r.stdout

@@ -38,7 +38,10 @@ and iproute2 (ip, tc); without them the throttled part is skipped.
 """
 
 
-BENCHMARKS = {name: f"foldtrain.bench.{name}" for name in ("dp", "pipeline", "overhead", "memory", "hashing", "simulator", "planner", "data")}
+BENCHMARKS = {
+    name: f"foldtrain.bench.{name}"
+    for name in ("dp", "pipeline", "overhead", "memory", "hashing", "simulator", "planner", "data")
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd not in BENCHMARKS:
-        print(f"foldtrain bench: unknown benchmark '{cmd}'; choose one of {', '.join(BENCHMARKS)} (see `foldtrain bench --help`)", file=sys.stderr)
+        print(
+            f"foldtrain bench: unknown benchmark '{cmd}'; choose one of {', '.join(BENCHMARKS)} (see `foldtrain bench --help`)",
+            file=sys.stderr,
+        )
         return 2
     return importlib.import_module(BENCHMARKS[cmd]).main(rest)

@@ -72,27 +72,77 @@ def csv_ints(s: str) -> list[int]:
 def add_common(p: argparse.ArgumentParser, defaults: dict) -> None:
     g = p.add_argument_group("model, batch and run length (the same for every run)")
     g.add_argument("--preset", default=defaults["preset"], help="model preset (default %(default)s)")
-    g.add_argument("--n_layer", type=int, default=defaults.get("n_layer", 0), help="override the preset's layers (0: preset)")
-    g.add_argument("--d_model", type=int, default=defaults.get("d_model", 0), help="override the preset's width (0: preset)")
-    g.add_argument("--n_head", type=int, default=defaults.get("n_head", 0), help="override the preset's heads (0: preset)")
-    g.add_argument("--global_batch", type=int, default=defaults["global_batch"], help="sequences per step over all workers (default %(default)s)")
+    g.add_argument(
+        "--n_layer", type=int, default=defaults.get("n_layer", 0), help="override the preset's layers (0: preset)"
+    )
+    g.add_argument(
+        "--d_model", type=int, default=defaults.get("d_model", 0), help="override the preset's width (0: preset)"
+    )
+    g.add_argument(
+        "--n_head", type=int, default=defaults.get("n_head", 0), help="override the preset's heads (0: preset)"
+    )
+    g.add_argument(
+        "--global_batch",
+        type=int,
+        default=defaults["global_batch"],
+        help="sequences per step over all workers (default %(default)s)",
+    )
     g.add_argument("--seq_len", type=int, default=defaults["seq_len"], help="tokens per sequence (default %(default)s)")
     g.add_argument("--steps", type=int, default=defaults["steps"], help="steps per run (default %(default)s)")
-    g.add_argument("--warmup", type=int, default=defaults["warmup"], help="first steps left out of the medians (default %(default)s)")
+    g.add_argument(
+        "--warmup",
+        type=int,
+        default=defaults["warmup"],
+        help="first steps left out of the medians (default %(default)s)",
+    )
     g.add_argument("--data", default="", help="prepared data directory or raw text (default: the built-in corpus)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="--train.device of every run")
-    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra `foldtrain train` option for every run (and anchor), e.g. --set optim.lr=1e-3; repeatable")
+    g.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra `foldtrain train` option for every run (and anchor), e.g. --set optim.lr=1e-3; repeatable",
+    )
     g = p.add_argument_group("execution")
-    g.add_argument("--networks", "--network", default=defaults["networks"],
-                   help=f"comma list: {LOOPBACK} and/or tc rates of the emulated network, e.g. 1gbit,100mbit (default %(default)s)")
-    g.add_argument("--delay_ms", type=float, default=0.0, help="one-way latency added between emulated nodes (needs sch_netem)")
-    g.add_argument("--netns_prefix", default="ftb", help="name prefix of the emulated network's namespaces/links (default %(default)s)")
-    g.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS per process (default: CPU cores / processes, at least 1)")
-    g.add_argument("--repeat", type=int, default=1, help="run everything this many times, in rounds; report the median "
-                   "over repetitions of each run's medians (default %(default)s)")
-    g.add_argument("--timeout", type=float, default=defaults.get("timeout", 900.0), help="seconds before a run is stopped (default %(default)s)")
-    g.add_argument("--out", default="", help="keep every run (metrics, logs) and results.json here (default: a temporary directory)")
+    g.add_argument(
+        "--networks",
+        "--network",
+        default=defaults["networks"],
+        help=f"comma list: {LOOPBACK} and/or tc rates of the emulated network, e.g. 1gbit,100mbit (default %(default)s)",
+    )
+    g.add_argument(
+        "--delay_ms", type=float, default=0.0, help="one-way latency added between emulated nodes (needs sch_netem)"
+    )
+    g.add_argument(
+        "--netns_prefix",
+        default="ftb",
+        help="name prefix of the emulated network's namespaces/links (default %(default)s)",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="OMP_NUM_THREADS per process (default: CPU cores / processes, at least 1)",
+    )
+    g.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run everything this many times, in rounds; report the median "
+        "over repetitions of each run's medians (default %(default)s)",
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=defaults.get("timeout", 900.0),
+        help="seconds before a run is stopped (default %(default)s)",
+    )
+    g.add_argument(
+        "--out",
+        default="",
+        help="keep every run (metrics, logs) and results.json here (default: a temporary directory)",
+    )
     g.add_argument("--report", default="", help="also write the table and ratios as Markdown to this file")
     g.add_argument("--quick", action="store_true", help="a tiny smoke configuration (overrides sizes, steps, ranks)")
     g.add_argument("--dry_run", action="store_true", help="print the runs and their command lines; run nothing")
@@ -123,10 +173,33 @@ def model_args(a) -> list[str]:
 
 def train_args(a, data_path: str) -> list[str]:
     """The options every run gets: model, batch, length, no checkpoints / samples / progress bar."""
-    args = [*model_args(a), "--train.global_batch", str(a.global_batch), "--train.seq_len", str(a.seq_len),
-            "--train.steps", str(a.steps), "--train.log_every", "1", "--train.eval_every", "0", "--train.eval_batches", "1",
-            "--train.sample_tokens", "0", "--train.progress", "false", "--train.device", a.device,
-            "--checkpoint.every", "0", "--checkpoint.keep", "1", "--checkpoint.safetensors", "false"]
+    args = [
+        *model_args(a),
+        "--train.global_batch",
+        str(a.global_batch),
+        "--train.seq_len",
+        str(a.seq_len),
+        "--train.steps",
+        str(a.steps),
+        "--train.log_every",
+        "1",
+        "--train.eval_every",
+        "0",
+        "--train.eval_batches",
+        "1",
+        "--train.sample_tokens",
+        "0",
+        "--train.progress",
+        "false",
+        "--train.device",
+        a.device,
+        "--checkpoint.every",
+        "0",
+        "--checkpoint.keep",
+        "1",
+        "--checkpoint.safetensors",
+        "false",
+    ]
     if data_path:
         args += ["--data.path", data_path]
     for kv in a.set:
@@ -142,8 +215,13 @@ def prepare_data(a) -> str:
     from foldtrain.config import build_config
     from foldtrain.data import resolve_data
 
-    cfg = build_config([*model_args(a), *(["--data.path", a.data] if a.data else []),
-                        *[x for kv in a.set if kv.startswith("data.") for x in (f"--{kv.split('=', 1)[0]}", kv.split("=", 1)[1])]])
+    cfg = build_config(
+        [
+            *model_args(a),
+            *(["--data.path", a.data] if a.data else []),
+            *[x for kv in a.set if kv.startswith("data.") for x in (f"--{kv.split('=', 1)[0]}", kv.split("=", 1)[1])],
+        ]
+    )
     return str(resolve_data(cfg.data))
 
 
@@ -166,8 +244,10 @@ def module_available(name: str, timeout_s: float = 120.0) -> tuple[bool, str]:
 def load_note(before: tuple[float, float, float]) -> str:
     """The machine's load while the benchmark ran: other work on the same cores makes step times noisy."""
     after = os.getloadavg()
-    return (f"load average (1 min) {before[0]:.1f} at start, {after[0]:.1f} at the end, on {os.cpu_count()} CPU cores; "
-            "other work on the cores skews step times (use --repeat on a busy machine)")
+    return (
+        f"load average (1 min) {before[0]:.1f} at start, {after[0]:.1f} at the end, on {os.cpu_count()} CPU cores; "
+        "other work on the cores skews step times (use --repeat on a busy machine)"
+    )
 
 
 def optional_anchor(name: str, module: str, log, notes: list[str]) -> bool:
@@ -228,7 +308,18 @@ def slug(*parts) -> str:
 
 def run_name(r) -> str:
     cycle = f"cycle{r.info['cycle_ms']}ms" if r.info.get("cycle_ms") else ""  # a Horovod cycle-time sweep
-    return slug(r.bench, r.impl, r.variant, r.info.get("virtual", ""), r.info.get("dp_sync", ""), r.info.get("tag", ""), r.precision, f"{r.ranks}r", r.network, cycle)
+    return slug(
+        r.bench,
+        r.impl,
+        r.variant,
+        r.info.get("virtual", ""),
+        r.info.get("dp_sync", ""),
+        r.info.get("tag", ""),
+        r.precision,
+        f"{r.ranks}r",
+        r.network,
+        cycle,
+    )
 
 
 def execute(jobs_by_network: dict[str, list], a, ws: Workspace, max_nodes: dict[str, int], log) -> list:
@@ -238,9 +329,9 @@ def execute(jobs_by_network: dict[str, list], a, ws: Workspace, max_nodes: dict[
 
     A network that cannot be emulated (no root / iproute2) is reported once and its jobs are
     skipped; the runs of other networks go on."""
-    from foldtrain.netem.cluster import EmulatedCluster, check_prerequisites
     from foldtrain.bench.results import merge_repeats
     from foldtrain.bench.runner import run_job
+    from foldtrain.netem.cluster import EmulatedCluster, check_prerequisites
 
     if any(net != LOOPBACK and jobs for net, jobs in jobs_by_network.items()):
         try:
@@ -263,8 +354,11 @@ def execute(jobs_by_network: dict[str, list], a, ws: Workspace, max_nodes: dict[
         res = run_job(job, ws.run_dir(name), a.warmup, a.steps, a.timeout, cluster=cluster, log=log, gpus=gpus)
         if res.ok:
             tok = res.metrics.get("tokens_per_s")
-            log(f"        {tok:,.0f} tokens/s, {1e3 * res.metrics.get('step_time_s', 0):.1f} ms/step ({res.info['wall_s']} s)"
-                if tok else f"        done ({res.info['wall_s']} s)")
+            log(
+                f"        {tok:,.0f} tokens/s, {1e3 * res.metrics.get('step_time_s', 0):.1f} ms/step ({res.info['wall_s']} s)"
+                if tok
+                else f"        done ({res.info['wall_s']} s)"
+            )
         else:
             log(f"        FAILED: {res.error}")
         return res
@@ -281,11 +375,15 @@ def execute(jobs_by_network: dict[str, list], a, ws: Workspace, max_nodes: dict[
             with EmulatedCluster(max_nodes[net], net, a.delay_ms, a.netns_prefix) as cluster:
                 bps = cluster.measure_throughput(0, 1) if cluster.n_nodes > 1 else None
                 if bps is not None:
-                    log(f"emulated network {net}: {cluster.n_nodes} nodes, measured {bps / 1e6:.1f} MB/s node0->node1 "
-                        f"(shaped to {cluster.rate_bits / 8e6:.1f} MB/s)")
+                    log(
+                        f"emulated network {net}: {cluster.n_nodes} nodes, measured {bps / 1e6:.1f} MB/s node0->node1 "
+                        f"(shaped to {cluster.rate_bits / 8e6:.1f} MB/s)"
+                    )
                     if bps < 0.5 * cluster.rate_bits / 8:
-                        log(f"warning: the {net} links deliver under half their rate to one Python stream; the machine may be "
-                            "too busy for this rate to be the bottleneck")
+                        log(
+                            f"warning: the {net} links deliver under half their rate to one Python stream; the machine may be "
+                            "too busy for this rate to be the bottleneck"
+                        )
                 for rep in range(repeat):
                     for job in jobs:
                         results.setdefault(id(job), []).append(one(job, rep, cluster))
@@ -305,19 +403,33 @@ def print_dry_run(jobs_by_network: dict[str, list], ws: Workspace, log=print) ->
                 cmd = job.command(out)
                 log(f"{job.describe()}:\n  {env} {' '.join(cmd)}")
             elif getattr(job, "horovod", False):
-                log(f"{job.describe()}: {job.nnodes} node(s) x {job.nproc_per_node} process(es) on the emulated {net} network, "
+                log(
+                    f"{job.describe()}: {job.nnodes} node(s) x {job.nproc_per_node} process(es) on the emulated {net} network, "
                     f"Horovod's rendezvous server in node 0:\n  per process: ip netns exec <prefix>-n<k> env "
                     f"GLOO_SOCKET_IFNAME=<prefix>-v<k> HOROVOD_RANK=r HOROVOD_SIZE={job.nnodes * job.nproc_per_node} ... {env} "
-                    f"{sys.executable} {' '.join([*job.script, *job.args])} --out {out}")
+                    f"{sys.executable} {' '.join([*job.script, *job.args])} --out {out}"
+                )
             else:
-                log(f"{job.describe()}: {job.nnodes} node(s) x {job.nproc_per_node} process(es) on the emulated {net} network:\n"
+                log(
+                    f"{job.describe()}: {job.nnodes} node(s) x {job.nproc_per_node} process(es) on the emulated {net} network:\n"
                     f"  per node k: ip netns exec <prefix>-n<k> env GLOO_SOCKET_IFNAME=<prefix>-v<k> {env} "
                     f"{sys.executable} -m torch.distributed.run --nnodes {job.nnodes} --node_rank k --nproc_per_node {job.nproc_per_node} "
-                    f"--master_addr 198.18.0.1 --master_port PORT {' '.join([*job.script, *job.args])} --out {out}")
+                    f"--master_addr 198.18.0.1 --master_port PORT {' '.join([*job.script, *job.args])} --out {out}"
+                )
 
 
-def print_results(title: str, headers, rows, ratios, notes: list[str], results: list, a, ws: Workspace,
-                  kept: str = "runs and results.json", without_out: str = "") -> None:
+def print_results(
+    title: str,
+    headers,
+    rows,
+    ratios,
+    notes: list[str],
+    results: list,
+    a,
+    ws: Workspace,
+    kept: str = "runs and results.json",
+    without_out: str = "",
+) -> None:
     """The table, the ratios and the notes on stdout; results.json in ``--out`` (saying that ``kept``
     is there, or printing ``without_out`` when there is no ``--out``); the Markdown ``--report``."""
     from foldtrain.bench.results import save_results

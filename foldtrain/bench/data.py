@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-PLAIN = r'''
+PLAIN = r"""
 import os, sys, numpy as np
 from tokenizers import Tokenizer
 src, tok_path, out = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -54,7 +54,7 @@ with open(out, "wb") as fh:
         texts = [open(f, encoding="utf-8").read() for f in files[i:i + 256]]
         for enc in tok.encode_batch(texts, add_special_tokens=False):
             np.array(enc.ids + [eot], dtype=np.uint16).tofile(fh)
-'''
+"""
 
 WORDS_SEED = 1234
 
@@ -142,7 +142,11 @@ def measure(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, float]:
         while not done.is_set():
             if time.perf_counter() - last > 60:
                 last = time.perf_counter()
-                print(f"  ... {last - t0:.0f}s: peak PSS {peak['pss'] / 1024:.0f} MB, peak RSS {peak['rss'] / 1024:.0f} MB so far", file=sys.stderr, flush=True)
+                print(
+                    f"  ... {last - t0:.0f}s: peak PSS {peak['pss'] / 1024:.0f} MB, peak RSS {peak['rss'] / 1024:.0f} MB so far",
+                    file=sys.stderr,
+                    flush=True,
+                )
             tree, todo = [], [proc.pid]
             while todo:
                 p = todo.pop()
@@ -171,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="foldtrain bench data", description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=2.1)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2, help="A/B repetitions on the subset (alternating which side goes first)")
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="A/B repetitions on the subset (alternating which side goes first)"
+    )
     ap.add_argument("--subset_mb", type=float, default=100.0)
     ap.add_argument("--full_plain", action="store_true", help="also run the plain script on the whole corpus")
     ap.add_argument("--shard_mb", type=float, default=256.0)
@@ -201,8 +207,22 @@ def main(argv: list[str] | None = None) -> int:
         def cmd(name: str, src: Path) -> list[str]:
             if name == "plain":
                 return [sys.executable, "-c", PLAIN, str(src), str(tok), str(scratch / "plain.bin")]
-            return [sys.executable, "-m", "foldtrain", "prepare", "--data.path", str(src), "--data.out", str(scratch / "ds"),
-                    "--data.tokenizer", str(tok), "--data.workers", str(a.workers), "--data.shard_mb", str(a.shard_mb)]
+            return [
+                sys.executable,
+                "-m",
+                "foldtrain",
+                "prepare",
+                "--data.path",
+                str(src),
+                "--data.out",
+                str(scratch / "ds"),
+                "--data.tokenizer",
+                str(tok),
+                "--data.workers",
+                str(a.workers),
+                "--data.shard_mb",
+                str(a.shard_mb),
+            ]
 
         def run(name: str, src: Path, nbytes: int, label: str) -> dict[str, float]:
             shutil.rmtree(scratch / "ds", ignore_errors=True)
@@ -211,13 +231,17 @@ def main(argv: list[str] | None = None) -> int:
             res = measure(cmd(name, src), env, scratch / f"{label.replace(' ', '_')}_{name}.log")
             res["mb_per_s"] = nbytes / 1e6 / res["wall_s"]
             res["mb_per_cpu_s"] = nbytes / 1e6 / res["cpu_s"]
-            print(f"{label} {name}: {nbytes / 1e6:.0f} MB in {res['wall_s']:.0f}s: {res['mb_per_s']:.2f} MB/s, {res['mb_per_cpu_s']:.2f} MB per CPU-second, "
-                  f"peak PSS {res['peak_pss_mb']:.0f} MB, peak RSS {res['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
+            print(
+                f"{label} {name}: {nbytes / 1e6:.0f} MB in {res['wall_s']:.0f}s: {res['mb_per_s']:.2f} MB/s, {res['mb_per_cpu_s']:.2f} MB per CPU-second, "
+                f"peak PSS {res['peak_pss_mb']:.0f} MB, peak RSS {res['peak_rss_mb']:.0f} MB",
+                file=sys.stderr,
+                flush=True,
+            )
             return res
 
         ab: dict[str, list[dict[str, float]]] = {"plain": [], "foldtrain": []}
         for r in range(a.rounds):
-            for name in (["plain", "foldtrain"] if r % 2 == 0 else ["foldtrain", "plain"]):
+            for name in ["plain", "foldtrain"] if r % 2 == 0 else ["foldtrain", "plain"]:
                 ab[name].append(run(name, scratch / "subset", sub_size, f"subset round {r}"))
         full = {"foldtrain": run("foldtrain", corpus, size, "full")}
         if (scratch / "ds" / "meta.json").is_file():
@@ -231,8 +255,12 @@ def main(argv: list[str] | None = None) -> int:
             return sum(x[key] for x in ab[side])
 
         summary = {
-            "input_gb": round(size / 1e9, 3), "files": n_files, "subset_mb": round(sub_size / 1e6, 1), "cores": cores,
-            "workers": a.workers, "rounds": a.rounds,
+            "input_gb": round(size / 1e9, 3),
+            "files": n_files,
+            "subset_mb": round(sub_size / 1e6, 1),
+            "cores": cores,
+            "workers": a.workers,
+            "rounds": a.rounds,
             "subset_mb_per_s": {k: round(sub_size * len(v) / 1e6 / total(k, "wall_s"), 3) for k, v in ab.items()},
             "subset_mb_per_cpu_s": {k: round(sub_size * len(v) / 1e6 / total(k, "cpu_s"), 3) for k, v in ab.items()},
             "ratio_wall": round(total("plain", "wall_s") / total("foldtrain", "wall_s"), 3),

@@ -19,11 +19,11 @@ import os
 
 from foldtrain.bench import common
 from foldtrain.bench.horovod_launch import horovodrun_command
-from foldtrain.config import DPConfig
-from foldtrain.errors import FoldtrainError
 from foldtrain.bench.overlap import dp_overlap
 from foldtrain.bench.results import RunResult
 from foldtrain.bench.tables import DP_HEADERS, dp_ratios, dp_rows
+from foldtrain.config import DPConfig
+from foldtrain.errors import FoldtrainError
 
 STRATEGIES = ("none", "ps", "sharded-ps", "allreduce", "ddp", "horovod")
 ANCHORS = ("ddp_plain", "horovod_plain")
@@ -31,27 +31,49 @@ ANCHOR_ALIASES = {"horovod": "horovod_plain"}
 # Horovod's background thread gathers ready gradients every HOROVOD_CYCLE_TIME ms (default 1 ms, tuned for
 # GPUs); on 2 shared CPU cores that polling competes with the compute. Measured by sweeping it (docs/benchmarks.md).
 HOROVOD_CYCLE_MS = 20.0
-DEFAULTS = dict(preset="tiny", global_batch=16, seq_len=128, steps=15, warmup=3, networks="loopback,1gbit", timeout=900.0)
-QUICK = dict(preset="tiny", n_layer=2, d_model=64, n_head=2, global_batch=8, seq_len=64, steps=6, warmup=2, ranks=[1, 2],
-             precisions="fp32")
+DEFAULTS = dict(
+    preset="tiny", global_batch=16, seq_len=128, steps=15, warmup=3, networks="loopback,1gbit", timeout=900.0
+)
+QUICK = dict(
+    preset="tiny",
+    n_layer=2,
+    d_model=64,
+    n_head=2,
+    global_batch=8,
+    seq_len=64,
+    steps=6,
+    warmup=2,
+    ranks=[1, 2],
+    precisions="fp32",
+)
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="foldtrain bench dp",
         description="Data-parallel strategies x precisions x ranks on loopback and an emulated slow network, "
-                    "against a plain-PyTorch DDP loop (and Horovod when installed).",
+        "against a plain-PyTorch DDP loop (and Horovod when installed).",
         epilog="Example: foldtrain bench dp --strategies none,allreduce,ddp --precisions fp32 --ranks 1,2 --networks loopback,100mbit",
     )
     g = p.add_argument_group("what to compare")
-    g.add_argument("--strategies", default=",".join(STRATEGIES), help="comma list of --dp.strategy values (default: all)")
+    g.add_argument(
+        "--strategies", default=",".join(STRATEGIES), help="comma list of --dp.strategy values (default: all)"
+    )
     g.add_argument("--precisions", default="fp32,bf16", help="comma list of --precision values (default %(default)s)")
     g.add_argument("--ranks", type=common.csv_ints, default=[1, 2, 4], help="comma list of world sizes (default 1,2,4)")
-    g.add_argument("--anchors", default=",".join(ANCHORS), help="baselines: ddp_plain, horovod_plain; 'none' for no anchors")
-    g.add_argument("--horovod_cycle_ms", type=csv_floats, default=[HOROVOD_CYCLE_MS],
-                   help="HOROVOD_CYCLE_TIME of the Horovod runs, ms (default 20; Horovod's own default is 1); "
-                        "a comma list runs every Horovod row once per value (a tuning sweep)")
-    g.add_argument("--ps_servers", type=int, default=0, help="--dp.ps_servers for ps runs (default 0: colocated on rank 0)")
+    g.add_argument(
+        "--anchors", default=",".join(ANCHORS), help="baselines: ddp_plain, horovod_plain; 'none' for no anchors"
+    )
+    g.add_argument(
+        "--horovod_cycle_ms",
+        type=csv_floats,
+        default=[HOROVOD_CYCLE_MS],
+        help="HOROVOD_CYCLE_TIME of the Horovod runs, ms (default 20; Horovod's own default is 1); "
+        "a comma list runs every Horovod row once per value (a tuning sweep)",
+    )
+    g.add_argument(
+        "--ps_servers", type=int, default=0, help="--dp.ps_servers for ps runs (default 0: colocated on rank 0)"
+    )
     g.add_argument("--micro_batch", type=int, default=0, help="--train.micro_batch (0: the whole per-rank batch)")
     common.add_common(p, DEFAULTS)
     return p
@@ -81,8 +103,10 @@ def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = 
     anchors = [ANCHOR_ALIASES.get(x, x) for x in common.csv(a.anchors) if x != "none"]
     bad += [x for x in anchors if x not in ANCHORS]
     if bad:
-        raise FoldtrainError(f"bench dp: unknown value(s) {', '.join(bad)}; strategies: {', '.join(STRATEGIES)}; "
-                         f"precisions: {', '.join(PRECISIONS)}; anchors: {', '.join(ANCHORS)}")
+        raise FoldtrainError(
+            f"bench dp: unknown value(s) {', '.join(bad)}; strategies: {', '.join(STRATEGIES)}; "
+            f"precisions: {', '.join(PRECISIONS)}; anchors: {', '.join(ANCHORS)}"
+        )
     networks = common.csv(a.networks)
     base = common.train_args(a, data_path)
     if a.micro_batch:
@@ -94,26 +118,59 @@ def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = 
         notes.append("horovod strategy skipped: Horovod is not installed (bash scripts/install-horovod.sh)")
     cycles = getattr(a, "horovod_cycle_ms", [HOROVOD_CYCLE_MS])
 
-    def add(net: str, impl: str, variant: str, prec: str, n: int, script: list[str], extra: list[str], workers: int,
-            horovod: bool = False, note: str = ""):
+    def add(
+        net: str,
+        impl: str,
+        variant: str,
+        prec: str,
+        n: int,
+        script: list[str],
+        extra: list[str],
+        workers: int,
+        horovod: bool = False,
+        note: str = "",
+    ):
         threads = common.threads_for(a, n)
         loop = net == common.LOOPBACK
         for c in cycles if horovod else [None]:
             info = {"note": note} if note else {}
             env = {}
             if c is not None:
-                env = {"HOROVOD_CYCLE_TIME": f"{c:g}", "HOROVOD_FUSION_THRESHOLD": str(int(DPConfig().fusion_mb * 2**20))}
+                env = {
+                    "HOROVOD_CYCLE_TIME": f"{c:g}",
+                    "HOROVOD_FUSION_THRESHOLD": str(int(DPConfig().fusion_mb * 2**20)),
+                }
                 if len(cycles) > 1:  # a sweep: rows told apart by the note, runs by their directory
                     info.update(note=f"cycle {c:g} ms", cycle_ms=f"{c:g}")
             res = RunResult("dp", impl, variant, prec, n, net, workers, info=info)
             launcher = horovodrun_command(n) if horovod and loop else None
-            jobs[net].append(Job(res, script, [*base, "--precision", prec, *extra], nnodes=1 if loop else n,
-                                 nproc_per_node=n if loop else 1, threads=threads, launcher=launcher, horovod=horovod, env=env))
+            jobs[net].append(
+                Job(
+                    res,
+                    script,
+                    [*base, "--precision", prec, *extra],
+                    nnodes=1 if loop else n,
+                    nproc_per_node=n if loop else 1,
+                    threads=threads,
+                    launcher=launcher,
+                    horovod=horovod,
+                    env=env,
+                )
+            )
 
     for prec in precisions:
         # the single-process reference (speed-up 1.0): always on loopback, network does not matter
         if "none" in strategies:
-            add(common.LOOPBACK, "foldtrain", "none", prec, 1, ["-m", "foldtrain", "train"], ["--dp.strategy", "none"], 1)
+            add(
+                common.LOOPBACK,
+                "foldtrain",
+                "none",
+                prec,
+                1,
+                ["-m", "foldtrain", "train"],
+                ["--dp.strategy", "none"],
+                1,
+            )
         if "ddp_plain" in anchors and 1 in a.ranks:
             add(common.LOOPBACK, "ddp_plain", "", prec, 1, ["-m", "foldtrain.bench.anchors.ddp_plain"], [], 1)
     for net in networks:
@@ -136,13 +193,33 @@ def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = 
                         if msg not in notes:
                             notes.append(msg)
                         continue
-                    add(net, "foldtrain", s, prec, n, ["-m", "foldtrain", "train"], extra, workers, horovod=s == "horovod")
+                    add(
+                        net,
+                        "foldtrain",
+                        s,
+                        prec,
+                        n,
+                        ["-m", "foldtrain", "train"],
+                        extra,
+                        workers,
+                        horovod=s == "horovod",
+                    )
                     if s == "ps" and a.ps_servers:
                         jobs[net][-1].result.info["ps_servers"] = a.ps_servers
                 if "ddp_plain" in anchors and a.global_batch % n == 0:  # (the strategies' note covers n)
                     add(net, "ddp_plain", "", prec, n, ["-m", "foldtrain.bench.anchors.ddp_plain"], [], n)
                 if "horovod_plain" in anchors and horovod_ok and a.global_batch % n == 0:
-                    add(net, "horovod_plain", "", prec, n, ["-m", "foldtrain.bench.anchors.horovod_plain"], [], n, horovod=True)
+                    add(
+                        net,
+                        "horovod_plain",
+                        "",
+                        prec,
+                        n,
+                        ["-m", "foldtrain.bench.anchors.horovod_plain"],
+                        [],
+                        n,
+                        horovod=True,
+                    )
     return jobs
 
 
@@ -156,9 +233,11 @@ def main(argv: list[str]) -> int:
     if "horovod_plain" in anchors or "horovod" in common.csv(a.strategies):
         horovod_ok = common.optional_anchor("horovod", "horovod.torch", log, notes)
     if horovod_ok:
-        notes.append(f"horovod, horovod_plain: HOROVOD_CYCLE_TIME {', '.join(f'{c:g}' for c in a.horovod_cycle_ms)} ms (--horovod_cycle_ms), "
-                     f"HOROVOD_FUSION_THRESHOLD {DPConfig().fusion_mb:g} MB; horovodrun on loopback, "
-                     "its gloo launch by hand (foldtrain.bench.horovod_launch) on the emulated network")
+        notes.append(
+            f"horovod, horovod_plain: HOROVOD_CYCLE_TIME {', '.join(f'{c:g}' for c in a.horovod_cycle_ms)} ms (--horovod_cycle_ms), "
+            f"HOROVOD_FUSION_THRESHOLD {DPConfig().fusion_mb:g} MB; horovodrun on loopback, "
+            "its gloo launch by hand (foldtrain.bench.horovod_launch) on the emulated network"
+        )
     ws = common.Workspace(a.out, "dp")
     try:
         data_path = "" if a.dry_run else common.prepare_data(a)
@@ -168,8 +247,10 @@ def main(argv: list[str]) -> int:
             return 0
         cores = os.cpu_count() or 1
         if max(a.ranks) > cores:
-            notes.append(f"{max(a.ranks)} ranks share {cores} CPU cores here: runs above {cores} ranks are oversubscribed, so "
-                         "scaling efficiency is bounded by the cores, not the strategy; compare strategies at equal ranks")
+            notes.append(
+                f"{max(a.ranks)} ranks share {cores} CPU cores here: runs above {cores} ranks are oversubscribed, so "
+                "scaling efficiency is bounded by the cores, not the strategy; compare strategies at equal ranks"
+            )
         max_nodes = {net: max([j.nnodes for j in js] or [1]) for net, js in jobs.items()}
         load_before = os.getloadavg()
         results = common.execute(jobs, a, ws, max_nodes, log)

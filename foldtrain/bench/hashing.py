@@ -50,7 +50,9 @@ def other_hash(directory: Path, kind: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="foldtrain bench hashing", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="foldtrain bench hashing", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--shapes", default="tiny,gpt2-small")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
@@ -64,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         for p in model.parameters():
             p.grad = torch.randn_like(p) * 1e-3
         opt.step()
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt), "lr_scheduler": {"last_epoch": 1}}
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, opt),
+            "lr_scheduler": {"last_epoch": 1},
+        }
         rows = []
         for rep in range(args.reps):
             d = root / f"{name}_{rep}"
@@ -89,10 +95,16 @@ def main(argv: list[str] | None = None) -> int:
             t_b2 = time.perf_counter() - t0
             size = sum(p.stat().st_size for p in d.iterdir())
             rows.append((t_save, t_xxh, t_sha, t_crc, t_b2))
-            print(f"{name} rep {rep}: {size / 2**20:8.1f} MiB  save {t_save:7.3f} s  xxh3_128 {t_xxh:6.3f} s  sha256 {t_sha:6.3f} s  crc32 {t_crc:6.3f} s  blake2b {t_b2:6.3f} s", flush=True)
+            print(
+                f"{name} rep {rep}: {size / 2**20:8.1f} MiB  save {t_save:7.3f} s  xxh3_128 {t_xxh:6.3f} s  sha256 {t_sha:6.3f} s  crc32 {t_crc:6.3f} s  blake2b {t_b2:6.3f} s",
+                flush=True,
+            )
             shutil.rmtree(d)
         med = [statistics.median(c) for c in zip(*rows)]
-        print(f"{name}: median save {med[0]:.3f} s; xxh3_128 {med[1]:.3f} s = {med[1] / med[0]:.1%} of the save "
-              f"({size / 2**30 / med[1]:.2f} GiB/s); sha256 {med[2] / med[0]:.1%}; crc32 {med[3] / med[0]:.1%}; blake2b {med[4] / med[0]:.1%}", flush=True)
+        print(
+            f"{name}: median save {med[0]:.3f} s; xxh3_128 {med[1]:.3f} s = {med[1] / med[0]:.1%} of the save "
+            f"({size / 2**30 / med[1]:.2f} GiB/s); sha256 {med[2] / med[0]:.1%}; crc32 {med[3] / med[0]:.1%}; blake2b {med[4] / med[0]:.1%}",
+            flush=True,
+        )
     shutil.rmtree(root, ignore_errors=True)
     return 0

@@ -26,9 +26,9 @@ import threading
 import time
 from pathlib import Path
 
+from foldtrain.errors import FoldtrainError
 from foldtrain.netem.cluster import EmulatedCluster, JobResult, _readline
 from foldtrain.netem.procs import kill_tree, wait_all
-from foldtrain.errors import FoldtrainError
 
 
 def horovodrun_command(n: int) -> list[str]:
@@ -36,8 +36,10 @@ def horovodrun_command(n: int) -> list[str]:
     exe = Path(sys.executable).with_name("horovodrun")
     path = str(exe) if exe.is_file() else shutil.which("horovodrun")
     if not path:
-        raise FoldtrainError(f"no horovodrun next to {sys.executable} or on PATH; install Horovod for this Python "
-                             "(bash scripts/install-horovod.sh)")
+        raise FoldtrainError(
+            f"no horovodrun next to {sys.executable} or on PATH; install Horovod for this Python "
+            "(bash scripts/install-horovod.sh)"
+        )
     return [path, "-np", str(n), "-H", f"localhost:{n}", sys.executable]
 
 
@@ -49,9 +51,18 @@ def slot_plan(hosts: list[str], nproc_per_node: int):
     return get_host_assignments(parse_hosts(spec), len(hosts) * nproc_per_node)
 
 
-def run_horovod(cluster: EmulatedCluster, script_args: list[str], nproc_per_node: int = 1, nnodes: int | None = None,
-                env: dict[str, str] | None = None, threads: int = 1, timeout_s: float = 600.0, log_dir: str | Path | None = None,
-                python: str = sys.executable, on_poll=None) -> JobResult:
+def run_horovod(
+    cluster: EmulatedCluster,
+    script_args: list[str],
+    nproc_per_node: int = 1,
+    nnodes: int | None = None,
+    env: dict[str, str] | None = None,
+    threads: int = 1,
+    timeout_s: float = 600.0,
+    log_dir: str | Path | None = None,
+    python: str = sys.executable,
+    on_poll=None,
+) -> JobResult:
     """Run ``python *script_args`` as a Horovod (gloo) job of ``nproc_per_node`` processes on each of
     ``nnodes`` emulated nodes; like :meth:`EmulatedCluster.run_torchrun` (one log per process)."""
     from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
@@ -66,23 +77,37 @@ def run_horovod(cluster: EmulatedCluster, script_args: list[str], nproc_per_node
     t0 = time.monotonic()
     server_log = open(log_dir / "rendezvous.log", "w")
     files.append(server_log)
-    server = cluster.popen(0, [python, "-m", "foldtrain.bench.horovod_launch", "serve", ",".join(hosts), str(nproc_per_node)],
-                           stdout=subprocess.PIPE, stderr=server_log, text=True)
+    server = cluster.popen(
+        0,
+        [python, "-m", "foldtrain.bench.horovod_launch", "serve", ",".join(hosts), str(nproc_per_node)],
+        stdout=subprocess.PIPE,
+        stderr=server_log,
+        text=True,
+    )
     try:
         line = _readline(server, 60.0).strip()
         if not line.isdigit():
-            raise FoldtrainError(f"Horovod's rendezvous server did not start in {cluster.ns(0)} (see {log_dir / 'rendezvous.log'})")
+            raise FoldtrainError(
+                f"Horovod's rendezvous server did not start in {cluster.ns(0)} (see {log_dir / 'rendezvous.log'})"
+            )
         port = int(line)
         for slot in slot_plan(hosts, nproc_per_node):
             k = hosts.index(slot.hostname)
-            e = {**cluster.node_env(k, threads), **create_run_env_vars(cluster.addr(0), [cluster.ifname(k)], port),
-                 **create_slot_env_vars(slot), **(env or {})}
+            e = {
+                **cluster.node_env(k, threads),
+                **create_run_env_vars(cluster.addr(0), [cluster.ifname(k)], port),
+                **create_slot_env_vars(slot),
+                **(env or {}),
+            }
             log = log_dir / f"node{k}_rank{slot.rank}.log"
             f = open(log, "w")
             files.append(f)
             logs.append(log)
-            procs.append(cluster.popen(k, [python, *script_args], {a: str(b) for a, b in e.items()}, stdout=f,
-                                       stderr=subprocess.STDOUT))
+            procs.append(
+                cluster.popen(
+                    k, [python, *script_args], {a: str(b) for a, b in e.items()}, stdout=f, stderr=subprocess.STDOUT
+                )
+            )
         timed_out = wait_all(procs, timeout_s, on_poll)
     finally:
         for p in [*procs, server]:

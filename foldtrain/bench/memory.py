@@ -43,10 +43,40 @@ def per_rank_params(n_layer: int, d_model: int, n_head: int, context: int, vocab
 
 def launch(pp: int, model_args: list[str], out: Path) -> list[float]:
     """One ``foldtrain train`` step on ``pp`` pipeline ranks; every rank's peak RSS (MB)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(pp), "-m", "foldtrain", "train",
-           *model_args, "--parallel.pp", str(pp), "--parallel.schedule", "1f1b", "--train.steps", "1", "--train.global_batch", str(pp),
-           "--train.seq_len", "32", "--train.eval_batches", "1", "--train.sample_tokens", "0", "--train.progress", "false",
-           "--checkpoint.every", "0", "--checkpoint.safetensors", "false", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(pp),
+        "-m",
+        "foldtrain",
+        "train",
+        *model_args,
+        "--parallel.pp",
+        str(pp),
+        "--parallel.schedule",
+        "1f1b",
+        "--train.steps",
+        "1",
+        "--train.global_batch",
+        str(pp),
+        "--train.seq_len",
+        "32",
+        "--train.eval_batches",
+        "1",
+        "--train.sample_tokens",
+        "0",
+        "--train.progress",
+        "false",
+        "--checkpoint.every",
+        "0",
+        "--checkpoint.safetensors",
+        "false",
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
@@ -56,7 +86,9 @@ def launch(pp: int, model_args: list[str], out: Path) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="foldtrain bench memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="foldtrain bench memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--preset", default="gpt2-medium")
     ap.add_argument("--pp", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8192)
@@ -65,8 +97,20 @@ def main(argv: list[str] | None = None) -> int:
 
     m = build_config(["--model.preset", a.preset, "--model.vocab_size", str(a.vocab)]).model
     root = Path(tempfile.mkdtemp(prefix="ft-mem-"))
-    base_args = ["--model.preset", a.preset, "--model.n_layer", str(a.pp), "--model.d_model", "64", "--model.n_head", "4",
-                 "--model.vocab_size", "512", "--data.vocab_size", "512"]
+    base_args = [
+        "--model.preset",
+        a.preset,
+        "--model.n_layer",
+        str(a.pp),
+        "--model.d_model",
+        "64",
+        "--model.n_head",
+        "4",
+        "--model.vocab_size",
+        "512",
+        "--data.vocab_size",
+        "512",
+    ]
     baseline = launch(a.pp, base_args, root / "baseline")
     full = launch(a.pp, ["--model.preset", a.preset, "--model.vocab_size", str(a.vocab)], root / "model")
     params = per_rank_params(m.n_layer, m.d_model, m.n_head, m.context, m.vocab_size, a.pp)
@@ -77,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         state = params[p] * BYTES_PER_PARAM / 2**20
         ratio = full[p] / (1.25 * state + baseline[p])
         worst = max(worst, ratio)
-        print(f"{p:>4} {params[p]:>12,} {state:>9.0f} {baseline[p]:>9.0f} {full[p]:>9.0f} {full[p] / (state + baseline[p]):>6.2f}")
+        print(
+            f"{p:>4} {params[p]:>12,} {state:>9.0f} {baseline[p]:>9.0f} {full[p]:>9.0f} {full[p] / (state + baseline[p]):>6.2f}"
+        )
     print(f"largest measured / (1.25 x state + baseline) = {worst:.2f} (target <= 1)")
     whole = sum(params) * BYTES_PER_PARAM / 2**20
     print(f"(the whole model's state would be {whole:.0f} MB on every rank if each built it all)")

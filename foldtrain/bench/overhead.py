@@ -36,7 +36,13 @@ def plain_loop(cfg, data: TokenData, steps: int) -> list[float]:
     o = cfg.optim
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        foreach=True,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(o.lr, o.min_lr, o.warmup_steps, cfg.train.steps))
     sampler = SequenceSampler(data.split("train"), cfg.train.seq_len, cfg.train.seed)
     times = []
@@ -57,15 +63,35 @@ def plain_loop(cfg, data: TokenData, steps: int) -> list[float]:
 
 def foldtrain_loop(args, steps: int, out: Path) -> list[float]:
     cfg = build_config(
-        ["--model.preset", args.preset, "--train.steps", str(steps), "--train.global_batch", str(args.batch), "--train.seq_len", str(args.seq_len),
-         "--train.eval_every", "0", "--train.sample_tokens", "0", "--checkpoint.every", "0", "--checkpoint.safetensors", "false", "--out", str(out)]
+        [
+            "--model.preset",
+            args.preset,
+            "--train.steps",
+            str(steps),
+            "--train.global_batch",
+            str(args.batch),
+            "--train.seq_len",
+            str(args.seq_len),
+            "--train.eval_every",
+            "0",
+            "--train.sample_tokens",
+            "0",
+            "--checkpoint.every",
+            "0",
+            "--checkpoint.safetensors",
+            "false",
+            "--out",
+            str(out),
+        ]
     )
     train(cfg)
     return [json.loads(line)["step_time_s"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="foldtrain bench overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="foldtrain bench overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
@@ -73,7 +99,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq_len", type=int, default=128)
     args = ap.parse_args(argv)
-    cfg = build_config(["--model.preset", args.preset, "--train.steps", str(args.steps), "--train.global_batch", str(args.batch), "--train.seq_len", str(args.seq_len)])
+    cfg = build_config(
+        [
+            "--model.preset",
+            args.preset,
+            "--train.steps",
+            str(args.steps),
+            "--train.global_batch",
+            str(args.batch),
+            "--train.seq_len",
+            str(args.seq_len),
+        ]
+    )
     data = TokenData.open(resolve_data(cfg.data))
     tokens = args.batch * args.seq_len
     ft, plain = [], []
@@ -84,11 +121,16 @@ def main(argv: list[str] | None = None) -> int:
             f = foldtrain_loop(args, args.steps, root / f"rep{rep}")[args.warmup :]
             plain += p
             ft += f
-            print(f"rep {rep}: plain {tokens / statistics.median(p):8.0f} tok/s   foldtrain {tokens / statistics.median(f):8.0f} tok/s", flush=True)
+            print(
+                f"rep {rep}: plain {tokens / statistics.median(p):8.0f} tok/s   foldtrain {tokens / statistics.median(f):8.0f} tok/s",
+                flush=True,
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     tp, tf = tokens / statistics.median(plain), tokens / statistics.median(ft)
-    print(f"\nmodel {args.preset}, batch {args.batch}x{args.seq_len}, {args.reps} reps x {args.steps} steps (first {args.warmup} dropped), torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"\nmodel {args.preset}, batch {args.batch}x{args.seq_len}, {args.reps} reps x {args.steps} steps (first {args.warmup} dropped), torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     print(f"plain PyTorch loop : {tp:9.0f} tokens/s")
     print(f"foldtrain trainer  : {tf:9.0f} tokens/s")
     print(f"ratio foldtrain/plain = {tf / tp:.3f}  (overhead {100 * (1 - tf / tp):+.1f}%, target <= 3%)")

@@ -43,8 +43,10 @@ def link_s(run: RunResult) -> float | None:
 
 def efficiency(t_af: float, t_run: float, t_compute: float, t_link: float) -> tuple[float | None, str]:
     bound = max(t_compute, t_link)
-    detail = (f"T_after-flush {1e3 * t_af:.0f} ms, T_run {1e3 * t_run:.0f} ms, T_bound {1e3 * bound:.0f} ms = "
-              f"max(compute {1e3 * t_compute:.0f}, link {1e3 * t_link:.0f})")
+    detail = (
+        f"T_after-flush {1e3 * t_af:.0f} ms, T_run {1e3 * t_run:.0f} ms, T_bound {1e3 * bound:.0f} ms = "
+        f"max(compute {1e3 * t_compute:.0f}, link {1e3 * t_link:.0f})"
+    )
     if t_af - bound <= 1e-9:
         return None, detail + "; nothing to hide"
     return (t_af - t_run) / (t_af - bound), detail
@@ -56,10 +58,24 @@ def pipeline_overlap(runs: list[RunResult], baseline: str = "interleaved-1f1b") 
     for r in runs:
         if r.bench != "pipeline" or r.impl != "foldtrain" or r.info.get("dp_sync") == "after-flush" or not r.ok:
             continue
-        base = next((b for b in runs if b.bench == "pipeline" and b.impl == "foldtrain" and b.variant == baseline and b.network == r.network
-                     and b.info.get("dp_sync") == "after-flush" and b.ok), None)
-        name = f"overlap efficiency {r.variant} V={r.info.get('virtual')} {r.info.get('dp_sync')}" + (
-            " defer" if r.info.get("defer") else "") + f" [{r.network}]"
+        base = next(
+            (
+                b
+                for b in runs
+                if b.bench == "pipeline"
+                and b.impl == "foldtrain"
+                and b.variant == baseline
+                and b.network == r.network
+                and b.info.get("dp_sync") == "after-flush"
+                and b.ok
+            ),
+            None,
+        )
+        name = (
+            f"overlap efficiency {r.variant} V={r.info.get('virtual')} {r.info.get('dp_sync')}"
+            + (" defer" if r.info.get("defer") else "")
+            + f" [{r.network}]"
+        )
         m = r.metrics
         t_link = link_s(r)
         needed = (base, m.get("step_time_s"), m.get("profiled_step_s"), t_link)
@@ -83,17 +99,31 @@ def dp_overlap(runs: list[RunResult]) -> list[Ratio]:
             continue
         t_compute = m["compute_s"]
         v, detail = efficiency(t_compute + t_link, m["step_time_s"], t_compute, t_link)
-        out.append(Ratio(f"overlap efficiency {r.label} [{r.network}, {r.precision}, {r.ranks} ranks]", v, detail + " (T_after-flush = compute + link)"))
+        out.append(
+            Ratio(
+                f"overlap efficiency {r.label} [{r.network}, {r.precision}, {r.ranks} ranks]",
+                v,
+                detail + " (T_after-flush = compute + link)",
+            )
+        )
     return out
 
 
-PROFILED_KEYS = ("all_rank_idle_fraction", "bubble_fraction", "bubble_fraction_max", "exposed_dp_comm_s", "profiled_step_s", "busy_max_s")
+PROFILED_KEYS = (
+    "all_rank_idle_fraction",
+    "bubble_fraction",
+    "bubble_fraction_max",
+    "exposed_dp_comm_s",
+    "profiled_step_s",
+    "busy_max_s",
+)
 
 
 def _same_config(a: RunResult, b: RunResult) -> bool:
     keys = ("virtual", "dp_sync", "defer")
     return (a.impl, a.variant, a.network, a.precision) == (b.impl, b.variant, b.network, b.precision) and all(
-        a.info.get(k) == b.info.get(k) for k in keys)
+        a.info.get(k) == b.info.get(k) for k in keys
+    )
 
 
 def merge_profiled(runs: list[RunResult]) -> list[RunResult]:
@@ -108,7 +138,9 @@ def merge_profiled(runs: list[RunResult]) -> list[RunResult]:
         if t.ok:
             r.metrics.update({k: t.metrics[k] for k in PROFILED_KEYS if k in t.metrics})
         else:
-            r.info["note"] = (r.info.get("note", "") + "; " if r.info.get("note") else "") + f"profiled run failed: {t.error}"
+            r.info["note"] = (
+                r.info.get("note", "") + "; " if r.info.get("note") else ""
+            ) + f"profiled run failed: {t.error}"
     return plain
 
 
@@ -116,16 +148,42 @@ def defer_ratios(runs: list[RunResult], baseline: str = "interleaved-1f1b") -> l
     """fold + deferral against the after-flush baseline and against the best torch anchor."""
     out = []
     for net in dict.fromkeys(r.network for r in runs if r.bench == "pipeline"):
-        d = next((r for r in runs if r.impl == "foldtrain" and r.variant == "fold" and r.info.get("defer") and r.network == net), None)
+        d = next(
+            (
+                r
+                for r in runs
+                if r.impl == "foldtrain" and r.variant == "fold" and r.info.get("defer") and r.network == net
+            ),
+            None,
+        )
         if d is None:
             continue
-        base = next((r for r in runs if r.impl == "foldtrain" and r.variant == baseline and r.network == net
-                     and r.info.get("dp_sync") == "after-flush"), None)
-        torch_runs = [r for r in runs if r.impl == "torch" and r.network == net and r.ok and r.metrics.get("tokens_per_s")]
+        base = next(
+            (
+                r
+                for r in runs
+                if r.impl == "foldtrain"
+                and r.variant == baseline
+                and r.network == net
+                and r.info.get("dp_sync") == "after-flush"
+            ),
+            None,
+        )
+        torch_runs = [
+            r for r in runs if r.impl == "torch" and r.network == net and r.ok and r.metrics.get("tokens_per_s")
+        ]
         best = max(torch_runs, key=lambda r: r.metrics["tokens_per_s"], default=None)
-        for other, label in ((base, f"{baseline} (after-flush)"), (best, f"best torch anchor ({best.variant})" if best else "best torch anchor")):
+        for other, label in (
+            (base, f"{baseline} (after-flush)"),
+            (best, f"best torch anchor ({best.variant})" if best else "best torch anchor"),
+        ):
             if d.ok and other is not None and other.ok and other.metrics.get("tokens_per_s"):
-                out.append(Ratio(f"fold+defer / {label} tokens/s [{net}]", d.metrics["tokens_per_s"] / other.metrics["tokens_per_s"]))
+                out.append(
+                    Ratio(
+                        f"fold+defer / {label} tokens/s [{net}]",
+                        d.metrics["tokens_per_s"] / other.metrics["tokens_per_s"],
+                    )
+                )
             else:
                 out.append(Ratio(f"fold+defer / {label} tokens/s [{net}]", None, "not run or failed"))
     return out

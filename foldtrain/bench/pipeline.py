@@ -27,29 +27,60 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "fold")
 TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")
 # 8.5M parameters (34 MB of fp32 gradients, ~17 MB per pipeline rank) against 256 tokens per step: on two CPU
 # cores the gradient all-reduce over 1gbit is a sizeable part of a step (~0.3 s of ~1.2 s), over 100mbit most of it
-DEFAULTS = dict(preset="tiny", n_layer=8, d_model=256, global_batch=8, seq_len=32, steps=10, warmup=3,
-                networks="1gbit,100mbit", timeout=900.0)
-QUICK = dict(preset="tiny", n_layer=4, d_model=64, n_head=2, global_batch=8, seq_len=64, steps=5, warmup=2, networks="1gbit")
+DEFAULTS = dict(
+    preset="tiny",
+    n_layer=8,
+    d_model=256,
+    global_batch=8,
+    seq_len=32,
+    steps=10,
+    warmup=3,
+    networks="1gbit,100mbit",
+    timeout=900.0,
+)
+QUICK = dict(
+    preset="tiny", n_layer=4, d_model=64, n_head=2, global_batch=8, seq_len=64, steps=5, warmup=2, networks="1gbit"
+)
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="foldtrain bench pipeline",
         description="Pipeline schedules with data parallelism across two emulated nodes: foldtrain's gpipe, 1f1b, "
-                    "interleaved-1f1b (after-flush all-reduce) and fold (per-chunk all-reduce) against "
-                    "torch.distributed.pipelining (+ DDP-style all-reduce) and DeepSpeed when installed.",
+        "interleaved-1f1b (after-flush all-reduce) and fold (per-chunk all-reduce) against "
+        "torch.distributed.pipelining (+ DDP-style all-reduce) and DeepSpeed when installed.",
         epilog="Schedules take an optional ':DP_SYNC', e.g. --schedules fold,fold:after-flush,interleaved-1f1b:per-chunk.",
     )
     g = p.add_argument_group("what to compare")
-    g.add_argument("--schedules", default=",".join(SCHEDULES), help="foldtrain schedules, fold+defer for --fold.defer_reduce (default: %(default)s)")
-    g.add_argument("--torch_schedules", default=",".join(TORCH_SCHEDULES), help="torch.distributed.pipelining schedules (default: %(default)s)")
+    g.add_argument(
+        "--schedules",
+        default=",".join(SCHEDULES),
+        help="foldtrain schedules, fold+defer for --fold.defer_reduce (default: %(default)s)",
+    )
+    g.add_argument(
+        "--torch_schedules",
+        default=",".join(TORCH_SCHEDULES),
+        help="torch.distributed.pipelining schedules (default: %(default)s)",
+    )
     g.add_argument("--anchors", default="torch,deepspeed", help="baselines: torch, deepspeed; 'none' for none")
     g.add_argument("--dp", type=int, default=2, help="data-parallel degree = emulated nodes (default %(default)s)")
     g.add_argument("--pp", type=int, default=2, help="pipeline ranks per node (default %(default)s)")
-    g.add_argument("--virtual", type=int, default=2, help="chunks per pipeline rank for interleaved-1f1b, fold, looped-bfs (default %(default)s)")
-    g.add_argument("--microbatches", type=int, default=0, help="micro-batches per data-parallel rank (0: global_batch / dp, micro-batch 1)")
+    g.add_argument(
+        "--virtual",
+        type=int,
+        default=2,
+        help="chunks per pipeline rank for interleaved-1f1b, fold, looped-bfs (default %(default)s)",
+    )
+    g.add_argument(
+        "--microbatches",
+        type=int,
+        default=0,
+        help="micro-batches per data-parallel rank (0: global_batch / dp, micro-batch 1)",
+    )
     g.add_argument("--precision", default="fp32", help="--precision of every run (default %(default)s)")
-    g.add_argument("--no_profile", action="store_true", help="leave --profile off the foldtrain runs (no idle metrics, no gantt)")
+    g.add_argument(
+        "--no_profile", action="store_true", help="leave --profile off the foldtrain runs (no idle metrics, no gantt)"
+    )
     common.add_common(p, DEFAULTS)
     return p
 
@@ -82,8 +113,17 @@ def plan(a, data_path: str, deepspeed_ok: bool = False) -> dict[str, list]:
     if rows % M:
         raise FoldtrainError(f"bench pipeline: {rows} rows per data-parallel rank do not split into {M} micro-batches")
     world = a.dp * a.pp
-    base = [*common.train_args(a, data_path), "--precision", a.precision, "--parallel.dp", str(a.dp), "--parallel.pp", str(a.pp),
-            "--parallel.microbatches", str(M)]
+    base = [
+        *common.train_args(a, data_path),
+        "--precision",
+        a.precision,
+        "--parallel.dp",
+        str(a.dp),
+        "--parallel.pp",
+        str(a.pp),
+        "--parallel.microbatches",
+        str(M),
+    ]
     anchors = [x for x in common.csv(a.anchors) if x != "none"]
     unknown = [x for x in anchors if x not in ("torch", "deepspeed")]
     unknown += [s for s in common.csv(a.torch_schedules) if s not in TORCH_SCHEDULES]
@@ -104,14 +144,24 @@ def plan(a, data_path: str, deepspeed_ok: bool = False) -> dict[str, list]:
             js.append(common_job(Job, res, script, [*base, "--parallel.virtual", str(v), *extra], loop, a, threads))
 
         for name, v, sync, defer in specs:
-            extra = ["--parallel.schedule", name, "--parallel.dp_sync", sync] + (["--fold.defer_reduce", "true"] if defer else [])
+            extra = ["--parallel.schedule", name, "--parallel.dp_sync", sync] + (
+                ["--fold.defer_reduce", "true"] if defer else []
+            )
             more = {"defer": True, "tag": "defer"} if defer else {}
             # tokens/s from a run without --profile; the idle figures from a profiled twin (merged after)
             note = "--fold.defer_reduce" if defer else ""
             add("foldtrain", name, v, sync, ["-m", "foldtrain", "train"], extra, note, **more)
             if not a.no_profile:
-                add("foldtrain", name, v, sync, ["-m", "foldtrain", "train"], [*extra, "--profile"], note,
-                    **{**more, "profiled_twin": True, "tag": more.get("tag", "") + "profiled"})
+                add(
+                    "foldtrain",
+                    name,
+                    v,
+                    sync,
+                    ["-m", "foldtrain", "train"],
+                    [*extra, "--profile"],
+                    note,
+                    **{**more, "profiled_twin": True, "tag": more.get("tag", "") + "profiled"},
+                )
         if "torch" in anchors:
             for s in common.csv(a.torch_schedules):
                 v = a.virtual if s in ("interleaved-1f1b", "looped-bfs") else 1
@@ -150,7 +200,10 @@ def main(argv: list[str]) -> int:
             for r in results:
                 g = Path(r.info.get("profiled_out", r.out_dir)) / "gantt.png"
                 if r.impl == "foldtrain" and g.is_file():
-                    dst = ws.root / f"gantt_{common.slug(r.variant, r.info.get('dp_sync', ''), 'defer' if r.info.get('defer') else '', r.network)}.png"
+                    dst = (
+                        ws.root
+                        / f"gantt_{common.slug(r.variant, r.info.get('dp_sync', ''), 'defer' if r.info.get('defer') else '', r.network)}.png"
+                    )
                     shutil.copy(g, dst)
                     r.info["gantt"] = str(dst)
         rows = pipeline_rows(results)
@@ -165,11 +218,22 @@ def main(argv: list[str]) -> int:
             "dp group after the schedule (DDP-style, after the flush)",
         ]
         if deepspeed_ok:
-            notes.append("deepspeed: DeepSpeed's PipelineModule and its 1F1B TrainSchedule, gradients all-reduced over the dp "
-                         "group after the flush, torch's AdamW (DeepSpeed compiles no op here); embeddings untied")
-        common.print_results("foldtrain bench pipeline", PIPE_HEADERS, rows, ratios, notes, results, a, ws,
-                             kept="runs, gantt_*.png and results.json",
-                             without_out="pass --out DIR to keep the runs and each foldtrain run's gantt.png")
+            notes.append(
+                "deepspeed: DeepSpeed's PipelineModule and its 1F1B TrainSchedule, gradients all-reduced over the dp "
+                "group after the flush, torch's AdamW (DeepSpeed compiles no op here); embeddings untied"
+            )
+        common.print_results(
+            "foldtrain bench pipeline",
+            PIPE_HEADERS,
+            rows,
+            ratios,
+            notes,
+            results,
+            a,
+            ws,
+            kept="runs, gantt_*.png and results.json",
+            without_out="pass --out DIR to keep the runs and each foldtrain run's gantt.png",
+        )
         return 0
     finally:
         ws.close()

@@ -53,7 +53,7 @@ class RunResult:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict) -> "RunResult":
+    def from_json(cls, d: dict) -> RunResult:
         d = dict(d)
         if d.get("wire") is not None:
             d["wire"] = [tuple(x) for x in d["wire"]]
@@ -137,13 +137,17 @@ _ERR_PATTERNS = [
     re.compile(r"foldtrain: error: .*"),
     re.compile(r"^\s*(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception|Interrupt)\b:?.*$"),
 ]
-_NOISE = re.compile(r"torch\.distributed\.elastic|ChildFailedError|^\s*(?:=+|-+|\[.*\]:?|Root Cause|Failures:|<NO_OTHER_FAILURES>|traceback : .*|error_file: .*|exitcode\s*:.*|host\s*:.*|rank\s*:.*|time\s*:.*|local_rank\s*:.*)\s*$")
+_NOISE = re.compile(
+    r"torch\.distributed\.elastic|ChildFailedError|^\s*(?:=+|-+|\[.*\]:?|Root Cause|Failures:|<NO_OTHER_FAILURES>|traceback : .*|error_file: .*|exitcode\s*:.*|host\s*:.*|rank\s*:.*|time\s*:.*|local_rank\s*:.*)\s*$"
+)
 
 
 # what launchers put before a child's output lines: torch >= 2.5 "[rank1]:", horovodrun "[1]<stderr>:" / "[1,0]<stdout>:"
 _CHILD_PREFIX = re.compile(r"^\s*(?:\[(?:rank)?\d+(?:,\d+)?\](?:<std(?:out|err)>)?:[ \t]?)+")
 # the launcher's own summary of a child's failure, never the cause
-_LAUNCHER_NOISE = re.compile(r"Horovod detected that one or more processes exited|^Process \d+ exit with status code|^Terminating remaining workers after failure")
+_LAUNCHER_NOISE = re.compile(
+    r"Horovod detected that one or more processes exited|^Process \d+ exit with status code|^Terminating remaining workers after failure"
+)
 
 
 def error_line(text: str, limit: int = 200) -> str:
@@ -181,11 +185,16 @@ def merge_repeats(reps: list[RunResult]) -> RunResult:
     keys = list(dict.fromkeys(k for r in ok for k in r.metrics))
     for k in keys:
         vals = [r.metrics[k] for r in ok if k in r.metrics]
-        out.metrics[k] = max(vals) if k == "peak_mem_mb" else (sum(vals) if k == "steps_measured" else statistics.median(vals))
+        out.metrics[k] = (
+            max(vals) if k == "peak_mem_mb" else (sum(vals) if k == "steps_measured" else statistics.median(vals))
+        )
     _consistent_throughput(out.metrics)
     wires = [r.wire for r in ok if r.wire]
     if wires and all(len(w) == len(wires[0]) for w in wires):
-        out.wire = [(sum(w[i][0] for w in wires) / len(wires), sum(w[i][1] for w in wires) / len(wires)) for i in range(len(wires[0]))]
+        out.wire = [
+            (sum(w[i][0] for w in wires) / len(wires), sum(w[i][1] for w in wires) / len(wires))
+            for i in range(len(wires[0]))
+        ]
     failed = len(reps) - len(ok)
     if failed:
         note = f"{failed} of {len(reps)} repetitions failed ({[r.error for r in reps if not r.ok][-1]})"
@@ -202,5 +211,3 @@ def save_results(runs: list[RunResult], path: str | Path) -> None:
 
 def load_results(path: str | Path) -> list[RunResult]:
     return [RunResult.from_json(d) for d in json.loads(Path(path).read_text())]
-
-

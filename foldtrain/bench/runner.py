@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from foldtrain.bench.results import RunResult, error_line, read_metrics, summarize_records
 from foldtrain.netem.cluster import EmulatedCluster
 from foldtrain.netem.procs import kill_tree, wait_all
-from foldtrain.bench.results import RunResult, error_line, read_metrics, summarize_records
 
 ANCHORS = Path(__file__).with_name("anchors")
 
@@ -40,8 +40,18 @@ class Job:
         """The loopback command line (for --dry_run and for running)."""
         if self.launcher is not None:
             return [*self.launcher, *self.script, *self.args, "--out", str(out_dir)]
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(self.nproc_per_node),
-                *self.script, *self.args, "--out", str(out_dir)]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(self.nproc_per_node),
+            *self.script,
+            *self.args,
+            "--out",
+            str(out_dir),
+        ]
 
     def describe(self) -> str:
         r = self.result
@@ -69,7 +79,9 @@ class WireSampler:
             return 0
         if size != self._size:
             self._size = size
-            self._lines = sum(1 for line in self.metrics.read_text(errors="replace").splitlines() if '"step_time_s"' in line)
+            self._lines = sum(
+                1 for line in self.metrics.read_text(errors="replace").splitlines() if '"step_time_s"' in line
+            )
         return self._lines
 
     def _snap(self) -> list:
@@ -91,8 +103,16 @@ class WireSampler:
         return [((s1 - s0) / steps, (r1 - r0) / steps) for (s0, r0), (s1, r1) in zip(self.start[1], self.end[1])]
 
 
-def run_job(job: Job, out_dir: Path, warmup: int, steps: int, timeout_s: float, cluster: EmulatedCluster | None = None,
-            log=print, gpus: int = 0) -> RunResult:
+def run_job(
+    job: Job,
+    out_dir: Path,
+    warmup: int,
+    steps: int,
+    timeout_s: float,
+    cluster: EmulatedCluster | None = None,
+    log=print,
+    gpus: int = 0,
+) -> RunResult:
     """Launch ``job`` (on ``cluster`` when given), wait, and summarize it into a RunResult."""
     res = job.result
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -104,7 +124,9 @@ def run_job(job: Job, out_dir: Path, warmup: int, steps: int, timeout_s: float, 
             log_path = out_dir / "launch.log"
             env = {**os.environ, "OMP_NUM_THREADS": str(job.threads), "PYTHONUNBUFFERED": "1", **job.env}
             with open(log_path, "w") as f:
-                p = subprocess.Popen(job.command(out_dir), stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                p = subprocess.Popen(
+                    job.command(out_dir), stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
                 try:
                     timed_out = wait_all([p], timeout_s)
                 finally:
@@ -117,13 +139,30 @@ def run_job(job: Job, out_dir: Path, warmup: int, steps: int, timeout_s: float, 
             if job.horovod:
                 from foldtrain.bench.horovod_launch import run_horovod
 
-                jr = run_horovod(cluster, [*job.script, *job.args, "--out", str(out_dir)], nproc_per_node=job.nproc_per_node,
-                                 nnodes=job.nnodes, env=job.env, threads=job.threads, timeout_s=timeout_s,
-                                 log_dir=out_dir / "launch", on_poll=sampler.poll)
+                jr = run_horovod(
+                    cluster,
+                    [*job.script, *job.args, "--out", str(out_dir)],
+                    nproc_per_node=job.nproc_per_node,
+                    nnodes=job.nnodes,
+                    env=job.env,
+                    threads=job.threads,
+                    timeout_s=timeout_s,
+                    log_dir=out_dir / "launch",
+                    on_poll=sampler.poll,
+                )
             else:
-                jr = cluster.run_torchrun([*job.script, *job.args, "--out", str(out_dir)], nproc_per_node=job.nproc_per_node,
-                                          nnodes=job.nnodes, port=port, env=job.env, threads=job.threads, timeout_s=timeout_s,
-                                          log_dir=out_dir / "launch", on_poll=sampler.poll, gpus=gpus)
+                jr = cluster.run_torchrun(
+                    [*job.script, *job.args, "--out", str(out_dir)],
+                    nproc_per_node=job.nproc_per_node,
+                    nnodes=job.nnodes,
+                    port=port,
+                    env=job.env,
+                    threads=job.threads,
+                    timeout_s=timeout_s,
+                    log_dir=out_dir / "launch",
+                    on_poll=sampler.poll,
+                    gpus=gpus,
+                )
             codes, text, timed_out = jr.returncodes, jr.text(), jr.timed_out
             res.wire = sampler.per_step()
     except KeyboardInterrupt:
@@ -133,7 +172,9 @@ def run_job(job: Job, out_dir: Path, warmup: int, steps: int, timeout_s: float, 
     res.info["wall_s"] = round(time.monotonic() - t0, 1)
     records = read_metrics(out_dir / "metrics.jsonl")
     if timed_out:
-        res.error = f"timed out after {timeout_s:.0f} s" + (f" (last output: {error_line(text)})" if text.strip() else "")
+        res.error = f"timed out after {timeout_s:.0f} s" + (
+            f" (last output: {error_line(text)})" if text.strip() else ""
+        )
     elif any(c != 0 for c in codes):
         res.error = error_line(text)
     elif not records:

@@ -25,21 +25,46 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (docs/ lives there)
 
-from foldtrain.calibrate import (links, measure_action_overhead, measure_compute, measure_loopback, measure_loss_buffers,
-                                 measure_network, measure_oversubscription)
+from foldtrain.calibrate import (
+    links,
+    measure_action_overhead,
+    measure_compute,
+    measure_loopback,
+    measure_loss_buffers,
+    measure_network,
+    measure_oversubscription,
+)
 from foldtrain.config import build_config
 from foldtrain.sim.cluster import Cluster
 from foldtrain.sim.report import write_profile
 from foldtrain.sim.simulate import simulate
 
 CMD = "foldtrain bench simulator"
-PIPE_MODEL = ["--model.preset", "tiny", "--model.n_layer", "8", "--model.d_model", "256", "--train.global_batch", "8",
-              "--train.seq_len", "32"]
+PIPE_MODEL = [
+    "--model.preset",
+    "tiny",
+    "--model.n_layer",
+    "8",
+    "--model.d_model",
+    "256",
+    "--train.global_batch",
+    "8",
+    "--train.seq_len",
+    "32",
+]
 DP_MODEL = ["--model.preset", "tiny", "--train.global_batch", "16", "--train.seq_len", "128"]
 
 
-def cluster_of(comps: dict, ranks: int, cores: int, loop: dict, net: dict | None, per_node: int, name: str,
-               busy: dict | None = None) -> Cluster:
+def cluster_of(
+    comps: dict,
+    ranks: int,
+    cores: int,
+    loop: dict,
+    net: dict | None,
+    per_node: int,
+    name: str,
+    busy: dict | None = None,
+) -> Cluster:
     """This machine as a cluster for a run of ``ranks`` processes: compute as calibrated with as many
     concurrent processes as run at once with a core each (``min(ranks, cores)``), and the ``cores``
     shared by every rank (the simulator slows ranks down when more of them compute than there are cores).
@@ -47,16 +72,34 @@ def cluster_of(comps: dict, ranks: int, cores: int, loop: dict, net: dict | None
     collective step (latency and CPU)."""
     comp = comps[min(comps, key=lambda k: abs(k - min(ranks, cores)))]  # that concurrency, or the nearest calibrated
     busy = busy or loop
-    intra, inter = links(loop, net, busy.get("collective_latency_s", 0.0))  # a collective's step with the run's processes
-    return Cluster(name=name, gpus_per_node=per_node, memory=1e12, tflops={d: comp[d][0] for d in ("fp32", "bf16", "fp16")},
-                   mem_bw=comp["mem_bw"], efficiency=1.0, half_size=comp["fp32"][1], layer_overhead=comp["block_overhead"],
-                   intra=intra, inter=inter, runtime=comp["runtime"], backward_ratio=comp.get("backward_ratio", 2.0),
-                   elem_bw=comp.get("elem_bw", 0.0), softmax_rate=comp.get("softmax_rate", 0.0),
-                   loss_buffers=comp.get("loss_buffers", 3.0), rows_half_size=comp.get("rows_half_size", 0.0),
-                   head_weight_rate=comp.get("head_weight_rate", 0.0), optim_rate=comp.get("optim_rate", 0.0),
-                   comm_cpu=(net or loop).get("cpu_per_byte", 0.0), action_overhead=overhead_at(comp.get("action_overhead", 0.0), ranks),
-                   shared_cores=float(cores), oversubscribed=comp.get("oversubscribed", 1.0),
-                   collective_cpu=busy.get("collective_cpu_s", 0.0))
+    intra, inter = links(
+        loop, net, busy.get("collective_latency_s", 0.0)
+    )  # a collective's step with the run's processes
+    return Cluster(
+        name=name,
+        gpus_per_node=per_node,
+        memory=1e12,
+        tflops={d: comp[d][0] for d in ("fp32", "bf16", "fp16")},
+        mem_bw=comp["mem_bw"],
+        efficiency=1.0,
+        half_size=comp["fp32"][1],
+        layer_overhead=comp["block_overhead"],
+        intra=intra,
+        inter=inter,
+        runtime=comp["runtime"],
+        backward_ratio=comp.get("backward_ratio", 2.0),
+        elem_bw=comp.get("elem_bw", 0.0),
+        softmax_rate=comp.get("softmax_rate", 0.0),
+        loss_buffers=comp.get("loss_buffers", 3.0),
+        rows_half_size=comp.get("rows_half_size", 0.0),
+        head_weight_rate=comp.get("head_weight_rate", 0.0),
+        optim_rate=comp.get("optim_rate", 0.0),
+        comm_cpu=(net or loop).get("cpu_per_byte", 0.0),
+        action_overhead=overhead_at(comp.get("action_overhead", 0.0), ranks),
+        shared_cores=float(cores),
+        oversubscribed=comp.get("oversubscribed", 1.0),
+        collective_cpu=busy.get("collective_cpu_s", 0.0),
+    )
 
 
 def least_disturbed(calibrations) -> dict:
@@ -89,8 +132,14 @@ def bench(kind: str, args: list[str], out: Path) -> list[dict]:
     if out.exists():
         shutil.rmtree(out)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "foldtrain", "bench", kind, *args, "--out", str(out)], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=3600)
+    p = subprocess.run(
+        [sys.executable, "-m", "foldtrain", "bench", kind, *args, "--out", str(out)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     if p.returncode != 0:
         raise SystemExit(f"bench {kind} failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
     return json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else []
@@ -113,11 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="/tmp/ft-simval")
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="run every configuration K times, in rounds, and compare the median (a noisy machine: 2 or more)")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every configuration K times, in rounds, and compare the median (a noisy machine: 2 or more)",
+    )
     ap.add_argument("--docs", default=str(ROOT / "docs"))
-    ap.add_argument("--reuse", action="store_true",
-                    help="do not calibrate or run: simulate again the calibration and runs an earlier invocation left in --out")
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="do not calibrate or run: simulate again the calibration and runs an earlier invocation left in --out",
+    )
     a = ap.parse_args(argv)
     out, docs = Path(a.out), Path(a.docs)
     out.mkdir(parents=True, exist_ok=True)
@@ -137,23 +193,80 @@ def main(argv: list[str] | None = None) -> int:
             v["loss_buffers"], v["oversubscribed"] = loss_buffers, over
         loop = {n: measure_loopback(n) for n in (2, 4)}
         # the executor's host work per action, with as many processes as the runs have: 2, and 4 (the pipeline rows)
-        overhead = {str(n): measure_action_overhead(cluster_of(comp, n, cores, loop[n], None, n, f"this machine, {n} ranks"), dp=n // 2)[0]
-                    for n in (2, 4)}
+        overhead = {
+            str(n): measure_action_overhead(
+                cluster_of(comp, n, cores, loop[n], None, n, f"this machine, {n} ranks"), dp=n // 2
+            )[0]
+            for n in (2, 4)
+        }
         for v in comp.values():
             v["action_overhead"] = overhead
         net = measure_network("1gbit", 2)
         steps = ["--steps", str(a.steps), "--warmup", "3", "--repeat", str(a.repeat)]
         print("bench dp ...", flush=True)
-        dp_runs = bench("dp", ["--strategies", "none,ps,sharded-ps,allreduce,ddp", "--precisions", "fp32", "--ranks", "1,2,4",
-                               "--networks", "loopback,1gbit", "--anchors", "none", *steps], out / "dp")
+        dp_runs = bench(
+            "dp",
+            [
+                "--strategies",
+                "none,ps,sharded-ps,allreduce,ddp",
+                "--precisions",
+                "fp32",
+                "--ranks",
+                "1,2,4",
+                "--networks",
+                "loopback,1gbit",
+                "--anchors",
+                "none",
+                *steps,
+            ],
+            out / "dp",
+        )
         print("bench pipeline ...", flush=True)
-        pp_runs = bench("pipeline", ["--schedules", "gpipe,1f1b,interleaved-1f1b,interleaved-1f1b:per-chunk,fold:after-flush,fold",
-                                     "--anchors", "none", "--networks", "1gbit", *steps], out / "pp")
-        pp_runs += [dict(r, defer=True) for r in bench("pipeline", ["--schedules", "fold", "--anchors", "none", "--networks", "1gbit",
-                                                                   "--set", "fold.defer_reduce=true", "--set", "optim.grad_clip=0", *steps],
-                                                       out / "ppdefer")]
-        (out / "calibration.json").write_text(json.dumps({"compute": {str(k): v for k, v in comp.items()}, "loopback": loop, "net": net,
-                                                          "cores": cores, "load": [load0[0], os.getloadavg()[0]]}, default=str))
+        pp_runs = bench(
+            "pipeline",
+            [
+                "--schedules",
+                "gpipe,1f1b,interleaved-1f1b,interleaved-1f1b:per-chunk,fold:after-flush,fold",
+                "--anchors",
+                "none",
+                "--networks",
+                "1gbit",
+                *steps,
+            ],
+            out / "pp",
+        )
+        pp_runs += [
+            dict(r, defer=True)
+            for r in bench(
+                "pipeline",
+                [
+                    "--schedules",
+                    "fold",
+                    "--anchors",
+                    "none",
+                    "--networks",
+                    "1gbit",
+                    "--set",
+                    "fold.defer_reduce=true",
+                    "--set",
+                    "optim.grad_clip=0",
+                    *steps,
+                ],
+                out / "ppdefer",
+            )
+        ]
+        (out / "calibration.json").write_text(
+            json.dumps(
+                {
+                    "compute": {str(k): v for k, v in comp.items()},
+                    "loopback": loop,
+                    "net": net,
+                    "cores": cores,
+                    "load": [load0[0], os.getloadavg()[0]],
+                },
+                default=str,
+            )
+        )
         load0 = (load0[0], os.getloadavg()[0])
     rows = []
     gantt_pair = None
@@ -163,18 +276,40 @@ def main(argv: list[str] | None = None) -> int:
             continue
         n = r["ranks"]
         if r["bench"] == "dp":
-            args = DP_MODEL + (["--dp.strategy", r["variant"], "--parallel.dp", str(r["workers"])] if r["variant"] != "none" else [])
-            c = cluster_of(comp, n, cores, loop[max(n, 2)], net if r["network"] != "loopback" else None,
-                           n if r["network"] == "loopback" else 1, f"this machine, {n} ranks, {r['network']}")
+            args = DP_MODEL + (
+                ["--dp.strategy", r["variant"], "--parallel.dp", str(r["workers"])] if r["variant"] != "none" else []
+            )
+            c = cluster_of(
+                comp,
+                n,
+                cores,
+                loop[max(n, 2)],
+                net if r["network"] != "loopback" else None,
+                n if r["network"] == "loopback" else 1,
+                f"this machine, {n} ranks, {r['network']}",
+            )
             label = f"dp {r['variant']} x{n} {r['network']}"
         else:
             v, sync = r["info"]["virtual"], r["info"]["dp_sync"]
-            args = PIPE_MODEL + ["--parallel.dp", "2", "--parallel.pp", "2", "--parallel.microbatches", "4", "--parallel.virtual", str(v),
-                                 "--parallel.schedule", r["variant"], "--parallel.dp_sync", sync]
+            args = PIPE_MODEL + [
+                "--parallel.dp",
+                "2",
+                "--parallel.pp",
+                "2",
+                "--parallel.microbatches",
+                "4",
+                "--parallel.virtual",
+                str(v),
+                "--parallel.schedule",
+                r["variant"],
+                "--parallel.dp_sync",
+                sync,
+            ]
             if r.get("defer"):
                 args += ["--fold.defer_reduce", "--optim.grad_clip", "0"]
-            c = cluster_of(comp, 4, cores, loop[2], net, 2, "this machine, 2 nodes x 2 ranks, 1gbit",
-                           busy=loop[4])  # 4 processes on the machine
+            c = cluster_of(
+                comp, 4, cores, loop[2], net, 2, "this machine, 2 nodes x 2 ranks, 1gbit", busy=loop[4]
+            )  # 4 processes on the machine
             label = f"pp {r['variant']} V{v} {sync}" + (" defer" if r.get("defer") else "")
         sim = simulate(build_config(args), c, keep_events=True)
         rows.append((r, sim, label))
@@ -185,54 +320,83 @@ def main(argv: list[str] | None = None) -> int:
     pred = [s.tokens_per_s for _, s, _ in good]
     errs = [p / m - 1 for p, m in zip(pred, meas)]
     # the runs log rank 0's peak resident size: compare with rank 0's prediction
-    mem_errs = [s.memory[0]["total"] / (r["metrics"]["peak_mem_mb"] * 2**20) - 1 for r, s, _ in good if r["metrics"].get("peak_mem_mb")]
+    mem_errs = [
+        s.memory[0]["total"] / (r["metrics"]["peak_mem_mb"] * 2**20) - 1
+        for r, s, _ in good
+        if r["metrics"].get("peak_mem_mb")
+    ]
     img = docs / "img"
     img.mkdir(parents=True, exist_ok=True)
     if gantt_pair:
         r, s = gantt_pair
-        g = Path(r.get("info", {}).get("profiled_out", r["out_dir"])) / "gantt.png"  # tokens/s come from the unprofiled run
+        g = (
+            Path(r.get("info", {}).get("profiled_out", r["out_dir"])) / "gantt.png"
+        )  # tokens/s come from the unprofiled run
         if g.is_file():
             shutil.copy(g, img / "simval_measured_fold.png")
         tmp = out / "simprof"
         write_profile(s, tmp)
         shutil.copy(tmp / "gantt.png", img / "simval_simulated_fold.png")
-    L = ["# Simulator validation: predicted against measured on this machine", "",
-         f"Regenerate with `{CMD}{f' --repeat {a.repeat}' if a.repeat > 1 else ''}` (needs root and iproute2; about {max(1, round((time.time() - t0) / 60))} minutes). "
-         "It calibrates this machine (`foldtrain.calibrate`: compute with 1, 2 and 4 concurrent processes and the cores' efficiency with 4 ranks on them, gloo on loopback "
-         "and across two emulated nodes at 1 Gbit/s), runs `foldtrain bench dp` and `foldtrain bench pipeline`, and "
-         "simulates every run with the calibrated numbers.", "",
-         f"Conditions: {cores} CPU cores (load average {load0[0]:.1f} at the start, "
-         f"{load0[1]:.1f} at the end of the runs); calibration and runs were made in the same invocation, minutes apart, "
-         "so both see similar contention, but contention changes from run to run.", "",
-         "| configuration | measured tokens/s | predicted tokens/s | error | measured peak MB (rank 0) | predicted (rank 0) | error |",
-         "|---|---|---|---|---|---|---|"]
+    L = [
+        "# Simulator validation: predicted against measured on this machine",
+        "",
+        f"Regenerate with `{CMD}{f' --repeat {a.repeat}' if a.repeat > 1 else ''}` (needs root and iproute2; about {max(1, round((time.time() - t0) / 60))} minutes). "
+        "It calibrates this machine (`foldtrain.calibrate`: compute with 1, 2 and 4 concurrent processes and the cores' efficiency with 4 ranks on them, gloo on loopback "
+        "and across two emulated nodes at 1 Gbit/s), runs `foldtrain bench dp` and `foldtrain bench pipeline`, and "
+        "simulates every run with the calibrated numbers.",
+        "",
+        f"Conditions: {cores} CPU cores (load average {load0[0]:.1f} at the start, "
+        f"{load0[1]:.1f} at the end of the runs); calibration and runs were made in the same invocation, minutes apart, "
+        "so both see similar contention, but contention changes from run to run.",
+        "",
+        "| configuration | measured tokens/s | predicted tokens/s | error | measured peak MB (rank 0) | predicted (rank 0) | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r, s, lab in rows:
         if s is None:
-            L.append(f"| {r['bench']} {r['variant']} x{r['ranks']} {r['network']} | failed: {r.get('error', '')[:80]} | | | | | |")
+            L.append(
+                f"| {r['bench']} {r['variant']} x{r['ranks']} {r['network']} | failed: {r.get('error', '')[:80]} | | | | | |"
+            )
             continue
         m = r["metrics"]
         mm = m.get("peak_mem_mb", float("nan"))
-        L.append(f"| {lab} | {m['tokens_per_s']:,.0f} | {s.tokens_per_s:,.0f} | {s.tokens_per_s / m['tokens_per_s'] - 1:+.1%} | "
-                 f"{mm:.0f} | {s.memory[0]['total'] / 2**20:.0f} | {s.memory[0]['total'] / (mm * 2**20) - 1:+.1%} |")
+        L.append(
+            f"| {lab} | {m['tokens_per_s']:,.0f} | {s.tokens_per_s:,.0f} | {s.tokens_per_s / m['tokens_per_s'] - 1:+.1%} | "
+            f"{mm:.0f} | {s.memory[0]['total'] / 2**20:.0f} | {s.memory[0]['total'] / (mm * 2**20) - 1:+.1%} |"
+        )
     if errs:
-        L += ["", "| metric | value | target |", "|---|---|---|",
-              f"| configurations | {len(errs)} | >= 12 |",
-              f"| median absolute error, tokens/s | {statistics.median(abs(e) for e in errs):.1%} | <= 10% |",
-              f"| max absolute error | {max(abs(e) for e in errs):.1%} | <= 20% |",
-              f"| Spearman rank correlation | {spearman(meas, pred):.2f} | >= 0.9 |",
-              f"| peak memory, median / max absolute error | {statistics.median(abs(e) for e in mem_errs):.1%} / "
-              f"{max(abs(e) for e in mem_errs):.1%} | within 15% |" if mem_errs else "| peak memory | not logged | |"]
+        L += [
+            "",
+            "| metric | value | target |",
+            "|---|---|---|",
+            f"| configurations | {len(errs)} | >= 12 |",
+            f"| median absolute error, tokens/s | {statistics.median(abs(e) for e in errs):.1%} | <= 10% |",
+            f"| max absolute error | {max(abs(e) for e in errs):.1%} | <= 20% |",
+            f"| Spearman rank correlation | {spearman(meas, pred):.2f} | >= 0.9 |",
+            f"| peak memory, median / max absolute error | {statistics.median(abs(e) for e in mem_errs):.1%} / "
+            f"{max(abs(e) for e in mem_errs):.1%} | within 15% |"
+            if mem_errs
+            else "| peak memory | not logged | |",
+        ]
     if gantt_pair:
-        L += ["", "## One fold run, measured and simulated (fold, V=2, per-chunk, 2 nodes x 2 ranks, 1 Gbit/s)", "",
-              "Measured (`gantt.png` of the `--profile` run):", "", "![measured](img/simval_measured_fold.png)", "",
-              "Simulated (`foldtrain simulate ... --profile DIR` with the calibrated cluster):", "",
-              "![simulated](img/simval_simulated_fold.png)", ""]
+        L += [
+            "",
+            "## One fold run, measured and simulated (fold, V=2, per-chunk, 2 nodes x 2 ranks, 1 Gbit/s)",
+            "",
+            "Measured (`gantt.png` of the `--profile` run):",
+            "",
+            "![measured](img/simval_measured_fold.png)",
+            "",
+            "Simulated (`foldtrain simulate ... --profile DIR` with the calibrated cluster):",
+            "",
+            "![simulated](img/simval_simulated_fold.png)",
+            "",
+        ]
     path = docs / "simulator.md"
     marker = "<!-- model -->"
     body = "\n".join(L) + "\n"
     if path.is_file() and marker in path.read_text():
-        body += "\n" + path.read_text()[path.read_text().index(marker):]
+        body += "\n" + path.read_text()[path.read_text().index(marker) :]
     path.write_text(body)
     print(f"wrote {path} in {time.time() - t0:.0f} s")
     return 0
-

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from foldtrain.bench.results import RunResult
 
@@ -14,7 +15,14 @@ from foldtrain.bench.results import RunResult
 def baseline_for(run: RunResult, runs: Iterable[RunResult]) -> RunResult | None:
     """The single-process reference of a dp run: foldtrain ``none`` at 1 rank, same precision."""
     for r in runs:
-        if r.bench == "dp" and r.impl == "foldtrain" and r.variant == "none" and r.ranks == 1 and r.precision == run.precision and r.ok:
+        if (
+            r.bench == "dp"
+            and r.impl == "foldtrain"
+            and r.variant == "none"
+            and r.ranks == 1
+            and r.precision == run.precision
+            and r.ok
+        ):
             return r
     return None
 
@@ -108,8 +116,23 @@ def fmt(v: Any, kind: str = "") -> str:
     return str(v)
 
 
-DP_HEADERS = ["strategy", "precision", "ranks", "network", "time/step ms", "tokens/s", "speed-up", "efficiency",
-              "peak MB/rank", "grad+optim MB/rank", "MB/step/worker", "MB/step server", "comm wait", "wire MB/step n0/others", "note"]
+DP_HEADERS = [
+    "strategy",
+    "precision",
+    "ranks",
+    "network",
+    "time/step ms",
+    "tokens/s",
+    "speed-up",
+    "efficiency",
+    "peak MB/rank",
+    "grad+optim MB/rank",
+    "MB/step/worker",
+    "MB/step server",
+    "comm wait",
+    "wire MB/step n0/others",
+    "note",
+]
 
 
 def dp_rows(runs: list[RunResult]) -> list[list[str]]:
@@ -127,19 +150,43 @@ def dp_rows(runs: list[RunResult]) -> list[list[str]]:
         note = r.info.get("note", "")
         if m.get("warmup_short"):
             note = (note + "; " if note else "") + "fewer steps than warm-up"
-        rows.append([
-            r.label, r.precision, str(r.ranks), r.network,
-            fmt(m.get("step_time_s"), "ms"), fmt(m.get("tokens_per_s"), "int"),
-            fmt(speedup(r, runs), "x"), fmt(efficiency(r, runs), "pct"),
-            fmt(m.get("peak_mem_mb"), "f1"), fmt(m.get("grad_optim_mem_mb"), "f1"), fmt(w, "mb") + ("*" if wsrc == "links" else ""),
-            fmt(s, "mb") + ("*" if ssrc == "links" else ""),
-            fmt(m.get("comm_wait_share"), "pct"), wire, note,
-        ])
+        rows.append(
+            [
+                r.label,
+                r.precision,
+                str(r.ranks),
+                r.network,
+                fmt(m.get("step_time_s"), "ms"),
+                fmt(m.get("tokens_per_s"), "int"),
+                fmt(speedup(r, runs), "x"),
+                fmt(efficiency(r, runs), "pct"),
+                fmt(m.get("peak_mem_mb"), "f1"),
+                fmt(m.get("grad_optim_mem_mb"), "f1"),
+                fmt(w, "mb") + ("*" if wsrc == "links" else ""),
+                fmt(s, "mb") + ("*" if ssrc == "links" else ""),
+                fmt(m.get("comm_wait_share"), "pct"),
+                wire,
+                note,
+            ]
+        )
     return rows
 
 
-PIPE_HEADERS = ["impl", "schedule", "V", "dp_sync", "network", "time/step ms", "tokens/s", "all-rank idle", "bubble",
-                "exposed DP comm ms", "peak MB/rank", "wire MB/step/node", "note"]
+PIPE_HEADERS = [
+    "impl",
+    "schedule",
+    "V",
+    "dp_sync",
+    "network",
+    "time/step ms",
+    "tokens/s",
+    "all-rank idle",
+    "bubble",
+    "exposed DP comm ms",
+    "peak MB/rank",
+    "wire MB/step/node",
+    "note",
+]
 
 
 def pipeline_rows(runs: list[RunResult]) -> list[list[str]]:
@@ -153,11 +200,23 @@ def pipeline_rows(runs: list[RunResult]) -> list[list[str]]:
             continue
         m = r.metrics
         wire = (sum(s + x for s, x in r.wire) / len(r.wire)) if r.wire else None
-        rows.append([
-            r.impl, r.variant, v, sync, r.network, fmt(m.get("step_time_s"), "ms"), fmt(m.get("tokens_per_s"), "int"),
-            fmt(m.get("all_rank_idle_fraction"), "pct"), fmt(m.get("bubble_fraction"), "pct"),
-            fmt(m.get("exposed_dp_comm_s"), "ms"), fmt(m.get("peak_mem_mb"), "f1"), fmt(wire, "mb"), r.info.get("note", ""),
-        ])
+        rows.append(
+            [
+                r.impl,
+                r.variant,
+                v,
+                sync,
+                r.network,
+                fmt(m.get("step_time_s"), "ms"),
+                fmt(m.get("tokens_per_s"), "int"),
+                fmt(m.get("all_rank_idle_fraction"), "pct"),
+                fmt(m.get("bubble_fraction"), "pct"),
+                fmt(m.get("exposed_dp_comm_s"), "ms"),
+                fmt(m.get("peak_mem_mb"), "f1"),
+                fmt(wire, "mb"),
+                r.info.get("note", ""),
+            ]
+        )
     return rows
 
 
@@ -218,7 +277,12 @@ def _find(runs: list[RunResult], **want) -> RunResult | None:
     return None
 
 
-def _ratio(a: RunResult | None, b: RunResult | None, key: str = "tokens_per_s", names: tuple[str, str] = ("numerator", "denominator")) -> tuple[float | None, str]:
+def _ratio(
+    a: RunResult | None,
+    b: RunResult | None,
+    key: str = "tokens_per_s",
+    names: tuple[str, str] = ("numerator", "denominator"),
+) -> tuple[float | None, str]:
     if a is None or b is None:
         missing = " and ".join(x for x, r in zip(names, (a, b)) if r is None)
         return None, f"{missing} not run"
@@ -252,18 +316,40 @@ def dp_ratios(runs: list[RunResult]) -> list[Ratio]:
             for strat in ("allreduce", "sharded-ps"):
                 if ("foldtrain", strat) not in variants or ("ddp_plain", "") not in variants:
                     continue
-                ranks = sorted({r.ranks for r in runs if r.network == net and r.precision == prec and r.ranks > 1
-                                and (r.impl, r.variant) in (("foldtrain", strat), ("ddp_plain", ""))}, reverse=True)
+                ranks = sorted(
+                    {
+                        r.ranks
+                        for r in runs
+                        if r.network == net
+                        and r.precision == prec
+                        and r.ranks > 1
+                        and (r.impl, r.variant) in (("foldtrain", strat), ("ddp_plain", ""))
+                    },
+                    reverse=True,
+                )
                 if not ranks:
                     continue
                 n = ranks[0]
-                v, why = _ratio(get("foldtrain", strat, net, prec, n), get("ddp_plain", "", net, prec, n), names=(strat, "ddp_plain"))
+                v, why = _ratio(
+                    get("foldtrain", strat, net, prec, n),
+                    get("ddp_plain", "", net, prec, n),
+                    names=(strat, "ddp_plain"),
+                )
                 out.append(Ratio(f"{strat} / ddp_plain tokens/s [{net}, {prec}, {n} ranks]", v, why))
     if ("foldtrain", "allreduce") in variants and ("foldtrain", "ps") in variants:
         for net in [n for n in networks if n != "loopback"]:
             for prec in precisions:
-                ranks = sorted({r.ranks for r in runs if r.network == net and r.precision == prec and r.impl == "foldtrain"
-                                and r.variant in ("allreduce", "ps")}, reverse=True)
+                ranks = sorted(
+                    {
+                        r.ranks
+                        for r in runs
+                        if r.network == net
+                        and r.precision == prec
+                        and r.impl == "foldtrain"
+                        and r.variant in ("allreduce", "ps")
+                    },
+                    reverse=True,
+                )
                 if not ranks:
                     continue
                 n = 4 if 4 in ranks else ranks[0]
@@ -274,8 +360,10 @@ def dp_ratios(runs: list[RunResult]) -> list[Ratio]:
                 out.append(Ratio(f"allreduce / ps ({kind}) tokens/s [{net}, {prec}, {n} ranks]", v, why))
     for net in networks:
         for prec in precisions:
-            ps_runs = sorted([r for r in runs if is_ps(r) and r.network == net and r.precision == prec and r.ranks > 1],
-                             key=lambda r: -r.ranks)
+            ps_runs = sorted(
+                [r for r in runs if is_ps(r) and r.network == net and r.precision == prec and r.ranks > 1],
+                key=lambda r: -r.ranks,
+            )
             if not ps_runs:
                 continue
             r = ps_runs[0]
@@ -287,7 +375,13 @@ def dp_ratios(runs: list[RunResult]) -> list[Ratio]:
             if w and s is not None:
                 out.append(Ratio(name, s / w, f"{fmt(s, 'mb')} MB vs {fmt(w, 'mb')} MB per step, from {src}"))
             elif s is not None:
-                out.append(Ratio(name, None, "workers' bytes unknown on loopback (rank 0 is the server); see the emulated network"))
+                out.append(
+                    Ratio(
+                        name,
+                        None,
+                        "workers' bytes unknown on loopback (rank 0 is the server); see the emulated network",
+                    )
+                )
             else:
                 out.append(Ratio(name, None, "no byte counters logged"))
     return out
@@ -297,8 +391,11 @@ def pipeline_ratios(runs: list[RunResult], baseline: str = "interleaved-1f1b") -
     """fold vs the after-flush interleaved baseline (tokens/s, all-rank idle) and vs torch LoopedBFS + DDP."""
     runs = [r for r in runs if r.bench == "pipeline"]
     out: list[Ratio] = []
+
     def pick(impl: str, variant: str, net: str, sync: str) -> RunResult | None:
-        hits = [r for r in runs if r.impl == impl and r.variant == variant and r.network == net and not r.info.get("defer")]
+        hits = [
+            r for r in runs if r.impl == impl and r.variant == variant and r.network == net and not r.info.get("defer")
+        ]
         return next((r for r in hits if r.info.get("dp_sync") == sync), hits[0] if hits else None)
 
     for net in dict.fromkeys(r.network for r in runs):
@@ -314,7 +411,9 @@ def pipeline_ratios(runs: list[RunResult], baseline: str = "interleaved-1f1b") -
     return out
 
 
-def report_markdown(title: str, headers: list[str], rows: list[list[str]], ratios: list[Ratio], notes: list[str]) -> str:
+def report_markdown(
+    title: str, headers: list[str], rows: list[list[str]], ratios: list[Ratio], notes: list[str]
+) -> str:
     parts = [f"# {title}", "", markdown_table(headers, rows), "", "## Ratios", ""]
     parts += [f"- {r.line()}" for r in ratios] or ["- (none computable)"]
     if notes:

@@ -33,12 +33,45 @@ itself stays pure.
 
 from .cli import main
 from .comm import check_network_prerequisites, links, measure_loopback, measure_network
-from .compute import (DTYPES, HEAD_SHAPES, RATIO_SHAPES, SIZES, _block_times, _fit_cluster, fit_elem_bw, fit_half_size,
-                      fit_head, fit_rate, measure_compute, measure_oversubscription)
+from .compute import (
+    DTYPES,
+    HEAD_SHAPES,
+    RATIO_SHAPES,
+    SIZES,
+    _block_times,
+    _fit_cluster,
+    fit_elem_bw,
+    fit_half_size,
+    fit_head,
+    fit_rate,
+    measure_compute,
+    measure_oversubscription,
+)
 from .executor import EXECUTOR_PROBE, EXECUTOR_STEPS, measure_action_overhead
 from .memory import LOSS_SHAPE, LOSS_TOKENS, measure_loss_buffers
 
-__all__ = ["DTYPES", "EXECUTOR_PROBE", "EXECUTOR_STEPS", "HEAD_SHAPES", "LOSS_SHAPE", "LOSS_TOKENS", "RATIO_SHAPES", "SIZES",
-           "_block_times", "_fit_cluster", "check_network_prerequisites", "fit_elem_bw", "fit_half_size", "fit_head", "fit_rate",
-           "links", "main", "measure_action_overhead", "measure_compute", "measure_loopback", "measure_loss_buffers", "measure_network",
-           "measure_oversubscription"]
+__all__ = [
+    "DTYPES",
+    "EXECUTOR_PROBE",
+    "EXECUTOR_STEPS",
+    "HEAD_SHAPES",
+    "LOSS_SHAPE",
+    "LOSS_TOKENS",
+    "RATIO_SHAPES",
+    "SIZES",
+    "_block_times",
+    "_fit_cluster",
+    "check_network_prerequisites",
+    "fit_elem_bw",
+    "fit_half_size",
+    "fit_head",
+    "fit_rate",
+    "links",
+    "main",
+    "measure_action_overhead",
+    "measure_compute",
+    "measure_loopback",
+    "measure_loss_buffers",
+    "measure_network",
+    "measure_oversubscription",
+]

@@ -19,7 +19,10 @@ def main(argv: list[str]) -> int:
     if argv == ["--_comm_probe"]:
         _comm_probe()
         return 0
-    ap = argparse.ArgumentParser(prog="foldtrain calibrate", description="measure this machine and write a cluster file for foldtrain simulate --cluster FILE")
+    ap = argparse.ArgumentParser(
+        prog="foldtrain calibrate",
+        description="measure this machine and write a cluster file for foldtrain simulate --cluster FILE",
+    )
     ap.add_argument("--out", required=True, help="cluster TOML file to write")
     ap.add_argument("--network", help="emulated link rate between nodes, e.g. 1gbit (needs root and iproute2)")
     ap.add_argument("--nodes", type=int, default=1, help="emulated nodes (with --network)")
@@ -61,60 +64,98 @@ def main(argv: list[str]) -> int:
     busy = loop if ranks <= max(a.ranks_per_node, 2) else measure_loopback(ranks)
     intra, inter = links(loop, net, busy["collective_latency_s"])
     name = a.name or os.path.splitext(os.path.basename(a.out))[0]
-    c = Cluster(name=name, gpus_per_node=a.ranks_per_node, memory=total / ranks, shared_cores=float(cores),
-                tflops={d: comp[d][0] for d in DTYPES}, mem_bw=comp["mem_bw"], efficiency=1.0, half_size=fp32_h,
-                layer_overhead=comp["block_overhead"], intra=intra, inter=inter, runtime=comp["runtime"],
-                backward_ratio=comp["backward_ratio"], elem_bw=comp["elem_bw"], softmax_rate=comp["softmax_rate"],
-                loss_buffers=loss_buffers, rows_half_size=comp["rows_half_size"], head_weight_rate=comp["head_weight_rate"],
-                optim_rate=comp["optim_rate"], comm_cpu=(net or loop).get("cpu_per_byte", 0.0), oversubscribed=over,
-                collective_cpu=busy.get("collective_cpu_s", 0.0))
+    c = Cluster(
+        name=name,
+        gpus_per_node=a.ranks_per_node,
+        memory=total / ranks,
+        shared_cores=float(cores),
+        tflops={d: comp[d][0] for d in DTYPES},
+        mem_bw=comp["mem_bw"],
+        efficiency=1.0,
+        half_size=fp32_h,
+        layer_overhead=comp["block_overhead"],
+        intra=intra,
+        inter=inter,
+        runtime=comp["runtime"],
+        backward_ratio=comp["backward_ratio"],
+        elem_bw=comp["elem_bw"],
+        softmax_rate=comp["softmax_rate"],
+        loss_buffers=loss_buffers,
+        rows_half_size=comp["rows_half_size"],
+        head_weight_rate=comp["head_weight_rate"],
+        optim_rate=comp["optim_rate"],
+        comm_cpu=(net or loop).get("cpu_per_byte", 0.0),
+        oversubscribed=over,
+        collective_cpu=busy.get("collective_cpu_s", 0.0),
+    )
     print("calibrate: the pipeline executor's own work per action ...", flush=True)
     probe_dp = 2 if ranks >= 4 else 1  # with the runs' contention: 4 processes when they have 4 or more
-    ov, ov_measured, ov_sim = measure_action_overhead(dataclasses.replace(c, gpus_per_node=2 * probe_dp), dp=probe_dp)  # its ranks on one node
+    ov, ov_measured, ov_sim = measure_action_overhead(
+        dataclasses.replace(c, gpus_per_node=2 * probe_dp), dp=probe_dp
+    )  # its ranks on one node
     c = dataclasses.replace(c, action_overhead=ov)
     src = f"foldtrain calibrate, {when}, {conc} concurrent processes"
-    notes = {f"device.{d}_tflops": f"{src}: fitted peak of (512 x n) @ (n x 4n), n = {SIZES}; measured "
-             + ", ".join(f"{r / 1e9:.1f}" for r in comp[d][2]) + " GFLOP/s" for d in DTYPES}
-    notes.update({
-        "node.gpus": f"--ranks_per_node ({src})",
-        "node.shared_cores": "os.cpu_count(): every emulated node's ranks run on this machine's cores",
-        "node.oversubscribed_efficiency": (
-            f"blocks of {RATIO_SHAPES} timed with {cores} and with {ranks} single-threaded processes at once, alternated: "
-            f"{cores} / {ranks} of the time per block at {cores} over the time at {ranks}, median of "
-            + ", ".join(f"{r:.2f}" for r in over_ratios) + (f" (scaled to {2 * cores} busy ranks)" if ranks != 2 * cores else "")
-            if over_ratios else f"not measured: the runs have no more ranks ({ranks}) than cores ({cores})"),
-        "node.comm_cpu_ns": f"{src}: CPU time of a rank (all threads) over the bytes it sends in the "
-                            + ("emulated nodes'" if net else "loopback") + " all-reduce",
-        "node.collective_cpu_us": f"{src}: CPU time of a rank (all threads) over the 4 KB all-reduces of "
-                                  f"collective_latency_us, per step",
-        "device.memory_gb": "MemTotal / ranks (nodes x ranks_per_node)",
-        "device.mem_bw_gbs": f"{src}: 64 MB copy",
-        "device.efficiency": "folded into the fitted peaks",
-        "device.half_size": f"{src}: fp32 fit (the half-precision fits give " + ", ".join(f"{comp[d][1]:.0f}" for d in ("bf16", "fp16")) + ")",
-        "device.layer_overhead_us": f"{src}: forward + backward of a tiny block / 3",
-        "device.backward_ratio": f"{src}: backward / forward time of a block, mean over (d, heads, batch, seq) = {RATIO_SHAPES}",
-        "device.elem_gbs": f"{src}: fitted so that the cost model's block forward equals the measured one at {RATIO_SHAPES}",
-        "device.softmax_gelems": f"{src}: per logit, fitted with head_weight_gelems to the real fused head (norm, projection, "
-                                 f"fp32 cross-entropy, forward + backward) at (d, V, tokens) = {HEAD_SHAPES} beyond its matrix products",
-        "device.head_weight_gelems": f"{src}: per element of the head's weight, the same fit",
-        "device.action_overhead_us": f"{src}: {'2 replicas of ' if probe_dp > 1 else ''}a 2-rank pipeline of a negligible model (interleaved-1f1b, V 2, 16 micro-batches) "
-                                     f"took {ov_measured * 1e3:.1f} ms a step, the simulator without it {ov_sim * 1e3:.1f} ms; "
-                                     "the difference per action of a rank's list",
-        "device.optim_gparams": f"{src}: fused AdamW step and gradient-norm clipping of 4 M fp32 parameters",
-        "device.rows_half_size": f"{src}: fp32 F.linear of (n x 256) with a 1024 x 256 weight, n = {SIZES}, at the fitted fp32 peak; measured "
-                                 + ", ".join(f"{r / 1e9:.1f}" for r in comp["fp32_rows"]) + " GFLOP/s",
-        "device.loss_buffers": f"{src}: peak resident size of 16 training steps at {LOSS_TOKENS} tokens of a {LOSS_SHAPE} GPT, per "
-                               "token, less the activations the cost model counts, over 4 V bytes",
-        "device.runtime_gb": f"{src}: resident size of a process that imported the trainer and ran 3 steps of a negligible model",
-        "intra.bw_gbs": f"{src}: gloo all-reduce of 16 MB over {max(a.ranks_per_node, 2)} local ranks (p2p {loop['p2p_bw'] / 1e9:.2f} GB/s)",
-        "intra.latency_us": f"{src}: gloo ping-pong / 2",
-        "inter.bw_gbs": (f"{src}: gloo all-reduce over {a.nodes} emulated nodes at {a.network} (p2p {net['p2p_bw'] / 1e9:.3f} GB/s)"
-                         if net else "no --network: same as intra"),
-        "inter.latency_us": f"{src}: ping-pong across emulated nodes" if net else "no --network: same as intra",
-        "intra.collective_latency_us": f"{src}: a 4 KB gloo all-reduce over {busy['world']} local ranks / its 2 (n-1) steps, median of 40",
-        "inter.collective_latency_us": (f"{src}: the same across {a.nodes} emulated nodes, or the local one if longer"
-                                        if net else "no --network: same as intra"),
-    })
+    notes = {
+        f"device.{d}_tflops": f"{src}: fitted peak of (512 x n) @ (n x 4n), n = {SIZES}; measured "
+        + ", ".join(f"{r / 1e9:.1f}" for r in comp[d][2])
+        + " GFLOP/s"
+        for d in DTYPES
+    }
+    notes.update(
+        {
+            "node.gpus": f"--ranks_per_node ({src})",
+            "node.shared_cores": "os.cpu_count(): every emulated node's ranks run on this machine's cores",
+            "node.oversubscribed_efficiency": (
+                f"blocks of {RATIO_SHAPES} timed with {cores} and with {ranks} single-threaded processes at once, alternated: "
+                f"{cores} / {ranks} of the time per block at {cores} over the time at {ranks}, median of "
+                + ", ".join(f"{r:.2f}" for r in over_ratios)
+                + (f" (scaled to {2 * cores} busy ranks)" if ranks != 2 * cores else "")
+                if over_ratios
+                else f"not measured: the runs have no more ranks ({ranks}) than cores ({cores})"
+            ),
+            "node.comm_cpu_ns": f"{src}: CPU time of a rank (all threads) over the bytes it sends in the "
+            + ("emulated nodes'" if net else "loopback")
+            + " all-reduce",
+            "node.collective_cpu_us": f"{src}: CPU time of a rank (all threads) over the 4 KB all-reduces of "
+            f"collective_latency_us, per step",
+            "device.memory_gb": "MemTotal / ranks (nodes x ranks_per_node)",
+            "device.mem_bw_gbs": f"{src}: 64 MB copy",
+            "device.efficiency": "folded into the fitted peaks",
+            "device.half_size": f"{src}: fp32 fit (the half-precision fits give "
+            + ", ".join(f"{comp[d][1]:.0f}" for d in ("bf16", "fp16"))
+            + ")",
+            "device.layer_overhead_us": f"{src}: forward + backward of a tiny block / 3",
+            "device.backward_ratio": f"{src}: backward / forward time of a block, mean over (d, heads, batch, seq) = {RATIO_SHAPES}",
+            "device.elem_gbs": f"{src}: fitted so that the cost model's block forward equals the measured one at {RATIO_SHAPES}",
+            "device.softmax_gelems": f"{src}: per logit, fitted with head_weight_gelems to the real fused head (norm, projection, "
+            f"fp32 cross-entropy, forward + backward) at (d, V, tokens) = {HEAD_SHAPES} beyond its matrix products",
+            "device.head_weight_gelems": f"{src}: per element of the head's weight, the same fit",
+            "device.action_overhead_us": f"{src}: {'2 replicas of ' if probe_dp > 1 else ''}a 2-rank pipeline of a negligible model (interleaved-1f1b, V 2, 16 micro-batches) "
+            f"took {ov_measured * 1e3:.1f} ms a step, the simulator without it {ov_sim * 1e3:.1f} ms; "
+            "the difference per action of a rank's list",
+            "device.optim_gparams": f"{src}: fused AdamW step and gradient-norm clipping of 4 M fp32 parameters",
+            "device.rows_half_size": f"{src}: fp32 F.linear of (n x 256) with a 1024 x 256 weight, n = {SIZES}, at the fitted fp32 peak; measured "
+            + ", ".join(f"{r / 1e9:.1f}" for r in comp["fp32_rows"])
+            + " GFLOP/s",
+            "device.loss_buffers": f"{src}: peak resident size of 16 training steps at {LOSS_TOKENS} tokens of a {LOSS_SHAPE} GPT, per "
+            "token, less the activations the cost model counts, over 4 V bytes",
+            "device.runtime_gb": f"{src}: resident size of a process that imported the trainer and ran 3 steps of a negligible model",
+            "intra.bw_gbs": f"{src}: gloo all-reduce of 16 MB over {max(a.ranks_per_node, 2)} local ranks (p2p {loop['p2p_bw'] / 1e9:.2f} GB/s)",
+            "intra.latency_us": f"{src}: gloo ping-pong / 2",
+            "inter.bw_gbs": (
+                f"{src}: gloo all-reduce over {a.nodes} emulated nodes at {a.network} (p2p {net['p2p_bw'] / 1e9:.3f} GB/s)"
+                if net
+                else "no --network: same as intra"
+            ),
+            "inter.latency_us": f"{src}: ping-pong across emulated nodes" if net else "no --network: same as intra",
+            "intra.collective_latency_us": f"{src}: a 4 KB gloo all-reduce over {busy['world']} local ranks / its 2 (n-1) steps, median of 40",
+            "inter.collective_latency_us": (
+                f"{src}: the same across {a.nodes} emulated nodes, or the local one if longer"
+                if net
+                else "no --network: same as intra"
+            ),
+        }
+    )
     text = f"# measured by foldtrain calibrate {' '.join(argv)}\n" + to_toml(c, notes)
     with open(a.out, "w") as f:
         f.write(text)

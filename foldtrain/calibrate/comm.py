@@ -75,26 +75,49 @@ def _comm_probe() -> None:
     steps.sort()
     if r == 0:
         lat.sort()
-        print("CALIBRATE " + json.dumps({"latency_s": lat[len(lat) // 2], "p2p_bw": p2p, "allreduce_bw": ar_bw, "world": w,
-                                         "cpu_per_byte": cpu_per_byte, "collective_latency_s": steps[len(steps) // 2],
-                                         "collective_cpu_s": step_cpu}), flush=True)
+        print(
+            "CALIBRATE "
+            + json.dumps(
+                {
+                    "latency_s": lat[len(lat) // 2],
+                    "p2p_bw": p2p,
+                    "allreduce_bw": ar_bw,
+                    "world": w,
+                    "cpu_per_byte": cpu_per_byte,
+                    "collective_latency_s": steps[len(steps) // 2],
+                    "collective_cpu_s": step_cpu,
+                }
+            ),
+            flush=True,
+        )
     dist.destroy_process_group()
 
 
 def _parse(text: str) -> dict:
     for line in reversed(text.splitlines()):
         if line.startswith("CALIBRATE "):
-            return json.loads(line[len("CALIBRATE "):])
+            return json.loads(line[len("CALIBRATE ") :])
     raise FoldtrainError(f"calibrate: the communication probe printed no result; its output ends with: {text[-300:]!r}")
 
 
 def measure_loopback(ranks: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(max(ranks, 2)),
-           "-m", "foldtrain.calibrate", "--_comm_probe"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(max(ranks, 2)),
+        "-m",
+        "foldtrain.calibrate",
+        "--_comm_probe",
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     if p.returncode != 0:
-        raise FoldtrainError(f"calibrate: the loopback communication probe failed: {(p.stderr or p.stdout).strip().splitlines()[-1:]}")
+        raise FoldtrainError(
+            f"calibrate: the loopback communication probe failed: {(p.stderr or p.stdout).strip().splitlines()[-1:]}"
+        )
     return _parse(p.stdout)
 
 
@@ -103,7 +126,9 @@ def measure_network(rate: str, nodes: int) -> dict:
 
     with EmulatedCluster(nodes, rate, name_prefix="ftcal") as c:
         log = tempfile.mkdtemp(prefix="ft-cal-")
-        job = c.run_torchrun(["-m", "foldtrain.calibrate", "--_comm_probe"], nproc_per_node=1, timeout_s=300, log_dir=log)
+        job = c.run_torchrun(
+            ["-m", "foldtrain.calibrate", "--_comm_probe"], nproc_per_node=1, timeout_s=300, log_dir=log
+        )
         if not job.ok:
             raise FoldtrainError(f"calibrate: the communication probe across emulated nodes failed (logs in {log})")
         return _parse(job.text())
@@ -119,7 +144,9 @@ def links(loop: dict, net: dict | None, hop: float | None = None):
 
     hop = loop.get("collective_latency_s", 0.0) if hop is None else hop
     intra = Link(loop["allreduce_bw"], loop["latency_s"], hop)
-    inter = Link(net["allreduce_bw"], net["latency_s"], max(net.get("collective_latency_s", 0.0), hop)) if net else intra
+    inter = (
+        Link(net["allreduce_bw"], net["latency_s"], max(net.get("collective_latency_s", 0.0), hop)) if net else intra
+    )
     return intra, inter
 
 

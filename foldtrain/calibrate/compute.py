@@ -41,9 +41,9 @@ def _micro_step() -> None:
 
 
 def _compute_probe(barrier, queue) -> None:
-    import torch
-
     import resource
+
+    import torch
 
     import foldtrain.train.trainer  # noqa: F401 - what a training process imports, for its resident size
     from foldtrain.distributed import keep_freed_host_memory
@@ -84,14 +84,19 @@ def _compute_probe(barrier, queue) -> None:
     out["block_overhead"] = _time(lambda: blk(h).sum().backward()) / 3  # forward + backward ~ 3 passes
     out["blocks"] = [_block_times(Block, GPTShape, *shape) for shape in RATIO_SHAPES]
     out["heads"] = [_head_time(*shape) for shape in HEAD_SHAPES]
-    w = torch.nn.Parameter(torch.randn(4 * 2**20))  # 4 M parameters: AdamW (fused, as the engines run it) and the norm for clipping
+    w = torch.nn.Parameter(
+        torch.randn(4 * 2**20)
+    )  # 4 M parameters: AdamW (fused, as the engines run it) and the norm for clipping
     w.grad = torch.randn_like(w)
     adam = torch.optim.AdamW([w], fused=True)
     out["optim_rate"] = w.numel() / _time(lambda: (torch.nn.utils.clip_grad_norm_([w], 1.0), adam.step()))
     queue.put(out)
 
 
-HEAD_SHAPES = ((96, 8192, 2048), (256, 8192, 32))  # (d_model, vocabulary, tokens): many tokens, and a micro-batch of few
+HEAD_SHAPES = (
+    (96, 8192, 2048),
+    (256, 8192, 32),
+)  # (d_model, vocabulary, tokens): many tokens, and a micro-batch of few
 
 
 def _head_time(d: int, vocab: int, tokens: int) -> float:
@@ -111,8 +116,19 @@ def _fit_cluster(peak: float = 1e12, half: float = 1.0, overhead: float = 0.0, r
     """A one-device cluster with only the compute numbers a fit needs (memory and links never bind)."""
     from foldtrain.sim.cluster import Cluster, Link
 
-    return Cluster(name="fit", gpus_per_node=1, memory=1e15, tflops={d: peak for d in DTYPES}, mem_bw=1e30, efficiency=1.0,
-                   half_size=half, layer_overhead=overhead, intra=Link(1e9, 1e-6), inter=Link(1e9, 1e-6), rows_half_size=rows_half)
+    return Cluster(
+        name="fit",
+        gpus_per_node=1,
+        memory=1e15,
+        tflops={d: peak for d in DTYPES},
+        mem_bw=1e30,
+        efficiency=1.0,
+        half_size=half,
+        layer_overhead=overhead,
+        intra=Link(1e9, 1e-6),
+        inter=Link(1e9, 1e-6),
+        rows_half_size=rows_half,
+    )
 
 
 def fit_head(peak: float, half: float, rows_half: float, times: list) -> tuple[float, float]:
@@ -127,8 +143,24 @@ def fit_head(peak: float, half: float, rows_half: float, times: list) -> tuple[f
     c = _fit_cluster(peak, half, 0.0, rows_half)
     rows = []
     for (d, vocab, tokens), t in zip(HEAD_SHAPES, times):
-        cfg = build_config(["--model.n_layer", "1", "--model.d_model", str(d), "--model.n_head", "4", "--model.vocab_size", str(vocab),
-                            "--model.context", str(tokens), "--train.seq_len", str(tokens), "--train.global_batch", "1"])
+        cfg = build_config(
+            [
+                "--model.n_layer",
+                "1",
+                "--model.d_model",
+                str(d),
+                "--model.n_head",
+                "4",
+                "--model.vocab_size",
+                str(vocab),
+                "--model.context",
+                str(tokens),
+                "--train.seq_len",
+                str(tokens),
+                "--train.global_batch",
+                "1",
+            ]
+        )
         cm = CostModel(resolve_setup(cfg), c)
         rows.append((tokens * vocab, vocab * d, t - 3 * cm.t_head_f))
     (a1, b1, r1), (a2, b2, r2) = rows
@@ -139,11 +171,16 @@ def fit_head(peak: float, half: float, rows_half: float, times: list) -> tuple[f
     return 1 / per_logit, 1 / per_weight
 
 
-RATIO_SHAPES = ((96, 4, 4, 128), (256, 4, 1, 64), (256, 4, 1, 32))  # (d_model, heads, batch, seq): a block of tiny's width, wider ones with few tokens (a micro-batch)
+RATIO_SHAPES = (
+    (96, 4, 4, 128),
+    (256, 4, 1, 64),
+    (256, 4, 1, 32),
+)  # (d_model, heads, batch, seq): a block of tiny's width, wider ones with few tokens (a micro-batch)
 
 
-def _block_times(Block, GPTShape, d: int, heads: int, b: int, seq: int, n_blocks: int = 4, in_flight: int = 4,
-                 min_s: float = 0.3) -> tuple[float, float]:
+def _block_times(
+    Block, GPTShape, d: int, heads: int, b: int, seq: int, n_blocks: int = 4, in_flight: int = 4, min_s: float = 0.3
+) -> tuple[float, float]:
     """Forward (with autograd recording, as in training) and backward time of one block and micro-batch,
     timed as a pipeline chunk runs them: ``in_flight`` micro-batches forward through ``n_blocks``
     distinct blocks, their graphs held, then backward in reverse order; so each block's weights come
@@ -241,8 +278,24 @@ def fit_elem_bw(peak: float, half: float, overhead: float, blocks: list, rows_ha
     c = _fit_cluster(peak, half, overhead, rows_half)
     fits = []
     for (d, heads, b, seq), (fwd, _) in zip(RATIO_SHAPES, blocks):
-        cfg = build_config(["--model.n_layer", "1", "--model.d_model", str(d), "--model.n_head", str(heads), "--model.context", str(seq),
-                            "--model.vocab_size", "64", "--train.seq_len", str(seq), "--train.global_batch", str(b)])
+        cfg = build_config(
+            [
+                "--model.n_layer",
+                "1",
+                "--model.d_model",
+                str(d),
+                "--model.n_head",
+                str(heads),
+                "--model.context",
+                str(seq),
+                "--model.vocab_size",
+                "64",
+                "--train.seq_len",
+                str(seq),
+                "--train.global_batch",
+                str(b),
+            ]
+        )
         cm = CostModel(resolve_setup(cfg), c)
         left = fwd - cm.t_block_f
         if left > 0:
@@ -287,7 +340,9 @@ def measure_compute(concurrency: int) -> dict:
     out["backward_ratio"] = sum(b / f for f, b in blocks) / len(blocks)
     out["elem_bw"] = fit_elem_bw(out["fp32"][0], out["fp32"][1], out["block_overhead"], blocks, out["rows_half_size"])
     heads = [sum(r["heads"][i] for r in res) / len(res) for i in range(len(HEAD_SHAPES))]
-    out["softmax_rate"], out["head_weight_rate"] = fit_head(out["fp32"][0], out["fp32"][1], out["rows_half_size"], heads)
+    out["softmax_rate"], out["head_weight_rate"] = fit_head(
+        out["fp32"][0], out["fp32"][1], out["rows_half_size"], heads
+    )
     out["heads"] = heads
     out["blocks"] = blocks
     out["runtime"] = max(r["runtime"] for r in res)

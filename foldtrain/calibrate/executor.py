@@ -11,10 +11,28 @@ import tempfile
 
 from foldtrain.errors import FoldtrainError
 
-
-EXECUTOR_PROBE = ["--model.preset", "tiny", "--model.n_layer", "4", "--model.d_model", "16", "--model.n_head", "2",
-                  "--train.seq_len", "8", "--train.global_batch", "16", "--parallel.pp", "2", "--parallel.virtual", "2",
-                  "--parallel.microbatches", "16", "--parallel.schedule", "interleaved-1f1b"]
+EXECUTOR_PROBE = [
+    "--model.preset",
+    "tiny",
+    "--model.n_layer",
+    "4",
+    "--model.d_model",
+    "16",
+    "--model.n_head",
+    "2",
+    "--train.seq_len",
+    "8",
+    "--train.global_batch",
+    "16",
+    "--parallel.pp",
+    "2",
+    "--parallel.virtual",
+    "2",
+    "--parallel.microbatches",
+    "16",
+    "--parallel.schedule",
+    "interleaved-1f1b",
+]
 EXECUTOR_STEPS = 16
 
 
@@ -35,19 +53,46 @@ def measure_action_overhead(cluster, dp: int = 1) -> tuple[float, float, float]:
 
     if dp < 1:
         raise FoldtrainError(f"calibrate: the executor probe needs dp >= 1 replicas, not {dp}")
-    probe = [*EXECUTOR_PROBE, "--parallel.dp", str(dp), "--train.global_batch", str(16 * dp)]  # 16 micro-batches of 1 per replica
+    probe = [
+        *EXECUTOR_PROBE,
+        "--parallel.dp",
+        str(dp),
+        "--train.global_batch",
+        str(16 * dp),
+    ]  # 16 micro-batches of 1 per replica
     cfg = build_config(probe)
     data = str(resolve_data(cfg.data))  # the built-in corpus (prepared once, then cached)
     out = tempfile.mkdtemp(prefix="ft-cal-exec-")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(2 * dp), "-m", "foldtrain", "train",
-           *probe, "--data.path", data, "--train.steps", str(EXECUTOR_STEPS), "--train.eval_every", "0",
-           "--train.log_every", "1", "--out", out]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(2 * dp),
+        "-m",
+        "foldtrain",
+        "train",
+        *probe,
+        "--data.path",
+        data,
+        "--train.steps",
+        str(EXECUTOR_STEPS),
+        "--train.eval_every",
+        "0",
+        "--train.log_every",
+        "1",
+        "--out",
+        out,
+    ]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         if p.returncode != 0:
-            raise FoldtrainError("calibrate: the pipeline executor probe failed: "
-                                 f"{((p.stderr or p.stdout).strip().splitlines() or [''])[-1]}")
+            raise FoldtrainError(
+                "calibrate: the pipeline executor probe failed: "
+                f"{((p.stderr or p.stdout).strip().splitlines() or [''])[-1]}"
+            )
         rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if line.strip()]
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -55,5 +100,7 @@ def measure_action_overhead(cluster, dp: int = 1) -> tuple[float, float, float]:
     measured = statistics.median(steps)
     sim = simulate(cfg, dataclasses.replace(cluster, action_overhead=0.0, memory=1e12))
     s = sim.setup
-    actions = max(len(acts) for acts in build_schedule(s.schedule, s.pp, s.virtual, s.microbatches, s.dp_sync, s.defer).ranks)
+    actions = max(
+        len(acts) for acts in build_schedule(s.schedule, s.pp, s.virtual, s.microbatches, s.dp_sync, s.defer).ranks
+    )
     return max(0.0, (measured - sim.step_time) / actions), measured, sim.step_time

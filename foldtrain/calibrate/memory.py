@@ -53,9 +53,24 @@ def measure_loss_buffers() -> float:
             peaks[i] += q.get(timeout=600) / REPEATS
             p.join()
     sh = LOSS_SHAPE
-    cfg = build_config(["--model.n_layer", str(sh["n_layer"]), "--model.n_head", str(sh["n_head"]), "--model.d_model", str(sh["d_model"]),
-                        "--model.context", str(sh["context"]), "--model.vocab_size", str(sh["vocab_size"]),
-                        "--train.seq_len", str(sh["context"]), "--train.global_batch", "1"])
+    cfg = build_config(
+        [
+            "--model.n_layer",
+            str(sh["n_layer"]),
+            "--model.n_head",
+            str(sh["n_head"]),
+            "--model.d_model",
+            str(sh["d_model"]),
+            "--model.context",
+            str(sh["context"]),
+            "--model.vocab_size",
+            str(sh["vocab_size"]),
+            "--train.seq_len",
+            str(sh["context"]),
+            "--train.global_batch",
+            "1",
+        ]
+    )
     cm = CostModel(resolve_setup(cfg), _fit_cluster())  # only its activation sizes are read
     act_per_token = (sh["n_layer"] * cm.act_bytes_block(recompute=False) + cm.activation_bytes()) / sh["context"]
     slope = (peaks[1] - peaks[0]) / (LOSS_TOKENS[1] - LOSS_TOKENS[0])

@@ -47,7 +47,9 @@ def read_meta(path: Path) -> dict:
     except (OSError, ValueError) as e:
         raise ValueError(f"its {META} is unreadable ({type(e).__name__})") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict) or not isinstance(meta.get("step"), int):
-        raise ValueError(f"its {META} records no file checksums (written by an older foldtrain, or not a foldtrain checkpoint)")
+        raise ValueError(
+            f"its {META} records no file checksums (written by an older foldtrain, or not a foldtrain checkpoint)"
+        )
     return meta
 
 
@@ -69,7 +71,11 @@ def damage(path: Path) -> str | None:
     for name, rec in sorted(listed.items()):  # sizes first: a truncated file is found without hashing anything
         if name not in present:
             return f"{name} is missing"
-        if not isinstance(rec, dict) or not isinstance(rec.get("bytes"), int) or not isinstance(rec.get(algorithm), str):
+        if (
+            not isinstance(rec, dict)
+            or not isinstance(rec.get("bytes"), int)
+            or not isinstance(rec.get(algorithm), str)
+        ):
             return f"{META} has a malformed entry for {name}"
         size = (path / name).stat().st_size
         if size != rec["bytes"]:

@@ -33,7 +33,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from foldtrain import faults
 from foldtrain.checkpoint.integrity import HASH, META, damage, describe
-from foldtrain.checkpoint.safe_load import SafePlanner, SafeReader, UnsafePickle, load_metadata, load_rank_state, save_rank_state, set_rng_state
+from foldtrain.checkpoint.safe_load import (
+    SafePlanner,
+    SafeReader,
+    UnsafePickle,
+    load_metadata,
+    load_rank_state,
+    save_rank_state,
+    set_rng_state,
+)
 from foldtrain.errors import CheckpointError
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -72,7 +80,9 @@ class CheckpointManager:
         try:
             found = [p for p in self.root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()]
         except OSError as e:
-            raise CheckpointError(f"cannot list checkpoints in {self.root} ({e.strerror}); fix its permissions or choose another --out") from None
+            raise CheckpointError(
+                f"cannot list checkpoints in {self.root} ({e.strerror}); fix its permissions or choose another --out"
+            ) from None
         return sorted(found, key=lambda p: p.name)
 
     def latest(self) -> Path | None:
@@ -138,7 +148,9 @@ class CheckpointManager:
                 missing = {p.name for p in tmp.iterdir()} - files.keys() - {META}
                 files.update(describe(tmp, missing))  # anything no rank claimed (another DCP file naming)
                 with open(tmp / META, "w") as f:
-                    f.write(json.dumps({"step": step, **meta, "hash": HASH, "files": dict(sorted(files.items()))}, indent=1))
+                    f.write(
+                        json.dumps({"step": step, **meta, "hash": HASH, "files": dict(sorted(files.items()))}, indent=1)
+                    )
                     f.flush()
                     os.fsync(f.fileno())
                 _fsync_dir(tmp)
@@ -152,7 +164,9 @@ class CheckpointManager:
                 _fsync_dir(self.root)
                 self._prune()
         except OSError as e:
-            raise CheckpointError(f"could not write checkpoint {final} ({e.strerror}); free space or choose another --out") from None
+            raise CheckpointError(
+                f"could not write checkpoint {final} ({e.strerror}); free space or choose another --out"
+            ) from None
         _barrier()
         return final
 
@@ -183,7 +197,9 @@ class CheckpointManager:
         meta = json.loads((path / META).read_text())
         extra_file = path / f"rank{_rank()}.pt"
         if not extra_file.is_file():
-            raise CheckpointError(f"checkpoint {path} has no state for rank {_rank()} (saved by {meta.get('world_size', '?')} ranks); resume with the same layout")
+            raise CheckpointError(
+                f"checkpoint {path} has no state for rank {_rank()} (saved by {meta.get('world_size', '?')} ranks); resume with the same layout"
+            )
         rng, extra = load_rank_state(extra_file)  # before DCP: it refuses code outright
         _dcp_load(state, path, self.process_group, "delete it to resume from an earlier one, or drop --resume")
         set_rng_state(rng)
@@ -204,12 +220,18 @@ def _dcp_load(state: dict, path: Path, process_group, fix: str) -> None:
         with _single_process_ok():
             dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner(), process_group=process_group)
     except UnsafePickle as e:
-        raise CheckpointError(f"checkpoint {path}: .metadata refers to {e}, which is not checkpoint metadata; refusing to load it (not written by foldtrain)") from None
+        raise CheckpointError(
+            f"checkpoint {path}: .metadata refers to {e}, which is not checkpoint metadata; refusing to load it (not written by foldtrain)"
+        ) from None
     except (Exception, CheckpointException) as e:  # DCP raises many types (CheckpointException is a BaseException)
         unsafe = _unsafe_cause(e)
         if unsafe:
-            raise CheckpointError(f"checkpoint {path}: {unsafe}; refusing to load it (not written by foldtrain)") from None
-        raise CheckpointError(f"checkpoint {path} is corrupt or does not match this model ({_first_line(e)}); {fix}") from None
+            raise CheckpointError(
+                f"checkpoint {path}: {unsafe}; refusing to load it (not written by foldtrain)"
+            ) from None
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or does not match this model ({_first_line(e)}); {fix}"
+        ) from None
 
 
 def _unsafe_cause(e: BaseException) -> str | None:

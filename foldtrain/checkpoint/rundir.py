@@ -74,7 +74,9 @@ def check_writable(out: Path) -> None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".foldtrain-probe-", dir=probe))
     except OSError as e:
-        raise ConfigError(f"--out {out} cannot be written (creating a directory in {probe} fails: {e.strerror}); choose a writable --out") from None
+        raise ConfigError(
+            f"--out {out} cannot be written (creating a directory in {probe} fails: {e.strerror}); choose a writable --out"
+        ) from None
 
 
 def _owned(out: Path, ident: dict | None) -> bool:
@@ -90,13 +92,19 @@ def _check_layout(path: Path, world_size: int, model: dict | None) -> None:
     meta = read_meta(path)
     saved = meta.get("world_size")
     if isinstance(saved, int) and saved != world_size:
-        raise CheckpointError(f"checkpoint {path} was saved by {saved} processes, this launch has {world_size}; resume with --nproc_per_node {saved} (the same layout)")
+        raise CheckpointError(
+            f"checkpoint {path} was saved by {saved} processes, this launch has {world_size}; resume with --nproc_per_node {saved} (the same layout)"
+        )
     if model is not None and isinstance(meta.get("model"), dict) and meta["model"] != model:
         diff = ", ".join(f"{k} {meta['model'].get(k)} (now {v})" for k, v in model.items() if meta["model"].get(k) != v)
-        raise CheckpointError(f"checkpoint {path} holds another model shape: {diff}; resume with the same --model settings")
+        raise CheckpointError(
+            f"checkpoint {path} holds another model shape: {diff}; resume with the same --model settings"
+        )
 
 
-def plan_run(out: str | Path, resume: bool, keep: int, world_size: int = 1, model: dict | None = None, env=os.environ) -> RunPlan:
+def plan_run(
+    out: str | Path, resume: bool, keep: int, world_size: int = 1, model: dict | None = None, env=os.environ
+) -> RunPlan:
     """Decide where this attempt starts; see the module docstring. ``model``: the GPTShape fields to match."""
     out = Path(out)
     check_writable(out)
@@ -111,7 +119,9 @@ def plan_run(out: str | Path, resume: bool, keep: int, world_size: int = 1, mode
         else:
             fallback = ""
         if path is None and skipped:  # never retrain over checkpoints that exist, damaged or not
-            raise CheckpointError(f"restart {restart}: every checkpoint in {ckpt.root} is damaged ({first[0].name}: {first[1]}); nothing was changed; delete them to start over")
+            raise CheckpointError(
+                f"restart {restart}: every checkpoint in {ckpt.root} is damaged ({first[0].name}: {first[1]}); nothing was changed; delete them to start over"
+            )
         if path is None:
             return RunPlan(ckpt, None, f"restart {restart}: no intact checkpoint yet, starting over from step 0")
         _check_layout(path, world_size, model)
@@ -119,12 +129,16 @@ def plan_run(out: str | Path, resume: bool, keep: int, world_size: int = 1, mode
     latest = ckpt.latest()
     if resume:
         if latest is None:
-            raise CheckpointError(f"--resume given but {ckpt.root} holds no checkpoint; drop --resume to start a new run")
+            raise CheckpointError(
+                f"--resume given but {ckpt.root} holds no checkpoint; drop --resume to start a new run"
+            )
         ckpt.require_intact(latest, "nothing was changed")
         _check_layout(latest, world_size, model)
         plan = RunPlan(ckpt, latest, None)
     elif latest is not None:
-        raise ConfigError(f"{out} already holds checkpoints; pass --resume to continue that run or choose another --out")
+        raise ConfigError(
+            f"{out} already holds checkpoints; pass --resume to continue that run or choose another --out"
+        )
     else:
         plan = RunPlan(ckpt, None, None)
     if restart == 0 and ident is not None and env.get("RANK", "0") == "0":

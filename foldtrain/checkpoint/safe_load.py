@@ -57,7 +57,11 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if module == _DCP_METADATA_MODULE:
             obj = getattr(dcp_metadata, name, None)
-            if isinstance(obj, type) and obj.__module__ == _DCP_METADATA_MODULE and (hasattr(obj, "__dataclass_fields__") or issubclass(obj, Enum)):
+            if (
+                isinstance(obj, type)
+                and obj.__module__ == _DCP_METADATA_MODULE
+                and (hasattr(obj, "__dataclass_fields__") or issubclass(obj, Enum))
+            ):
                 return obj
         elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
@@ -105,7 +109,13 @@ def rng_state() -> dict[str, Any]:
     version, internal, gauss_next = random.getstate()
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
         "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss_next},
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -132,7 +142,9 @@ def load_rank_state(path: Path) -> tuple[dict, dict]:
         obj = torch.load(path, weights_only=True)
         return obj["rng"], obj["extra"]
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{path} holds more than tensors and plain values ({_first_line(e)}); it was not written by this foldtrain, refusing to load it") from None
+        raise CheckpointError(
+            f"{path} holds more than tensors and plain values ({_first_line(e)}); it was not written by this foldtrain, refusing to load it"
+        ) from None
     except Exception as e:
         raise CheckpointError(f"{path} is corrupt ({type(e).__name__}); resume from an earlier checkpoint") from None
 

@@ -6,14 +6,62 @@ top-level fields are top-level keys) and overridden on the command line as
 ``--field value``. Booleans may be given as a bare flag (``--resume``).
 """
 
-from foldtrain.config.load import all_keys, build_config, load_toml, parse_overrides, resolve, set_value, to_dict, to_toml
-from foldtrain.config.schema import (AC_MODES, COMPRESSIONS, DEVICES, DP_SYNCS, PRECISIONS, SCHEDULES, STRATEGIES, CheckpointConfig,
-                                     Config, DataConfig, DPConfig, FoldConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
+from foldtrain.config.load import (
+    all_keys,
+    build_config,
+    load_toml,
+    parse_overrides,
+    resolve,
+    set_value,
+    to_dict,
+    to_toml,
+)
+from foldtrain.config.schema import (
+    AC_MODES,
+    COMPRESSIONS,
+    DEVICES,
+    DP_SYNCS,
+    PRECISIONS,
+    SCHEDULES,
+    STRATEGIES,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    DPConfig,
+    FoldConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from foldtrain.config.validate import dp_workers, validate, validate_world
 
 __all__ = [
-    "AC_MODES", "COMPRESSIONS", "DEVICES", "DP_SYNCS", "PRECISIONS", "SCHEDULES", "STRATEGIES",
-    "CheckpointConfig", "Config", "DPConfig", "DataConfig", "FoldConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig",
-    "all_keys", "build_config", "dp_workers", "load_toml", "parse_overrides", "resolve", "set_value", "to_dict", "to_toml",
-    "validate", "validate_world",
+    "AC_MODES",
+    "COMPRESSIONS",
+    "DEVICES",
+    "DP_SYNCS",
+    "PRECISIONS",
+    "SCHEDULES",
+    "STRATEGIES",
+    "CheckpointConfig",
+    "Config",
+    "DPConfig",
+    "DataConfig",
+    "FoldConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "all_keys",
+    "build_config",
+    "dp_workers",
+    "load_toml",
+    "parse_overrides",
+    "resolve",
+    "set_value",
+    "to_dict",
+    "to_toml",
+    "validate",
+    "validate_world",
 ]

@@ -130,7 +130,11 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str | bool]]:
             i += 1
             continue
         nxt = args[i + 1] if i + 1 < len(args) else None
-        if a in bool_keys and (nxt is None or nxt.startswith("--") or nxt.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off")):
+        if a in bool_keys and (
+            nxt is None
+            or nxt.startswith("--")
+            or nxt.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off")
+        ):
             out.append((a, True))
             i += 1
             continue
@@ -172,8 +176,15 @@ def resolve(cfg: Config) -> Config:
         near = difflib.get_close_matches(m.preset, PRESETS, n=1)
         hint = f"did you mean '{near[0]}'? " if near else ""
         raise ConfigError(f"unknown model preset '{m.preset}'; {hint}valid presets: {', '.join(PRESETS)}")
-    src = resolve_init_from(m, PRESETS, ModelConfig.preset)  # the checkpoint's shape; a conflicting --model.* is an error
-    if src is not None and src.kind == "hf" and not cfg.data.tokenizer and not (Path(cfg.data.path).expanduser() / "meta.json").is_file():
+    src = resolve_init_from(
+        m, PRESETS, ModelConfig.preset
+    )  # the checkpoint's shape; a conflicting --model.* is an error
+    if (
+        src is not None
+        and src.kind == "hf"
+        and not cfg.data.tokenizer
+        and not (Path(cfg.data.path).expanduser() / "meta.json").is_file()
+    ):
         if src.tokenizer is None:
             raise ConfigError(
                 f"--model.init_from {m.init_from} has no tokenizer.json, and a BPE trained on your data would give ids the weights do not know; "

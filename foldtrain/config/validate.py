@@ -6,7 +6,17 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from foldtrain.config.schema import AC_MODES, COMPRESSIONS, DEVICES, DP_SYNCS, PRECISIONS, SCHEDULES, SHARD_COLLECTIVES, STRATEGIES, Config
+from foldtrain.config.schema import (
+    AC_MODES,
+    COMPRESSIONS,
+    DEVICES,
+    DP_SYNCS,
+    PRECISIONS,
+    SCHEDULES,
+    SHARD_COLLECTIVES,
+    STRATEGIES,
+    Config,
+)
 from foldtrain.errors import ConfigError
 
 
@@ -17,7 +27,9 @@ def _choice(key: str, value: str, valid: tuple[str, ...]) -> None:
 
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"--{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}; give a {'non-negative' if allow_zero else 'positive'} value")
+        raise ConfigError(
+            f"--{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}; give a {'non-negative' if allow_zero else 'positive'} value"
+        )
 
 
 def validate(cfg: Config, world_size: int | None = None) -> Config:
@@ -28,13 +40,17 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"--model.dropout must be in [0, 1), got {m.dropout}")
     if m.d_model % m.n_head:
-        raise ConfigError(f"--model.d_model {m.d_model} is not divisible by --model.n_head {m.n_head}; pick sizes where it is")
+        raise ConfigError(
+            f"--model.d_model {m.d_model} is not divisible by --model.n_head {m.n_head}; pick sizes where it is"
+        )
     for key in ("steps", "global_batch", "seq_len", "log_every", "eval_batches"):
         _positive(f"train.{key}", getattr(t, key))
     for key in ("micro_batch", "eval_every", "sample_tokens", "stop_at"):
         _positive(f"train.{key}", getattr(t, key), allow_zero=True)
     if t.seq_len > m.context:
-        raise ConfigError(f"--train.seq_len {t.seq_len} is larger than the model's context {m.context}; lower --train.seq_len or raise --model.context")
+        raise ConfigError(
+            f"--train.seq_len {t.seq_len} is larger than the model's context {m.context}; lower --train.seq_len or raise --model.context"
+        )
     _choice("train.device", t.device, DEVICES)
     _positive("optim.lr", o.lr)
     _positive("optim.min_lr", o.min_lr, allow_zero=True)
@@ -49,7 +65,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     for key in ("workers", "shard_mb", "tokenizer_sample_mb", "num_shards"):
         _positive(f"data.{key}", getattr(cfg.data, key))
     if not 0 <= cfg.data.shard < cfg.data.num_shards:
-        raise ConfigError(f"--data.shard {cfg.data.shard} is not in [0, --data.num_shards {cfg.data.num_shards}); number the parts 0 .. num_shards-1")
+        raise ConfigError(
+            f"--data.shard {cfg.data.shard} is not in [0, --data.num_shards {cfg.data.num_shards}); number the parts 0 .. num_shards-1"
+        )
     _choice("precision", cfg.precision, PRECISIONS)
     _choice("ac", cfg.ac, AC_MODES)
     _choice("dp.strategy", d.strategy, STRATEGIES)
@@ -80,18 +98,24 @@ def validate_world(cfg: Config, world_size: int) -> None:
     """Checks that need the launch's world size; run on every rank before any collective."""
     d, t = cfg.dp, cfg.train
     if cfg.model.init_from and not cfg.resume and not Path(cfg.model.init_from).expanduser().exists():
-        raise ConfigError(f"--model.init_from {cfg.model.init_from} does not exist; pass a Hugging Face GPT-2 directory or a foldtrain model.safetensors")
+        raise ConfigError(
+            f"--model.init_from {cfg.model.init_from} does not exist; pass a Hugging Face GPT-2 directory or a foldtrain model.safetensors"
+        )
     if d.strategy == "horovod" and importlib.util.find_spec("horovod") is None:
         raise ConfigError(
             "--dp.strategy horovod needs Horovod, which is not installed (build it with bash scripts/install-horovod.sh); "
             "or use --dp.strategy allreduce, foldtrain's Horovod-style ring all-reduce"
         )
     if d.strategy == "none" and world_size > 1 and cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.tp == 1:
-        raise ConfigError(f"--dp.strategy none runs one process but {world_size} were launched; pick a strategy (e.g. --dp.strategy ddp) or launch one process")
+        raise ConfigError(
+            f"--dp.strategy none runs one process but {world_size} were launched; pick a strategy (e.g. --dp.strategy ddp) or launch one process"
+        )
     if d.ps_servers and d.strategy != "ps":
         raise ConfigError("--dp.ps_servers only applies to --dp.strategy ps; remove it or choose ps")
     if d.ps_servers >= world_size and d.strategy == "ps":
-        raise ConfigError(f"--dp.ps_servers {d.ps_servers} leaves no worker among {world_size} ranks; use fewer servers or launch more ranks")
+        raise ConfigError(
+            f"--dp.ps_servers {d.ps_servers} leaves no worker among {world_size} ranks; use fewer servers or launch more ranks"
+        )
     from foldtrain.schedules.layout import uses_3d_engine, validate_layout
 
     if uses_3d_engine(cfg):  # mesh sizes, schedule, chunk split, tensor-parallel divisibility

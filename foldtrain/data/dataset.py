@@ -41,10 +41,14 @@ def _sha256_file(path: Path) -> str:
 
 def _read_meta(root: Path) -> dict[str, Any]:
     if not root.is_dir():
-        raise DataError(f"prepared data directory {root} does not exist; run `foldtrain prepare` or pass a prepared directory to --data.path")
+        raise DataError(
+            f"prepared data directory {root} does not exist; run `foldtrain prepare` or pass a prepared directory to --data.path"
+        )
     meta_path = root / "meta.json"
     if not meta_path.is_file():
-        raise DataError(f"{root} has no meta.json, so it is not a prepared dataset; run `foldtrain prepare` to create one")
+        raise DataError(
+            f"{root} has no meta.json, so it is not a prepared dataset; run `foldtrain prepare` to create one"
+        )
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -88,8 +92,12 @@ def fingerprint(meta: dict[str, Any]) -> str:
     """A short identity of prepared token data from its ``meta.json``: vocabulary, dtype, and every
     split's (or shard's) token count and checksum — what the tokens are, not where they live."""
     parts = meta.get("shards") or [meta["splits"]]
-    key = [meta.get("dtype"), meta.get("vocab_size"), meta.get("eot_id"),
-           [[part[s].get("tokens"), part[s].get("sha256")] for part in parts for s in ("train", "val")]]
+    key = [
+        meta.get("dtype"),
+        meta.get("vocab_size"),
+        meta.get("eot_id"),
+        [[part[s].get("tokens"), part[s].get("sha256")] for part in parts for s in ("train", "val")],
+    ]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]
 
 
@@ -160,9 +168,20 @@ class TokenData:
 
     def doc_offsets(self, name: str) -> np.ndarray:
         """Start offset of every document of split ``name`` in its token array (all shards)."""
-        names = [f"{name}_docs.npy"] if not self.sharded else [f"{name}-{i:05d}_docs.npy" for i in range(len(self.meta["shards"]))]
+        names = (
+            [f"{name}_docs.npy"]
+            if not self.sharded
+            else [f"{name}-{i:05d}_docs.npy" for i in range(len(self.meta["shards"]))]
+        )
         out, base = [], 0
-        for fname, n in zip(names, ([self.meta["splits"][name]["tokens"]] if not self.sharded else [s[name]["tokens"] for s in self.meta["shards"]])):
+        for fname, n in zip(
+            names,
+            (
+                [self.meta["splits"][name]["tokens"]]
+                if not self.sharded
+                else [s[name]["tokens"] for s in self.meta["shards"]]
+            ),
+        ):
             f = self.path / fname
             if not f.is_file():
                 raise DataError(f"document index {f} is missing; {_FIX}")
@@ -175,5 +194,3 @@ class TokenData:
         from foldtrain.data.tokenizer import load_tokenizer  # noqa: PLC0415 (keeps `tokenizers` off the training import path)
 
         return load_tokenizer(self.tokenizer_path)
-
-

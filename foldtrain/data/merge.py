@@ -57,13 +57,19 @@ def _records(staging: Path, n: int, options_sha: str, itemsize: int) -> list[dic
     for i in range(n):
         path = shards.record_path(staging, i)
         if not path.is_file():
-            raise DataError(f"shard {i} of {n} is not prepared in {staging}; run the missing part (--data.shard {i} % --data.num_shards) or run without --data.shard to prepare it here")
+            raise DataError(
+                f"shard {i} of {n} is not prepared in {staging}; run the missing part (--data.shard {i} % --data.num_shards) or run without --data.shard to prepare it here"
+            )
         rec = json.loads(path.read_text(encoding="utf-8"))
         if rec.get("options_sha256") != options_sha:
-            raise DataError(f"shard {i} in {staging} was prepared with different options; delete {path.name} and its .bin files and run again")
+            raise DataError(
+                f"shard {i} in {staging} was prepared with different options; delete {path.name} and its .bin files and run again"
+            )
         problem = shards.check_shard_files(staging, rec, itemsize)
         if problem is not None:
-            raise DataError(f"shard {i} in {staging} is incomplete ({problem}); run the same command again to prepare it")
+            raise DataError(
+                f"shard {i} in {staging} is incomplete ({problem}); run the same command again to prepare it"
+            )
         recs.append(rec)
     return recs
 
@@ -83,7 +89,15 @@ def _tail_split(staging: Path, rec: dict[str, Any], val_fraction: float, dtype: 
     return rec
 
 
-def _settle_split(staging: Path, recs: list[dict[str, Any]], val_fraction: float, dtype: np.dtype, eot: int, job: Callable[[int, int], Any], say: Any) -> dict[str, Any] | None:
+def _settle_split(
+    staging: Path,
+    recs: list[dict[str, Any]],
+    val_fraction: float,
+    dtype: np.dtype,
+    eot: int,
+    job: Callable[[int, int], Any],
+    say: Any,
+) -> dict[str, Any] | None:
     """Apply the split's edge cases; returns what was changed (for meta.json), or None."""
     n_train = sum(r["train"]["documents"] for r in recs)
     n_val = sum(r["val"]["documents"] for r in recs)
@@ -99,22 +113,38 @@ def _settle_split(staging: Path, recs: list[dict[str, Any]], val_fraction: float
     else:  # the document with the largest hash goes to train
         i = max((r for r in recs if r["val"]["documents"]), key=lambda r: r["max_val_hash"])["index"]
         cut = recs[i]["max_val_hash"]
-    say(f"the hash split left {'val' if not n_val else 'train'} empty; preparing shard {i} again with one document moved there")
+    say(
+        f"the hash split left {'val' if not n_val else 'train'} empty; preparing shard {i} again with one document moved there"
+    )
     recs[i] = shards.run_shard(job(i, cut))
     return {"shard": i, "cut": cut}
 
 
-def finalize(staging: Path, out: Path, options: dict[str, Any], options_sha: str, info: dict[str, Any], tok: Any,
-             dtype: np.dtype, job: Callable[[int, int], Any], say: Any) -> dict[str, Any]:
+def finalize(
+    staging: Path,
+    out: Path,
+    options: dict[str, Any],
+    options_sha: str,
+    info: dict[str, Any],
+    tok: Any,
+    dtype: np.dtype,
+    job: Callable[[int, int], Any],
+    say: Any,
+) -> dict[str, Any]:
     """Check the shards in ``staging``, write meta.json and install the dataset at ``out``."""
     eot = eot_id(tok)
     recs = _records(staging, options["n_shards"], options_sha, dtype.itemsize)
     if not any(r["train"]["documents"] + r["val"]["documents"] for r in recs):
         shutil.rmtree(staging, ignore_errors=True)
         raise DataError(f"{info['source']} yielded no tokens (no non-empty documents); point --data.path at text files")
-    n_documents = sum(r["train"]["documents"] + r["val"]["documents"] for r in recs)  # before a tail split makes 1 into 2
+    n_documents = sum(
+        r["train"]["documents"] + r["val"]["documents"] for r in recs
+    )  # before a tail split makes 1 into 2
     fixup = _settle_split(staging, recs, options["val_fraction"], dtype, eot, job, say)
-    splits = {s: {"tokens": sum(r[s]["tokens"] for r in recs), "documents": sum(r[s]["documents"] for r in recs)} for s in shards.SPLITS}
+    splits = {
+        s: {"tokens": sum(r[s]["tokens"] for r in recs), "documents": sum(r[s]["documents"] for r in recs)}
+        for s in shards.SPLITS
+    }
     dropped_files, dropped_bytes = sum(r["dropped_files"] for r in recs), sum(r["dropped_bytes"] for r in recs)
     meta: dict[str, Any] = {
         "format": FORMAT,
@@ -136,11 +166,19 @@ def finalize(staging: Path, out: Path, options: dict[str, Any], options_sha: str
         "input_bytes": info["input_bytes"],
         "shard_mb": options["shard_mb"],
         "plan_sha256": options["plan_sha256"],
-        "corpus_filter": {"rule": options["corpus_filter"], "files_left_out": dropped_files, "bytes_left_out": dropped_bytes} if options["corpus_filter"] else None,
+        "corpus_filter": {
+            "rule": options["corpus_filter"],
+            "files_left_out": dropped_files,
+            "bytes_left_out": dropped_bytes,
+        }
+        if options["corpus_filter"]
+        else None,
         "split_fixup": fixup,
     }
     if options["corpus_filter"]:
-        say(f"corpus filter {options['corpus_filter']}: left out {dropped_files} generated-table files ({dropped_bytes / 1e6:.2f} MB)")
+        say(
+            f"corpus filter {options['corpus_filter']}: left out {dropped_files} generated-table files ({dropped_bytes / 1e6:.2f} MB)"
+        )
     for name in WORK_FILES:
         (staging / name).unlink(missing_ok=True)
     for rec in staging.glob("shard-*.json"):

@@ -9,9 +9,8 @@ of a mix must use the same tokenizer (the same ``tokenizer.json`` content).
 
 from __future__ import annotations
 
-import json
-
 import hashlib
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,13 +32,19 @@ def parse_mix(spec: str) -> list[tuple[str, float]]:
             continue
         path, sep, raw = item.rpartition("=")
         if not sep or not path.strip():
-            raise DataError(f"--data.mix entry {item!r} is not DIR=WEIGHT; write e.g. --data.mix data/web=0.7,data/code=0.3")
+            raise DataError(
+                f"--data.mix entry {item!r} is not DIR=WEIGHT; write e.g. --data.mix data/web=0.7,data/code=0.3"
+            )
         try:
             weight = float(raw)
         except ValueError:
-            raise DataError(f"--data.mix weight {raw!r} of {path} is not a number; give a positive number such as 0.5") from None
+            raise DataError(
+                f"--data.mix weight {raw!r} of {path} is not a number; give a positive number such as 0.5"
+            ) from None
         if not math.isfinite(weight) or weight <= 0:
-            raise DataError(f"--data.mix weight {raw!r} of {path} is not a positive number; give a positive number such as 0.5")
+            raise DataError(
+                f"--data.mix weight {raw!r} of {path} is not a positive number; give a positive number such as 0.5"
+            )
         out.append((path.strip(), weight))
     if not out:
         raise DataError("--data.mix is empty; write DIR=WEIGHT,DIR=WEIGHT")
@@ -74,7 +79,10 @@ class MixedData:
 
     @property
     def meta(self) -> dict[str, Any]:
-        return {"format": "mix", "mix": [{"path": str(d.path), "weight": w} for d, w in zip(self.datasets, self.weights)]}
+        return {
+            "format": "mix",
+            "mix": [{"path": str(d.path), "weight": w} for d, w in zip(self.datasets, self.weights)],
+        }
 
     @property
     def vocab_size(self) -> int:
@@ -102,7 +110,9 @@ def open_mix(spec: str, verify: bool | None = None) -> MixedData:
     for path, _ in entries:
         p = Path(path).expanduser()
         if not (p / "meta.json").is_file():
-            raise DataError(f"--data.mix dataset {p} is not a prepared dataset (no meta.json); prepare it first with `foldtrain prepare --data.out {p}`")
+            raise DataError(
+                f"--data.mix dataset {p} is not a prepared dataset (no meta.json); prepare it first with `foldtrain prepare --data.out {p}`"
+            )
         datasets.append(TokenData.open(p, verify=verify))
     first = _tokenizer_sha(datasets[0])
     for (path, _), d in zip(entries[1:], datasets[1:]):

@@ -49,7 +49,9 @@ def source_root(source: str | Path | None) -> tuple[Path, str]:
     if p.is_dir():
         return p, "hf" if sources.is_hf_dataset(p) else "dir"
     if not p.is_file():
-        raise DataError(f"data path {p} is not a regular file or directory; pass a text file, directory or .jsonl file to --data.path")
+        raise DataError(
+            f"data path {p} is not a regular file or directory; pass a text file, directory or .jsonl file to --data.path"
+        )
     return p, "jsonl" if p.suffix == ".jsonl" else "text"
 
 
@@ -76,7 +78,9 @@ def iter_pieces(source: str | Path | None, text_field: str) -> Iterator[Piece]:
             else:
                 yield ("text", rel, 0, 0, size)
         if not any_file:
-            raise DataError(f"directory {root} is empty (no non-hidden files); put text files in it or pass another --data.path")
+            raise DataError(
+                f"directory {root} is empty (no non-hidden files); put text files in it or pass another --data.path"
+            )
     elif kind == "hf":
         ds = sources.load_hf_dataset(root, text_field)
         n = len(ds)
@@ -90,7 +94,9 @@ def iter_pieces(source: str | Path | None, text_field: str) -> Iterator[Piece]:
     else:
         with root.open("rb") as fh:
             if sources.is_binary(fh.read(sources.BINARY_PROBE_BYTES)):
-                raise DataError(f"{root} looks binary (it contains NUL bytes); pass a text file, directory or .jsonl file to --data.path")
+                raise DataError(
+                    f"{root} looks binary (it contains NUL bytes); pass a text file, directory or .jsonl file to --data.path"
+                )
         yield ("text", root.name, 0, 0, root.stat().st_size)
 
 
@@ -152,7 +158,9 @@ def iter_piece_docs(root: Path, piece: Piece, text_field: str, dropped: list[int
     elif kind == "hf":
         yield from sources.iter_hf_dataset(path, text_field, start, end)
     else:
-        raise DataError(f"unknown piece kind {kind!r} in the prepare plan; delete the .partial directory and prepare again")
+        raise DataError(
+            f"unknown piece kind {kind!r} in the prepare plan; delete the .partial directory and prepare again"
+        )
 
 
 def piece_hash(seed: int, piece: Piece) -> float:

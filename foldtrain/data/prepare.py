@@ -72,11 +72,15 @@ def _check_source(source: str | Path | None) -> str:
         return f"stdlib:{sources.default_corpus_root()}"
     p = Path(source).expanduser()
     if p.is_dir() and is_prepared(p):
-        raise DataError(f"{p} is already a prepared dataset; pass it to --data.path to train on it instead of preparing it")
+        raise DataError(
+            f"{p} is already a prepared dataset; pass it to --data.path to train on it instead of preparing it"
+        )
     return str(p.resolve())
 
 
-def _check_args(val_fraction: float, workers: int, shard_mb: float, sample_mb: float, shard: int, num_shards: int) -> None:
+def _check_args(
+    val_fraction: float, workers: int, shard_mb: float, sample_mb: float, shard: int, num_shards: int
+) -> None:
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"--data.val_fraction must be in (0, 1), got {val_fraction}; pass e.g. 0.005")
     if workers < 1:
@@ -84,16 +88,22 @@ def _check_args(val_fraction: float, workers: int, shard_mb: float, sample_mb: f
     if not shard_mb > 0 or not sample_mb > 0:
         raise DataError(f"--data.shard_mb and --data.tokenizer_sample_mb must be > 0, got {shard_mb} and {sample_mb}")
     if num_shards < 1 or not 0 <= shard < num_shards:
-        raise DataError(f"--data.shard {shard} is not in [0, --data.num_shards {num_shards}); number the parts 0 .. num_shards-1")
+        raise DataError(
+            f"--data.shard {shard} is not in [0, --data.num_shards {num_shards}); number the parts 0 .. num_shards-1"
+        )
 
 
 def _check_out_dir(out: Path, staging: Path) -> None:
     if out.exists() and not out.is_dir():
         raise DataError(f"output path {out} is a file; pass a directory to --data.out")
     if out.is_dir() and not is_prepared(out) and any(out.iterdir()):
-        raise DataError(f"output directory {out} is not empty and holds no prepared dataset; choose a new or empty --data.out")
+        raise DataError(
+            f"output directory {out} is not empty and holds no prepared dataset; choose a new or empty --data.out"
+        )
     if staging.exists() and not (staging / OPTIONS).is_file() and (not staging.is_dir() or any(staging.iterdir())):
-        raise DataError(f"{staging} exists and is not an interrupted prepare of foldtrain; move it away or choose another --data.out")
+        raise DataError(
+            f"{staging} exists and is not an interrupted prepare of foldtrain; move it away or choose another --data.out"
+        )
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> str:
@@ -123,7 +133,16 @@ def _open_staging(staging: Path, options: dict[str, Any], discard_stale: bool, s
     shards.write_json(staging / OPTIONS, options)
 
 
-def _tokenizer(staging: Path, tokenizer_path: str | Path, vocab_size: int, plan: plan_mod.Plan, text_field: str, sample_mb: float, seed: int, say: Any) -> Any:
+def _tokenizer(
+    staging: Path,
+    tokenizer_path: str | Path,
+    vocab_size: int,
+    plan: plan_mod.Plan,
+    text_field: str,
+    sample_mb: float,
+    seed: int,
+    say: Any,
+) -> Any:
     dest = staging / "tokenizer.json"
     if dest.is_file():
         return load_tokenizer(dest)
@@ -134,7 +153,9 @@ def _tokenizer(staging: Path, tokenizer_path: str | Path, vocab_size: int, plan:
     else:
         sample = plan_mod.tokenizer_sample(plan, text_field, int(sample_mb * 1e6), seed)
         tok = train_tokenizer(sample, vocab_size)
-        say(f"trained byte-level BPE tokenizer (vocab {tok_vocab_size(tok):,}) on a sample of <= {sample_mb:g} MB in {time.perf_counter() - t0:.1f}s")
+        say(
+            f"trained byte-level BPE tokenizer (vocab {tok_vocab_size(tok):,}) on a sample of <= {sample_mb:g} MB in {time.perf_counter() - t0:.1f}s"
+        )
     tmp = staging / "tokenizer.json.tmp"
     tok.save(str(tmp))
     tmp.replace(dest)
@@ -163,8 +184,10 @@ def _run(jobs: list[shards.ShardJob], workers: int, total: int, say: Any) -> Non
         done_bytes += rec["input_bytes"]
         done += 1
         dt = max(time.perf_counter() - t0, 1e-9)
-        say(f"shard {rec['index']} done ({done}/{len(jobs)} this run, {total} in all): {rec['train']['tokens'] + rec['val']['tokens']:,} tokens; "
-            f"{done_bytes / 1e6:.0f} MB at {done_bytes / 1e6 / dt:.1f} MB/s")
+        say(
+            f"shard {rec['index']} done ({done}/{len(jobs)} this run, {total} in all): {rec['train']['tokens'] + rec['val']['tokens']:,} tokens; "
+            f"{done_bytes / 1e6:.0f} MB at {done_bytes / 1e6 / dt:.1f} MB/s"
+        )
 
     if workers == 1 or len(jobs) == 1:
         for job in jobs:
@@ -238,7 +261,9 @@ def prepare(
         raise
     plan_tmp.replace(staging / PLAN)
     plan.path = staging / PLAN
-    say(f"planned {len(plan.shards)} shard(s) of <= ~{shard_mb:g} MB from {plan.input_bytes / 1e6:.1f} MB of input ({label}) in {time.perf_counter() - t0:.1f}s")
+    say(
+        f"planned {len(plan.shards)} shard(s) of <= ~{shard_mb:g} MB from {plan.input_bytes / 1e6:.1f} MB of input ({label}) in {time.perf_counter() - t0:.1f}s"
+    )
     options_sha = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()
 
     tok = _tokenizer(staging, tokenizer_path, vocab_size, plan, text_field, tokenizer_sample_mb, seed, say)
@@ -246,17 +271,34 @@ def prepare(
 
     def job(i: int, cut: int) -> shards.ShardJob:
         off, count, _ = plan.shards[i]
-        return shards.ShardJob(str(staging), i, str(plan.path), off, count, plan.root, text_field, seed, cut, dtype.str, str(staging / "tokenizer.json"), options_sha)
+        return shards.ShardJob(
+            str(staging),
+            i,
+            str(plan.path),
+            off,
+            count,
+            plan.root,
+            text_field,
+            seed,
+            cut,
+            dtype.str,
+            str(staging / "tokenizer.json"),
+            options_sha,
+        )
 
     todo = _pending(staging, len(plan.shards), shard, num_shards, dtype.itemsize, say)
     _run([job(i, shards.default_cut(val_fraction)) for i in todo], workers, len(plan.shards), say)
     if num_shards > 1:
         mine = len(range(shard, len(plan.shards), num_shards))
-        say(f"part {shard} of {num_shards} done ({mine} shard(s)) in {staging}; when every part's shards are in one "
-            f"{staging.name}/ directory, run this command without --data.shard/--data.num_shards to finalize")
+        say(
+            f"part {shard} of {num_shards} done ({mine} shard(s)) in {staging}; when every part's shards are in one "
+            f"{staging.name}/ directory, run this command without --data.shard/--data.num_shards to finalize"
+        )
         return {"part": shard, "num_shards": num_shards, "shards": mine, "staging": str(staging)}
     info = {"source": label, "source_fingerprint": fingerprint, "input_bytes": plan.input_bytes}
     meta = merge.finalize(staging, out, options, options_sha, info, tok, dtype, job, say)
     n_train, n_val = meta["splits"]["train"]["tokens"], meta["splits"]["val"]["tokens"]
-    say(f"wrote {n_train:,} train + {n_val:,} val tokens ({dtype.name}) of {meta['n_documents']:,} documents in {len(meta['shards'])} shard(s) to {out}; total {time.perf_counter() - t0:.1f}s")
+    say(
+        f"wrote {n_train:,} train + {n_val:,} val tokens ({dtype.name}) of {meta['n_documents']:,} documents in {len(meta['shards'])} shard(s) to {out}; total {time.perf_counter() - t0:.1f}s"
+    )
     return meta

@@ -112,8 +112,20 @@ def _prepare_once(source: Path | None, out: Path, cfg: DataConfig, quiet: bool) 
                 return out
             if is_prepared(out) and not quiet:
                 log(f"{out} was prepared from different data or settings; preparing it again")
-            prepare(source, out, cfg.vocab_size, cfg.tokenizer, cfg.text_field, cfg.val_fraction, cfg.seed, quiet=quiet,
-                    workers=cfg.workers, shard_mb=cfg.shard_mb, tokenizer_sample_mb=cfg.tokenizer_sample_mb, discard_stale=cache_root().absolute() in out.parents)
+            prepare(
+                source,
+                out,
+                cfg.vocab_size,
+                cfg.tokenizer,
+                cfg.text_field,
+                cfg.val_fraction,
+                cfg.seed,
+                quiet=quiet,
+                workers=cfg.workers,
+                shard_mb=cfg.shard_mb,
+                tokenizer_sample_mb=cfg.tokenizer_sample_mb,
+                discard_stale=cache_root().absolute() in out.parents,
+            )
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return out
@@ -127,7 +139,13 @@ def resolve_data(data_cfg: DataConfig, quiet: bool = False) -> Path:
             raise DataError(f"data path {p} does not exist; pass an existing file or directory to --data.path")
         if p.is_dir() and (p / "meta.json").is_file():  # prepared; TokenData.open validates it
             return p.absolute()
-        out = Path(data_cfg.out).expanduser() if data_cfg.out else raw_cache_dir(p, data_cfg.vocab_size, data_cfg.tokenizer)
+        out = (
+            Path(data_cfg.out).expanduser()
+            if data_cfg.out
+            else raw_cache_dir(p, data_cfg.vocab_size, data_cfg.tokenizer)
+        )
         return _prepare_once(p, out.absolute(), data_cfg, quiet)
-    out = Path(data_cfg.out).expanduser() if data_cfg.out else default_cache_dir(data_cfg.vocab_size, data_cfg.tokenizer)
+    out = (
+        Path(data_cfg.out).expanduser() if data_cfg.out else default_cache_dir(data_cfg.vocab_size, data_cfg.tokenizer)
+    )
     return _prepare_once(None, out.absolute(), data_cfg, quiet)

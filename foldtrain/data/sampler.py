@@ -43,7 +43,9 @@ def blend_counts(weights: list[float], names: list[str], block: int = BLEND_BLOC
     counts[order[: block - int(counts.sum())]] += 1
     for name, c, wi in zip(names, counts.tolist(), weights):
         if c == 0:
-            raise DataError(f"--data.mix weight {wi:g} of {name} is below 1/{block} of the total; raise it or leave that dataset out")
+            raise DataError(
+                f"--data.mix weight {wi:g} of {name} is below 1/{block} of the total; raise it or leave that dataset out"
+            )
     return counts
 
 
@@ -102,7 +104,9 @@ class SequenceSampler:
         self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
         self.blend: BlendIndex | None = None
         if isinstance(tokens, Blend):
-            self.components = [SequenceSampler(p, seq_len, _component_seed(seed, i)) for i, p in enumerate(tokens.parts)]
+            self.components = [
+                SequenceSampler(p, seq_len, _component_seed(seed, i)) for i, p in enumerate(tokens.parts)
+            ]
             self.offsets = np.cumsum([0] + [c.n for c in self.components], dtype=np.int64)
             self.blend = BlendIndex(blend_counts(tokens.weights, tokens.names), seed)
             self.n = int(self.offsets[-1])
@@ -191,7 +195,9 @@ def _blend_val(tokens: Blend, seq_len: int, batch: int, n_batches: int) -> list[
     ns = [(len(p) - 1) // seq_len if len(p) else 0 for p in tokens.parts]
     for name, n in zip(tokens.names, ns):
         if n == 0:
-            raise DataError(f"the validation split of {name} is too small for one sequence of {seq_len}+1; use a smaller --train.seq_len")
+            raise DataError(
+                f"the validation split of {name} is too small for one sequence of {seq_len}+1; use a smaller --train.seq_len"
+            )
     index = BlendIndex(blend_counts(tokens.weights, tokens.names), 0)
     comp, k = index.locate(np.arange(batch * n_batches, dtype=np.int64))
     x = torch.empty(len(comp), seq_len, dtype=torch.int64)
@@ -222,4 +228,6 @@ def val_batches(tokens: object, seq_len: int, batch: int, n_batches: int) -> lis
     count = min(n_batches, n // batch)
     if count == 0:
         return [_rows(tokens, np.arange(n, dtype=np.int64) * seq_len, seq_len)]
-    return [_rows(tokens, np.arange(b * batch, (b + 1) * batch, dtype=np.int64) * seq_len, seq_len) for b in range(count)]
+    return [
+        _rows(tokens, np.arange(b * batch, (b + 1) * batch, dtype=np.int64) * seq_len, seq_len) for b in range(count)
+    ]

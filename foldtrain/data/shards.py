@@ -59,7 +59,9 @@ def record_path(staging: Path, index: int) -> Path:
 def doc_hash(seed: int, text: str) -> int:
     """The document's seeded 64-bit hash (its train/val side)."""
     key = seed.to_bytes(8, "little", signed=True)
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), key=key, digest_size=8).digest(), "little")
+    return int.from_bytes(
+        hashlib.blake2b(text.encode("utf-8", "surrogatepass"), key=key, digest_size=8).digest(), "little"
+    )
 
 
 def default_cut(val_fraction: float) -> int:

@@ -87,7 +87,9 @@ def iter_default_corpus(limit: int | None = None) -> Iterator[str]:
 
 
 def _is_prepared_dir(names: list[str]) -> bool:
-    return ("meta.json" in names and ("train.bin" in names or "train-00000.bin" in names)) or ("options.json" in names and "plan.jsonl" in names)
+    return ("meta.json" in names and ("train.bin" in names or "train-00000.bin" in names)) or (
+        "options.json" in names and "plan.jsonl" in names
+    )
 
 
 def walk_files(root: Path, skip_dirs: frozenset[str] = SKIP_DIRS) -> list[Path]:
@@ -147,7 +149,9 @@ def iter_jsonl(path: Path, text_field: str = "text", start: int = 0, end: int | 
             if not raw:
                 break
             lineno += 1
-            value = parse_jsonl_line(raw, text_field, f"{path} line {lineno}" if start == 0 else f"{path} line at byte {where}")
+            value = parse_jsonl_line(
+                raw, text_field, f"{path} line {lineno}" if start == 0 else f"{path} line at byte {where}"
+            )
             if value is not None:
                 yield value
 
@@ -165,10 +169,14 @@ def parse_jsonl_line(raw: bytes, text_field: str, where: str) -> str | None:
         raise DataError(f"{where} is a JSON {type(obj).__name__}, not an object; write one JSON object per line")
     if text_field not in obj:
         found = ", ".join(sorted(map(str, obj))[:8]) or "none"
-        raise DataError(f"{where} has no field '{text_field}' (fields: {found}); set --data.text_field to the field holding the text")
+        raise DataError(
+            f"{where} has no field '{text_field}' (fields: {found}); set --data.text_field to the field holding the text"
+        )
     value = obj[text_field]
     if not isinstance(value, str):
-        raise DataError(f"{where}: field '{text_field}' is {type(value).__name__}, not a string; fix the line or set --data.text_field to a text field")
+        raise DataError(
+            f"{where}: field '{text_field}' is {type(value).__name__}, not a string; fix the line or set --data.text_field to a text field"
+        )
     return value
 
 
@@ -182,14 +190,20 @@ def load_hf_dataset(path: Path, text_field: str = "text") -> Any:
     try:
         import datasets  # noqa: PLC0415 (optional dependency)
     except ImportError:
-        raise DataError(f"{path} is a Hugging Face dataset but `datasets` is not installed; run `pip install datasets`") from None
+        raise DataError(
+            f"{path} is a Hugging Face dataset but `datasets` is not installed; run `pip install datasets`"
+        ) from None
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as e:  # noqa: BLE001 (any loader failure is a data problem)
-        raise DataError(f"cannot load the Hugging Face dataset at {path} ({type(e).__name__}: {one_line(e)}); re-save it with save_to_disk") from None
+        raise DataError(
+            f"cannot load the Hugging Face dataset at {path} ({type(e).__name__}: {one_line(e)}); re-save it with save_to_disk"
+        ) from None
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
-            raise DataError(f"the dataset at {path} has no 'train' split (splits: {', '.join(ds)}); save the train split or a single Dataset")
+            raise DataError(
+                f"the dataset at {path} has no 'train' split (splits: {', '.join(ds)}); save the train split or a single Dataset"
+            )
         ds = ds["train"]
     if text_field not in ds.column_names:
         raise DataError(
@@ -209,14 +223,18 @@ def iter_hf_dataset(path: Path, text_field: str = "text", start: int = 0, end: i
             if value is None:
                 continue
             if not isinstance(value, str):
-                raise DataError(f"column '{text_field}' of {path} holds {type(value).__name__}, not text; set --data.text_field to a text column")
+                raise DataError(
+                    f"column '{text_field}' of {path} holds {type(value).__name__}, not text; set --data.text_field to a text column"
+                )
             yield value
 
 
 def _iter_directory(root: Path, text_field: str) -> Iterator[str]:
     files = walk_files(root)
     if not files:
-        raise DataError(f"directory {root} is empty (no non-hidden files); put text files in it or pass another --data.path")
+        raise DataError(
+            f"directory {root} is empty (no non-hidden files); put text files in it or pass another --data.path"
+        )
     text_files = 0
     for path in files:
         if path.suffix == ".jsonl":
@@ -229,7 +247,9 @@ def _iter_directory(root: Path, text_field: str) -> Iterator[str]:
         text_files += 1
         yield decode_bytes(data)
     if text_files == 0:
-        raise DataError(f"directory {root} holds no text files (all {len(files)} are binary or unreadable); point --data.path at text files")
+        raise DataError(
+            f"directory {root} holds no text files (all {len(files)} are binary or unreadable); point --data.path at text files"
+        )
 
 
 def iter_documents(path: str | Path | None, text_field: str = "text") -> Iterator[str]:
@@ -254,7 +274,9 @@ def iter_documents(path: str | Path | None, text_field: str = "text") -> Iterato
             yield from _iter_directory(p, text_field)
         return
     if not p.is_file():
-        raise DataError(f"data path {p} is not a regular file or directory; pass a text file, directory or .jsonl file to --data.path")
+        raise DataError(
+            f"data path {p} is not a regular file or directory; pass a text file, directory or .jsonl file to --data.path"
+        )
     if p.suffix == ".jsonl":
         yield from iter_jsonl(p, text_field)
         return
@@ -263,7 +285,9 @@ def iter_documents(path: str | Path | None, text_field: str = "text") -> Iterato
     except OSError as e:
         raise DataError(f"cannot read {p} ({e.strerror or e}); check the file's permissions") from None
     if is_binary(data):
-        raise DataError(f"{p} looks binary (it contains NUL bytes); pass a text file, directory or .jsonl file to --data.path")
+        raise DataError(
+            f"{p} looks binary (it contains NUL bytes); pass a text file, directory or .jsonl file to --data.path"
+        )
     yield decode_bytes(data)
 
 
@@ -292,5 +316,7 @@ def fingerprint(path: str | Path | None) -> str:
         rel = f.relative_to(root) if f != root else Path(f.name)
         h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
     if n == 0:
-        raise DataError(f"directory {root} is empty (no non-hidden files); put text files in it or pass another --data.path")
+        raise DataError(
+            f"directory {root} is empty (no non-hidden files); put text files in it or pass another --data.path"
+        )
     return h.hexdigest()[:16]

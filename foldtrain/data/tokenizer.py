@@ -59,7 +59,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     try:
         tok = Tokenizer.from_file(str(p))
     except Exception as e:  # noqa: BLE001 (the Rust loader raises a bare Exception)
-        raise DataError(f"{p} is not a valid tokenizer.json ({one_line(e)}); pass a file saved by tokenizers' Tokenizer.save") from None
+        raise DataError(
+            f"{p} is not a valid tokenizer.json ({one_line(e)}); pass a file saved by tokenizers' Tokenizer.save"
+        ) from None
     _configure(tok)
     return tok
 
@@ -122,7 +124,9 @@ def _batch_encode(tok: Tokenizer, texts: list[str]) -> list[Any]:
     return tok.encode_batch(texts, add_special_tokens=False)
 
 
-def iter_encoded(tok: Tokenizer, docs: Iterable[str], dtype: Any = np.int64, chunk_chars: int = CHUNK_CHARS) -> Iterator[np.ndarray]:
+def iter_encoded(
+    tok: Tokenizer, docs: Iterable[str], dtype: Any = np.int64, chunk_chars: int = CHUNK_CHARS
+) -> Iterator[np.ndarray]:
     """One array of token ids per document, in order, encoded in parallel batches.
 
     Documents are gathered into chunks of about ``chunk_chars`` characters (long
@@ -164,4 +168,3 @@ def decode(tok: Tokenizer, ids: Any) -> str:
     """Text of a sequence of ids (a list, numpy array or tensor); special tokens are kept."""
     seq = ids.tolist() if hasattr(ids, "tolist") else list(ids)
     return tok.decode(seq, skip_special_tokens=False)
-

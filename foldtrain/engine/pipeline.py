@@ -99,14 +99,17 @@ class PipelineEngine:
         # ---- per-chunk optimizers and LR schedules
         self.schedule = WarmupCosine(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.steps)
         self.optimizers = {s: build_optimizer(list(c.named_parameters()), cfg.optim) for s, c in self.chunks.items()}
-        self.lr_schedulers = {s: torch.optim.lr_scheduler.LambdaLR(o, self.schedule) for s, o in self.optimizers.items()}
+        self.lr_schedulers = {
+            s: torch.optim.lr_scheduler.LambdaLR(o, self.schedule) for s, o in self.optimizers.items()
+        }
         self.iteration = 0
         self.last_grad_norm = 0.0
         self._step_ok = True
 
         # ---- schedule, transport, executor
-        self.pipeline_schedule = build_schedule(cfg.parallel.schedule, lay.pp, lay.virtual, lay.microbatches,
-                                                cfg.parallel.dp_sync, cfg.fold.defer_reduce)
+        self.pipeline_schedule = build_schedule(
+            cfg.parallel.schedule, lay.pp, lay.virtual, lay.microbatches, cfg.parallel.dp_sync, cfg.fold.defer_reduce
+        )
         self.any_deferred = bool(self.pipeline_schedule.deferred_chunks(topo.pp_rank))
         timeout = cfg.dp.timeout_s
         self.p2p = P2P(topo, timeout, device)
@@ -125,19 +128,42 @@ class PipelineEngine:
         self.profiler = StepProfiler(self.timeline)
         sync = torch.cuda.synchronize if (cfg.profile and device.type == "cuda") else None
         self.executor = Executor(
-            self.chunks, lay.segments, topo, self.p2p, reducers, self._step_chunk, self._before_steps,
-            self.precision, loss_fn, torch.float32, self.shape.d_model, self.timeline, sync,
+            self.chunks,
+            lay.segments,
+            topo,
+            self.p2p,
+            reducers,
+            self._step_chunk,
+            self._before_steps,
+            self.precision,
+            loss_fn,
+            torch.float32,
+            self.shape.d_model,
+            self.timeline,
+            sync,
         )
         if lay.dp > 1:  # deadline-ordered reductions: a second dp group when any chunk is deferred
-            queue = DeadlineQueue(topo, self.timeline, cfg.fold.bucket_mb * 2**20, timeout, cfg.fold.defer_reduce and lay.virtual > 1)
+            queue = DeadlineQueue(
+                topo, self.timeline, cfg.fold.bucket_mb * 2**20, timeout, cfg.fold.defer_reduce and lay.virtual > 1
+            )
             queue.hold_back(cfg.optim.grad_clip == 0)
             self.executor.attach_queue(queue)
         # no clip, no loss scaler: a chunk steps the moment its reduction lands (executor.early_steps)
         self.executor.early_steps = cfg.optim.grad_clip == 0 and not self.precision.scaler.enabled and lay.tp == 1
         self.executor.chunk_norm_sq = self._chunk_norm_sq
         # checkpoint keys and the full model: the single-process names, whatever the layout
-        self.states = ChunkStates(full_params, self.n_parts, self.chunks, self.optimizers, self.lr_schedulers, self.schedule, self.precision,
-                                  self.topo, self.split_tie, self.executor)
+        self.states = ChunkStates(
+            full_params,
+            self.n_parts,
+            self.chunks,
+            self.optimizers,
+            self.lr_schedulers,
+            self.schedule,
+            self.precision,
+            self.topo,
+            self.split_tie,
+            self.executor,
+        )
 
     # ------------------------------------------------------------------ optimizer side
     def _chunk_grads_params(self, segs) -> list:
@@ -170,8 +196,16 @@ class PipelineEngine:
             local = grad_norm(norm_params).float()
         else:
             grads = [p.grad for p in norm_params if p.grad is not None]
-            local = torch.nn.utils.get_total_norm(grads, foreach=True).float() if grads else torch.zeros((), device=self.device)
-        sq = (local**2 + sum(self.executor.partial_sq.values(), torch.zeros((), device=self.device))).reshape(1).to(self.device)
+            local = (
+                torch.nn.utils.get_total_norm(grads, foreach=True).float()
+                if grads
+                else torch.zeros((), device=self.device)
+            )
+        sq = (
+            (local**2 + sum(self.executor.partial_sq.values(), torch.zeros((), device=self.device)))
+            .reshape(1)
+            .to(self.device)
+        )
         self.executor.partial_sq.clear()  # chunks stepped early (executor.early_steps): their norms, kept before the step
         if self.layout.pp > 1:
             work = dist.all_reduce(sq, group=self.topo.pp_group, async_op=True)
@@ -191,7 +225,11 @@ class PipelineEngine:
         """Squared gradient norm of local chunk ``s`` (the head's tied copy left out, as in the global norm)."""
         head_copy = self.tied.get(self.layout.segments - 1) if self.split_tie else None
         grads = [p.grad for p in self.chunks[s].parameters() if p.grad is not None and p is not head_copy]
-        return torch.nn.utils.get_total_norm(grads, foreach=True).float() ** 2 if grads else torch.zeros((), device=self.device)
+        return (
+            torch.nn.utils.get_total_norm(grads, foreach=True).float() ** 2
+            if grads
+            else torch.zeros((), device=self.device)
+        )
 
     def _step_chunk(self, s: int) -> None:
         if self._step_ok:
@@ -236,7 +274,9 @@ class PipelineEngine:
     def _global_loss(self, loss_sum: torch.Tensor) -> float:
         """Mean over data-parallel ranks of the last pipeline stage's loss, on every rank (one all-reduce)."""
         contributes = self.topo.pp_rank == self.layout.pp - 1 and self.topo.tp_rank == 0
-        t = (loss_sum.detach().float() / self.layout.dp if contributes else torch.zeros((), device=self.device)).reshape(1)
+        t = (
+            loss_sum.detach().float() / self.layout.dp if contributes else torch.zeros((), device=self.device)
+        ).reshape(1)
         t = t.to(self.device)
         dist.all_reduce(t)
         return float(t[0])
@@ -280,8 +320,10 @@ class PipelineEngine:
     def write_profile(self, out: Path) -> dict:
         """Rank 0: write ``timeline.json`` and ``gantt.png`` of the kept steps and print the per-step table."""
         lay = self.layout
-        title = (f"{self.cfg.parallel.schedule} dp={lay.dp} pp={lay.pp} tp={lay.tp} V={lay.virtual} M={lay.microbatches} "
-                 f"dp_sync={self.cfg.parallel.dp_sync}" + (" defer_reduce" if self.cfg.fold.defer_reduce else ""))
+        title = (
+            f"{self.cfg.parallel.schedule} dp={lay.dp} pp={lay.pp} tp={lay.tp} V={lay.virtual} M={lay.microbatches} "
+            f"dp_sync={self.cfg.parallel.dp_sync}" + (" defer_reduce" if self.cfg.fold.defer_reduce else "")
+        )
         return self.profiler.write(out, title)
 
     def stats(self) -> dict[str, float]:

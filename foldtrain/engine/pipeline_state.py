@@ -23,12 +23,29 @@ def _is_dtensor(t) -> bool:
 
 
 class ChunkStates:
-    def __init__(self, full_params: list[tuple[str, int]], n_parts: int, chunks: dict, optimizers: dict, lr_schedulers: dict,
-                 schedule, precision, topo, split_tie: bool, executor):
+    def __init__(
+        self,
+        full_params: list[tuple[str, int]],
+        n_parts: int,
+        chunks: dict,
+        optimizers: dict,
+        lr_schedulers: dict,
+        schedule,
+        precision,
+        topo,
+        split_tie: bool,
+        executor,
+    ):
         """``full_params``: (name, ndim) of the full model's parameters in order, the tied weight once
         (taken before the pipeline split unties it)."""
         self.chunks, self.optimizers, self.lr_schedulers = chunks, optimizers, lr_schedulers
-        self.schedule, self.precision, self.topo, self.split_tie, self.executor = schedule, precision, topo, split_tie, executor
+        self.schedule, self.precision, self.topo, self.split_tie, self.executor = (
+            schedule,
+            precision,
+            topo,
+            split_tie,
+            executor,
+        )
         self.full_decay = [n for n, dim in full_params if dim >= 2]
         self.full_no_decay = [n for n, dim in full_params if dim < 2]
         self.emb_fqn = "parts.0.wte.weight"
@@ -67,7 +84,11 @@ class ChunkStates:
 
     def load_state_dict(self, sd: dict) -> int:
         """Load ``sd`` into the chunks, their optimizers and schedules; returns the iteration."""
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         self.executor.reset()
         for s, c in self.chunks.items():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -25,7 +25,9 @@ from foldtrain.parallel.tp_loss import tp_loss
 class ReplicatedEngine:
     """One rank's training step over a whole-model replica (implements :class:`foldtrain.engine.Engine`)."""
 
-    def __init__(self, model: nn.Module, cfg, device: torch.device, micro_batch: int, strategy: type[Strategy] = Strategy):
+    def __init__(
+        self, model: nn.Module, cfg, device: torch.device, micro_batch: int, strategy: type[Strategy] = Strategy
+    ):
         self.cfg = cfg
         self.device = device
         self.micro_batch = micro_batch
@@ -95,7 +97,9 @@ class ReplicatedEngine:
                 total += loss.detach()
             s.sync_grads()
             self.state.grads_to_masters()
-            finite = s.global_finite(scaler.unscale_and_check([p.grad for p in s.optimizer_params() if p.grad is not None]))
+            finite = s.global_finite(
+                scaler.unscale_and_check([p.grad for p in s.optimizer_params() if p.grad is not None])
+            )
             s.apply_update(finite)
             scaler.update(finite)
             s.zero_grad()

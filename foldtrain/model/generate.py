@@ -7,7 +7,15 @@ import torch.nn as nn
 
 
 @torch.no_grad()
-def sample(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, context: int, temperature: float = 0.8, top_k: int = 50, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(
+    model: nn.Module,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    context: int,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Extend ``idx`` (B, T) by ``max_new_tokens`` sampled tokens; the window is cropped to ``context``."""
     was_training = model.training
     model.eval()

@@ -28,7 +28,7 @@ class GPTShape:
     dropout: float = 0.0
 
     @classmethod
-    def from_config(cls, m) -> "GPTShape":
+    def from_config(cls, m) -> GPTShape:
         return cls(m.n_layer, m.n_head, m.d_model, m.context, m.vocab_size, m.dropout)
 
 

@@ -90,11 +90,15 @@ def normalize_hf_keys(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             continue
         out[k] = v
     if head is not None and "wte.weight" in out and not torch.equal(head, out["wte.weight"]):
-        raise ConfigError("the checkpoint's lm_head.weight differs from transformer.wte.weight (untied head); foldtrain's GPT ties them and cannot load it")
+        raise ConfigError(
+            "the checkpoint's lm_head.weight differs from transformer.wte.weight (untied head); foldtrain's GPT ties them and cannot load it"
+        )
     return out
 
 
-def hf_to_foldtrain(sd: dict[str, torch.Tensor], shape: dict[str, int], where: str = "checkpoint") -> dict[str, torch.Tensor]:
+def hf_to_foldtrain(
+    sd: dict[str, torch.Tensor], shape: dict[str, int], where: str = "checkpoint"
+) -> dict[str, torch.Tensor]:
     """A GPT-2 state dict (HF names, any of the hub's variants) as foldtrain ``GPT.state_dict()`` keys."""
     sd = normalize_hf_keys(sd)
     rows = name_map(shape["n_layer"])
@@ -103,7 +107,9 @@ def hf_to_foldtrain(sd: dict[str, torch.Tensor], shape: dict[str, int], where: s
     unexpected = sorted(set(sd) - expected)
     if missing or unexpected:
         what = f"lacks {', '.join(missing[:3])}" if missing else f"has unexpected tensors {', '.join(unexpected[:3])}"
-        raise ConfigError(f"{where} {what}{' ...' if len(missing or unexpected) > 3 else ''}; it does not match its config.json (a GPT-2 of {shape['n_layer']} layers)")
+        raise ConfigError(
+            f"{where} {what}{' ...' if len(missing or unexpected) > 3 else ''}; it does not match its config.json (a GPT-2 of {shape['n_layer']} layers)"
+        )
     d, v = shape["d_model"], shape["vocab_size"]
     out: dict[str, torch.Tensor] = {}
     for h, f, kind in rows:
@@ -117,7 +123,9 @@ def hf_to_foldtrain(sd: dict[str, torch.Tensor], shape: dict[str, int], where: s
         else:
             want = None
         if want is not None and tuple(t.shape) != want:
-            raise ConfigError(f"{where}: {h} has shape {tuple(t.shape)}, expected {want} from config.json; the weights and config.json disagree")
+            raise ConfigError(
+                f"{where}: {h} has shape {tuple(t.shape)}, expected {want} from config.json; the weights and config.json disagree"
+            )
         if kind == "qkv":
             out[f] = _qkv_to_foldtrain(t, shape["n_head"])
         elif kind == "conv1d":
@@ -160,9 +168,13 @@ def load_hf_state(weights: Path) -> dict[str, torch.Tensor]:
         sd = torch.load(weights, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 (safetensors, json and the unpickler raise assorted types)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"cannot read weights {weights} ({type(e).__name__}: {msg[:200]}); re-download the file") from None
+        raise ConfigError(
+            f"cannot read weights {weights} ({type(e).__name__}: {msg[:200]}); re-download the file"
+        ) from None
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise ConfigError(f"{weights} does not hold a flat dict of tensors; pass a GPT-2 pytorch_model.bin or model.safetensors")
+        raise ConfigError(
+            f"{weights} does not hold a flat dict of tensors; pass a GPT-2 pytorch_model.bin or model.safetensors"
+        )
     return sd
 
 
@@ -178,7 +190,9 @@ def load_into(model: nn.Module, src: InitSource) -> None:
         load_model(model, str(src.path), strict=True)
     except (RuntimeError, OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"cannot load {src.path} into the model ({first}); pass a model.safetensors written by foldtrain") from None
+        raise ConfigError(
+            f"cannot load {src.path} into the model ({first}); pass a model.safetensors written by foldtrain"
+        ) from None
 
 
 def maybe_init_from(cfg: Any, model: nn.Module) -> nn.Module:
@@ -189,11 +203,17 @@ def maybe_init_from(cfg: Any, model: nn.Module) -> nn.Module:
     src = locate(path)
     have = {k: getattr(model.shape, k) for k in SHAPE_KEYS}
     if have != src.shape:
-        raise ConfigError(f"--model.init_from {path} has shape {src.shape} but the model was built as {have}; leave the --model.* sizes to the checkpoint")
+        raise ConfigError(
+            f"--model.init_from {path} has shape {src.shape} but the model was built as {have}; leave the --model.* sizes to the checkpoint"
+        )
     with torch.no_grad():
         load_into(model, src)
     if os.environ.get("RANK", "0") == "0":
-        print(f"model: initial weights from {src.weights or src.path} ({'Hugging Face GPT-2' if src.kind == 'hf' else 'foldtrain'})", file=sys.stderr, flush=True)
+        print(
+            f"model: initial weights from {src.weights or src.path} ({'Hugging Face GPT-2' if src.kind == 'hf' else 'foldtrain'})",
+            file=sys.stderr,
+            flush=True,
+        )
     return model
 
 
@@ -235,11 +255,25 @@ def _write_tokenizer(tokenizer_json: Path, out: Path, context: int) -> None:
     shutil.copyfile(tokenizer_json, out / "tokenizer.json")
     tok = json.loads(tokenizer_json.read_text(encoding="utf-8"))
     special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
-    added = {str(a["id"]): {"content": a["content"], "lstrip": a.get("lstrip", False), "normalized": a.get("normalized", False),
-                            "rstrip": a.get("rstrip", False), "single_word": a.get("single_word", False), "special": a.get("special", True)}
-             for a in tok.get("added_tokens", [])}
-    config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": context, "add_prefix_space": False,
-              "clean_up_tokenization_spaces": False, "added_tokens_decoder": added, **special}
+    added = {
+        str(a["id"]): {
+            "content": a["content"],
+            "lstrip": a.get("lstrip", False),
+            "normalized": a.get("normalized", False),
+            "rstrip": a.get("rstrip", False),
+            "single_word": a.get("single_word", False),
+            "special": a.get("special", True),
+        }
+        for a in tok.get("added_tokens", [])
+    }
+    config = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "model_max_length": context,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "added_tokens_decoder": added,
+        **special,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
     model = tok.get("model", {})
@@ -252,7 +286,14 @@ def _write_tokenizer(tokenizer_json: Path, out: Path, context: int) -> None:
         (out / "merges.txt").write_text("#version: 0.2\n" + "".join(m + "\n" for m in merges), encoding="utf-8")
 
 
-def export_hf(state: dict[str, torch.Tensor], shape: dict[str, int], out_dir: str | Path, tokenizer_json: str | Path, eot_id: int, dropout: float = 0.0) -> Path:
+def export_hf(
+    state: dict[str, torch.Tensor],
+    shape: dict[str, int],
+    out_dir: str | Path,
+    tokenizer_json: str | Path,
+    eot_id: int,
+    dropout: float = 0.0,
+) -> Path:
     """Write ``config.json``, ``model.safetensors`` and the tokenizer files of a Hugging Face GPT-2 directory."""
     from safetensors.torch import save_file
 

@@ -45,7 +45,9 @@ def safetensors_metadata(path: Path) -> dict[str, str]:
                 raise ValueError("header too large")
             header = json.loads(fh.read(n))
     except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not a readable safetensors file ({e}); pass a model.safetensors written by foldtrain or Hugging Face") from None
+        raise ConfigError(
+            f"{path} is not a readable safetensors file ({e}); pass a model.safetensors written by foldtrain or Hugging Face"
+        ) from None
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     return meta if isinstance(meta, dict) else {}
 
@@ -78,7 +80,12 @@ def shape_from_hf_config(hf: dict[str, Any], where: Path) -> dict[str, int]:
     eps = float(hf.get("layer_norm_epsilon", 1e-5))
     if abs(eps - 1e-5) > 1e-12:
         raise bad(f"layer_norm_epsilon {eps} is not 1e-05")
-    for flag, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False), ("tie_word_embeddings", True)):
+    for flag, want in (
+        ("scale_attn_weights", True),
+        ("scale_attn_by_inverse_layer_idx", False),
+        ("add_cross_attention", False),
+        ("tie_word_embeddings", True),
+    ):
         if bool(hf.get(flag, want)) != want:
             raise bad(f"{flag} is {hf.get(flag)!r}, foldtrain's GPT needs {want}")
     return shape
@@ -88,7 +95,9 @@ def _hf_weights(d: Path) -> Path:
     for name in HF_WEIGHT_FILES:
         if (d / name).is_file():
             return d / name
-    raise ConfigError(f"--model.init_from {d} has config.json but no weights ({', '.join(HF_WEIGHT_FILES)}); download the model's weight file into it")
+    raise ConfigError(
+        f"--model.init_from {d} has config.json but no weights ({', '.join(HF_WEIGHT_FILES)}); download the model's weight file into it"
+    )
 
 
 def _foldtrain_shape(f: Path) -> dict[str, int]:
@@ -102,14 +111,18 @@ def _foldtrain_shape(f: Path) -> dict[str, int]:
         raw = json.loads(meta["foldtrain_shape"])
         return {k: int(raw[k]) for k in SHAPE_KEYS}
     except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"--model.init_from {f}: its foldtrain_shape metadata lacks or garbles {e}; re-export the model") from None
+        raise ConfigError(
+            f"--model.init_from {f}: its foldtrain_shape metadata lacks or garbles {e}; re-export the model"
+        ) from None
 
 
 def locate(path: str) -> InitSource:
     """What ``--model.init_from PATH`` names, with its model shape; one-line errors otherwise."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise ConfigError(f"--model.init_from {p} does not exist; pass a Hugging Face GPT-2 directory (config.json + weights) or a foldtrain model.safetensors")
+        raise ConfigError(
+            f"--model.init_from {p} does not exist; pass a Hugging Face GPT-2 directory (config.json + weights) or a foldtrain model.safetensors"
+        )
     if p.is_dir() and (p / "config.json").is_file():
         try:
             hf = json.loads((p / "config.json").read_text(encoding="utf-8"))
@@ -118,7 +131,9 @@ def locate(path: str) -> InitSource:
         if not isinstance(hf, dict):
             raise ConfigError(f"{p / 'config.json'} is not a JSON object; re-download it")
         tok = p / "tokenizer.json"
-        return InitSource("hf", p, shape_from_hf_config(hf, p / "config.json"), _hf_weights(p), tok if tok.is_file() else None)
+        return InitSource(
+            "hf", p, shape_from_hf_config(hf, p / "config.json"), _hf_weights(p), tok if tok.is_file() else None
+        )
     if p.is_dir():
         if not (p / "model.safetensors").is_file():
             raise ConfigError(
@@ -144,11 +159,17 @@ def resolve_init_from(model_cfg: Any, presets: dict[str, dict[str, int]], defaul
     for k in SHAPE_KEYS:
         given = getattr(model_cfg, k)
         if given and given != shape[k]:
-            raise ConfigError(f"--model.{k} {given} conflicts with --model.init_from {model_cfg.init_from} ({k} {shape[k]}); drop --model.{k}")
+            raise ConfigError(
+                f"--model.{k} {given} conflicts with --model.init_from {model_cfg.init_from} ({k} {shape[k]}); drop --model.{k}"
+            )
     preset = model_cfg.preset
     if preset != default_preset and preset in presets and presets[preset] != shape:
-        diff = ", ".join(f"{k} {presets[preset][k]} vs {shape[k]}" for k in SHAPE_KEYS if presets[preset][k] != shape[k])
-        raise ConfigError(f"--model.preset {preset} conflicts with --model.init_from {model_cfg.init_from} ({diff}); drop --model.preset")
+        diff = ", ".join(
+            f"{k} {presets[preset][k]} vs {shape[k]}" for k in SHAPE_KEYS if presets[preset][k] != shape[k]
+        )
+        raise ConfigError(
+            f"--model.preset {preset} conflicts with --model.init_from {model_cfg.init_from} ({diff}); drop --model.preset"
+        )
     for k in SHAPE_KEYS:
         setattr(model_cfg, k, shape[k])
     if preset in presets:

@@ -60,8 +60,17 @@ LOCK_DIR = Path("/run/foldtrain-netns")
 NETNS_ETC = Path("/etc/netns")  # per-namespace files `ip netns exec` mounts over /etc
 NETCHECK = Path(__file__).with_name("netcheck.py")
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,9}$")
-_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-          "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}  # tc's units: "bps" means bytes per second
+_UNITS = {
+    "bit": 1,
+    "kbit": 1e3,
+    "mbit": 1e6,
+    "gbit": 1e9,
+    "tbit": 1e12,
+    "bps": 8,
+    "kbps": 8e3,
+    "mbps": 8e6,
+    "gbps": 8e9,
+}  # tc's units: "bps" means bytes per second
 
 
 def parse_rate(rate: str) -> int:
@@ -140,7 +149,9 @@ class EmulatedCluster:
         if not 1 <= self.n_nodes <= 200:
             raise FoldtrainError(f"an emulated cluster has 1 to 200 nodes, got {self.n_nodes}")
         if not _PREFIX_RE.match(self.name_prefix):
-            raise FoldtrainError(f"name_prefix '{self.name_prefix}' must be 1-10 lowercase letters/digits starting with a letter")
+            raise FoldtrainError(
+                f"name_prefix '{self.name_prefix}' must be 1-10 lowercase letters/digits starting with a letter"
+            )
         if self.delay_ms < 0:
             raise FoldtrainError(f"delay_ms must be >= 0, got {self.delay_ms}")
         self.rate_bits = parse_rate(self.rate)
@@ -169,7 +180,7 @@ class EmulatedCluster:
         return self.addr(0)
 
     # ------------------------------------------------------------ lifecycle
-    def __enter__(self) -> "EmulatedCluster":
+    def __enter__(self) -> EmulatedCluster:
         check_prerequisites()
         self._lock()
         self._install_handlers()
@@ -195,8 +206,10 @@ class EmulatedCluster:
         except BlockingIOError:
             owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise FoldtrainError(f"an emulated cluster with prefix '{self.name_prefix}' is in use by process {owner}; "
-                                 "wait for it or pass another prefix") from None
+            raise FoldtrainError(
+                f"an emulated cluster with prefix '{self.name_prefix}' is in use by process {owner}; "
+                "wait for it or pass another prefix"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
@@ -228,8 +241,10 @@ class EmulatedCluster:
         rate = f"{self.rate_bits}bit"
         tbf = ["tbf", "rate", rate, "burst", str(tbf_burst_bytes(self.rate_bits)), "latency", "50ms"]
         if with_delay and self.delay_ms > 0:
-            return [["tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{self.delay_ms}ms"],
-                    ["tc", "qdisc", "replace", "dev", dev, "parent", "1:1", "handle", "10:", *tbf]]
+            return [
+                ["tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{self.delay_ms}ms"],
+                ["tc", "qdisc", "replace", "dev", dev, "parent", "1:1", "handle", "10:", *tbf],
+            ]
         return [["tc", "qdisc", "replace", "dev", dev, "root", *tbf]]
 
     def _build(self) -> None:
@@ -252,7 +267,9 @@ class EmulatedCluster:
                 p = _run(["ip", "netns", "exec", ns, *argv], check=False)
                 if p.returncode != 0:
                     if "netem" in argv:
-                        raise FoldtrainError("netem (sch_netem) is not available in this kernel; run with delay 0 (--delay_ms 0)")
+                        raise FoldtrainError(
+                            "netem (sch_netem) is not available in this kernel; run with delay 0 (--delay_ms 0)"
+                        )
                     raise FoldtrainError(f"tc could not shape {v} in {ns}: {(p.stderr or p.stdout).strip()}")
             for argv in self._tc_args(h, with_delay=False):
                 _run(argv)
@@ -312,9 +329,15 @@ class EmulatedCluster:
 
         For NCCL, ``NCCL_HOSTID`` makes each node a host of its own (so ranks of different nodes
         talk over the sockets of the shaped links, not shared memory or P2P) and InfiniBand is off."""
-        return {"GLOO_SOCKET_IFNAME": self.ifname(k), "NCCL_SOCKET_IFNAME": self.ifname(k), "NCCL_HOSTID": self.ns(k),
-                "NCCL_IB_DISABLE": "1", "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
-                "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+        return {
+            "GLOO_SOCKET_IFNAME": self.ifname(k),
+            "NCCL_SOCKET_IFNAME": self.ifname(k),
+            "NCCL_HOSTID": self.ns(k),
+            "NCCL_IB_DISABLE": "1",
+            "OMP_NUM_THREADS": str(threads),
+            "PYTHONUNBUFFERED": "1",
+            "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+        }
 
     def popen(self, k: int, argv: list[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
         """Start ``argv`` in node ``k`` (own session); it is stopped at teardown if still running."""
@@ -327,9 +350,20 @@ class EmulatedCluster:
         base = Path("/sys/class/net") / self.host_ifname(k) / "statistics"
         return int((base / "rx_bytes").read_text()), int((base / "tx_bytes").read_text())
 
-    def run_torchrun(self, script_args: list[str], nproc_per_node: int = 1, nnodes: int | None = None, port: int | None = None,
-                     env: dict[str, str] | None = None, threads: int = 1, timeout_s: float = 600.0, log_dir: str | Path | None = None,
-                     python: str = sys.executable, on_poll=None, gpus: int = 0) -> JobResult:
+    def run_torchrun(
+        self,
+        script_args: list[str],
+        nproc_per_node: int = 1,
+        nnodes: int | None = None,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        threads: int = 1,
+        timeout_s: float = 600.0,
+        log_dir: str | Path | None = None,
+        python: str = sys.executable,
+        on_poll=None,
+        gpus: int = 0,
+    ) -> JobResult:
         """Run one torchrun per node (``--nnodes N --node_rank k --master_addr <node 0>``) and wait for all.
 
         ``script_args`` is what follows torchrun's options, e.g. ``["-m", "foldtrain", "train", ...]``
@@ -348,12 +382,27 @@ class EmulatedCluster:
         t0 = time.monotonic()
         try:
             for k in range(n):
-                argv = [python, "-m", "torch.distributed.run", "--nnodes", str(n), "--node_rank", str(k),
-                        "--nproc_per_node", str(nproc_per_node), "--master_addr", self.master_addr, "--master_port", str(port),
-                        *script_args]
+                argv = [
+                    python,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    str(n),
+                    "--node_rank",
+                    str(k),
+                    "--nproc_per_node",
+                    str(nproc_per_node),
+                    "--master_addr",
+                    self.master_addr,
+                    "--master_port",
+                    str(port),
+                    *script_args,
+                ]
                 e = {**self.node_env(k, threads), **(env or {})}
                 if gpus > 0:
-                    e["CUDA_VISIBLE_DEVICES"] = ",".join(str((k * nproc_per_node + i) % gpus) for i in range(nproc_per_node))
+                    e["CUDA_VISIBLE_DEVICES"] = ",".join(
+                        str((k * nproc_per_node + i) % gpus) for i in range(nproc_per_node)
+                    )
                 log = log_dir / f"node{k}.log"
                 f = open(log, "w")
                 files.append(f)
@@ -381,23 +430,42 @@ class EmulatedCluster:
         """
         if nbytes is None:
             nbytes = int(min(64 << 20, max(1 << 20, self.rate_bits / 8 * 0.5)))
-        res = self._pair(src, dst, ["recv", "--max-s", str(max_s)], ["send", "--bytes", str(nbytes), "--max-s", str(max_s)], max_s + 15)
+        res = self._pair(
+            src,
+            dst,
+            ["recv", "--max-s", str(max_s)],
+            ["send", "--bytes", str(nbytes), "--max-s", str(max_s)],
+            max_s + 15,
+        )
         return res["bytes"] / max(res["seconds"], 1e-9)
 
     def _pair(self, src: int, dst: int, server_args: list[str], client_args: list[str], timeout_s: float) -> dict:
         port = 40000 + (os.getpid() % 20000)
         py = [sys.executable, str(NETCHECK)]
-        server = self.popen(dst, [*py, *server_args, "--host", self.addr(dst), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        server = self.popen(
+            dst,
+            [*py, *server_args, "--host", self.addr(dst), "--port", str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             line = _readline(server, timeout_s)
             if line.strip() != "ready":
-                raise FoldtrainError(f"network self-check: the server in {self.ns(dst)} did not start ({line.strip() or server.stderr.read().strip()})")
-            client = subprocess.run(self.node_cmd(src, [*py, *client_args, "--host", self.addr(dst), "--port", str(port)]),
-                                    capture_output=True, text=True, timeout=timeout_s)
+                raise FoldtrainError(
+                    f"network self-check: the server in {self.ns(dst)} did not start ({line.strip() or server.stderr.read().strip()})"
+                )
+            client = subprocess.run(
+                self.node_cmd(src, [*py, *client_args, "--host", self.addr(dst), "--port", str(port)]),
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
             if client.returncode != 0:
-                raise FoldtrainError(f"network self-check: {self.ns(src)} could not reach {self.addr(dst)}: "
-                                     f"{(client.stderr or client.stdout).strip().splitlines()[-1:]}")
+                raise FoldtrainError(
+                    f"network self-check: {self.ns(src)} could not reach {self.addr(dst)}: "
+                    f"{(client.stderr or client.stdout).strip().splitlines()[-1:]}"
+                )
             out, err = server.communicate(timeout=timeout_s)
             result = json.loads(client.stdout.strip().splitlines()[-1])
             if out.strip():
@@ -435,7 +503,6 @@ def _free_port_hint() -> int:
     import random
 
     return random.randint(20000, 39999)
-
 
 
 def list_prefix(prefix: str) -> tuple[list[str], list[str]]:

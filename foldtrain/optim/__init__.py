@@ -6,4 +6,13 @@ from foldtrain.optim.lr import WarmupCosine, restore_lr
 from foldtrain.optim.precision import LossScaler, Precision
 from foldtrain.optim.state import TrainState
 
-__all__ = ["LossScaler", "Precision", "TrainState", "WarmupCosine", "adamw_state", "build_optimizer", "load_adamw_state", "restore_lr"]
+__all__ = [
+    "LossScaler",
+    "Precision",
+    "TrainState",
+    "WarmupCosine",
+    "adamw_state",
+    "build_optimizer",
+    "load_adamw_state",
+    "restore_lr",
+]

@@ -17,10 +17,16 @@ def build_optimizer(params_named: list[tuple[str, nn.Parameter]], optim_cfg) -> 
     """
     decay = [p for _, p in params_named if p.dim() >= 2]
     no_decay = [p for _, p in params_named if p.dim() < 2]
-    groups = [g for g in ({"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    groups = [
+        g
+        for g in ({"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
     plain = all(type(p) in (torch.Tensor, nn.Parameter) and p.device.type in ("cpu", "cuda") for _, p in params_named)
     kind = {"fused": True} if plain else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps, **kind)
+    return torch.optim.AdamW(
+        groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps, **kind
+    )
 
 
 def adamw_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
@@ -29,7 +35,11 @@ def adamw_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
     state = optimizer.state[p]
     if not state:
         step_device = p.device if optimizer.defaults.get("fused") else "cpu"  # where AdamW itself keeps it
-        state.update(step=torch.zeros((), dtype=torch.float32, device=step_device), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        state.update(
+            step=torch.zeros((), dtype=torch.float32, device=step_device),
+            exp_avg=torch.zeros_like(p),
+            exp_avg_sq=torch.zeros_like(p),
+        )
     return state
 
 

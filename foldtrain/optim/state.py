@@ -92,7 +92,10 @@ class TrainState:
         self.masters_to_model()
 
     def schedule_state(self) -> dict:
-        return {"lr_scheduler": {"last_epoch": self.lr_scheduler.last_epoch}, "scaler": self.precision.scaler.state_dict()}
+        return {
+            "lr_scheduler": {"last_epoch": self.lr_scheduler.last_epoch},
+            "scaler": self.precision.scaler.state_dict(),
+        }
 
     def load_schedule_state(self, sd: dict) -> None:
         restore_lr(self.optimizer, self.lr_scheduler, self.schedule, int(sd["lr_scheduler"]["last_epoch"]))

@@ -57,11 +57,19 @@ rank's heads, which is harmless).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from foldtrain.schedules.layout import check_tp
 
-__all__ = ["apply_tensor_parallel", "check_tp", "tp_loss", "grad_norm", "clip_grad_norm_", "grads_finite", "is_tensor_parallel"]
+__all__ = [
+    "apply_tensor_parallel",
+    "check_tp",
+    "tp_loss",
+    "grad_norm",
+    "clip_grad_norm_",
+    "grads_finite",
+    "is_tensor_parallel",
+]
 
 
 # --------------------------------------------------------------------------- validation (torch-free)
@@ -78,8 +86,10 @@ def _replicate(module, mesh) -> None:
     from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
     def to_dtensor(mod, inputs, device_mesh):
-        return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) if not isinstance(x, DTensor) else x
-                     for x in inputs)
+        return tuple(
+            DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) if not isinstance(x, DTensor) else x
+            for x in inputs
+        )
 
     def to_local(mod, outputs, device_mesh):
         return outputs.to_local() if isinstance(outputs, DTensor) else outputs
@@ -101,8 +111,8 @@ def apply_tensor_parallel(module, tp_mesh):
     chunk). Call it on every rank of the TP group with identically initialised weights (the shards
     are cut from rank 0's copy). With a mesh of size 1 the module is returned unchanged.
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from foldtrain.model.gpt import Block, Embedding, Head
 
@@ -133,12 +143,16 @@ def apply_tensor_parallel(module, tp_mesh):
         parallelize_module(e, tp_mesh, {"wte": RowwiseParallel(input_layouts=Replicate())})
         _replicate(e.wpe, tp_mesh)
     for b in blocks:
-        parallelize_module(b, tp_mesh, {
-            "attn.qkv": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(),
-            "mlp.fc": ColwiseParallel(),
-            "mlp.proj": RowwiseParallel(),
-        })
+        parallelize_module(
+            b,
+            tp_mesh,
+            {
+                "attn.qkv": ColwiseParallel(),
+                "attn.proj": RowwiseParallel(),
+                "mlp.fc": ColwiseParallel(),
+                "mlp.proj": RowwiseParallel(),
+            },
+        )
         _replicate(b.ln1, tp_mesh)
         _replicate(b.ln2, tp_mesh)
     for h in heads:

@@ -55,8 +55,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group,
-                                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    local_logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
     """Mean CE from a vocab slice ``local_logits`` (..., V_local) of the full logits; ``targets`` hold global ids."""
     # float32 at least, as lm_loss does (float64 logits stay float64)
     flat = local_logits.to(torch.promote_types(local_logits.dtype, torch.float32)).reshape(-1, local_logits.shape[-1])

@@ -23,8 +23,8 @@ from .analysis import (
     summarize,
 )
 from .export import TRACE_ROWS, chrome_trace, load_events, plot_gantt, save_events, write_chrome_trace
-from .timeline import KINDS, NULL_SPAN, Timeline, gather_timelines, shifted_events
 from .recorder import StepProfiler
+from .timeline import KINDS, NULL_SPAN, Timeline, gather_timelines, shifted_events
 
 __all__ = [
     "KINDS",

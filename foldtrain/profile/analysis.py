@@ -23,8 +23,8 @@ step ``s`` when its ``step`` field is ``s`` (or, with no step information, alway
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 Interval = tuple[float, float]
 
@@ -133,7 +133,9 @@ def idle_intervals(events_by_rank: Any) -> list[Interval]:
     has_steps = bool(wins) and wins[0][0] is not None
     out: list[Interval] = []
     for step, lo, hi in wins:
-        busy = merge_intervals(iv for evs in ranks for iv in _kind_intervals(_step_events(evs, step, has_steps), "compute", lo, hi))
+        busy = merge_intervals(
+            iv for evs in ranks for iv in _kind_intervals(_step_events(evs, step, has_steps), "compute", lo, hi)
+        )
         out += complement(busy, lo, hi)
     return out
 
@@ -215,10 +217,14 @@ def summarize(events_by_rank: Any, skip_first: bool = True) -> list[dict[str, An
 def format_summary(summaries: list[dict[str, Any]], unit: str = "ms") -> str:
     """A small text table of :func:`summarize`'s output."""
     scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
-    lines = [f"{'step':>6} {'time/' + unit:>10} {'all-idle':>9} {'bubble(mean)':>13} {'bubble(max)':>12} {'dp-wait(max)/' + unit:>16}"]
+    lines = [
+        f"{'step':>6} {'time/' + unit:>10} {'all-idle':>9} {'bubble(mean)':>13} {'bubble(max)':>12} {'dp-wait(max)/' + unit:>16}"
+    ]
     for s in summaries:
         if "duration" not in s:
             continue
-        lines.append(f"{str(s['step']):>6} {s['duration'] * scale:>10.3f} {s['all_idle']:>9.1%} {s['bubble_mean']:>13.1%} "
-                     f"{s['bubble_max']:>12.1%} {s['reduce_wait_max'] * scale:>16.3f}")
+        lines.append(
+            f"{str(s['step']):>6} {s['duration'] * scale:>10.3f} {s['all_idle']:>9.1%} {s['bubble_mean']:>13.1%} "
+            f"{s['bubble_max']:>12.1%} {s['reduce_wait_max'] * scale:>16.3f}"
+        )
     return "\n".join(lines)

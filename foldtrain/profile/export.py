@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from .analysis import as_rank_lists, idle_intervals, step_windows, summarize
 
@@ -61,8 +62,14 @@ def chrome_trace(events_by_rank: Any, steps: Iterable[Any] | None = None) -> dic
             args = dict(ev.get("args") or {})
             if ev.get("step") is not None:
                 args.setdefault("step", ev["step"])
-            rec = {"name": ev["name"], "cat": ev["kind"], "pid": r, "tid": tid,
-                   "ts": (ev["start"] - t0) * 1e6, "args": args}
+            rec = {
+                "name": ev["name"],
+                "cat": ev["kind"],
+                "pid": r,
+                "tid": tid,
+                "ts": (ev["start"] - t0) * 1e6,
+                "args": args,
+            }
             if _is_instant(ev):
                 rec.update(ph="i", s="t")
             else:
@@ -85,9 +92,9 @@ def write_chrome_trace(path: str | os.PathLike, events_by_rank: Any, steps: Iter
 # --------------------------------------------------------------------------- Gantt chart
 
 _COLORS = {
-    "F": "#4C72B0",          # forward
-    "B": "#DD8452",          # backward
-    "fused": "#8172B3",      # other compute, e.g. fused head + loss
+    "F": "#4C72B0",  # forward
+    "B": "#DD8452",  # backward
+    "fused": "#8172B3",  # other compute, e.g. fused head + loss
     "recv_wait": "#D9D9D9",
     "send": "#A0A0A0",
     "reduce_wait": "#F4C7C3",
@@ -116,7 +123,9 @@ def _reduce_bars(evs: list[dict]) -> list[tuple[float, float, Any]]:
     if bars:
         return bars
     pending: dict[Any, list[float]] = {}
-    for ev in sorted((e for e in evs if e["kind"] in ("reduce_launch", "reduce_wait")), key=lambda e: (e["start"], e["end"])):
+    for ev in sorted(
+        (e for e in evs if e["kind"] in ("reduce_launch", "reduce_wait")), key=lambda e: (e["start"], e["end"])
+    ):
         c = (ev.get("args") or {}).get("chunk")
         if ev["kind"] == "reduce_launch":
             pending.setdefault(c, []).append(ev["start"])
@@ -171,7 +180,7 @@ def plot_gantt(
     char_px = 7 * dpi / 72 * 0.6  # ~ width of one 7 pt character
 
     main_h, main_y = 0.58, -0.40  # main band: [r + main_y, r + main_y + main_h]
-    thin_h, thin_y = 0.16, 0.23   # DP reductions: [r + thin_y, r + thin_y + thin_h]
+    thin_h, thin_y = 0.16, 0.23  # DP reductions: [r + thin_y, r + thin_y + thin_h]
     present: set[str] = set()
     n_labels = 0
     max_labels = 3000
@@ -192,8 +201,17 @@ def plot_gantt(
                     w_px = (ev["end"] - ev["start"]) * 1e3 * px_per_ms
                     for label in (f"c{a['chunk']} m{a['mb']}", f"c{a['chunk']}m{a['mb']}"):
                         if w_px >= len(label) * char_px + 3:
-                            ax.text((x(ev["start"]) + x(ev["end"])) / 2, r + main_y + main_h / 2, label, ha="center",
-                                    va="center", fontsize=7, color="white", clip_on=True, zorder=4)
+                            ax.text(
+                                (x(ev["start"]) + x(ev["end"])) / 2,
+                                r + main_y + main_h / 2,
+                                label,
+                                ha="center",
+                                va="center",
+                                fontsize=7,
+                                color="white",
+                                clip_on=True,
+                                zorder=4,
+                            )
                             n_labels += 1
                             break
         for key, bars in groups.items():
@@ -211,17 +229,34 @@ def plot_gantt(
         if red:
             present.add("reduce")
             cols = _COLORS["reduce"]
-            ax.broken_barh([(x(s), max(x(e) - x(s), 1e-9)) for s, e, _ in red], (r + thin_y, thin_h),
-                           facecolors=[cols[i % 2] for i in range(len(red))], edgecolor="#2F6B3C", linewidth=0.4, zorder=3)
+            ax.broken_barh(
+                [(x(s), max(x(e) - x(s), 1e-9)) for s, e, _ in red],
+                (r + thin_y, thin_h),
+                facecolors=[cols[i % 2] for i in range(len(red))],
+                edgecolor="#2F6B3C",
+                linewidth=0.4,
+                zorder=3,
+            )
             for s, e, c in red:
                 label = f"c{c}"
                 if c is not None and (e - s) * 1e3 * px_per_ms >= len(label) * char_px * 0.85 + 2:
-                    ax.text((x(s) + x(e)) / 2, r + thin_y + thin_h / 2, label, ha="center", va="center", fontsize=6,
-                            color="#143D1E", clip_on=True, zorder=4)
+                    ax.text(
+                        (x(s) + x(e)) / 2,
+                        r + thin_y + thin_h / 2,
+                        label,
+                        ha="center",
+                        va="center",
+                        fontsize=6,
+                        color="#143D1E",
+                        clip_on=True,
+                        zorder=4,
+                    )
         launches = [x(ev["start"]) for ev in evs if ev["kind"] == "reduce_launch"]
         if launches:
             present.add("reduce_launch")
-            ax.vlines(launches, r + thin_y - 0.03, r + thin_y + thin_h + 0.03, colors="#2F6B3C", linewidth=0.9, zorder=4)
+            ax.vlines(
+                launches, r + thin_y - 0.03, r + thin_y + thin_h + 0.03, colors="#2F6B3C", linewidth=0.9, zorder=4
+            )
 
     for s, e in idle_intervals(ranks):
         present.add("idle")
@@ -250,9 +285,11 @@ def plot_gantt(
         if summ:
             m = summ[-1]
             note = "" if len(summ) <= 2 else f" (mean of steps {', '.join(map(str, m['steps']))})"
-            line = (f"step {m['duration'] * 1e3:.3g} ms · all-rank idle {m['all_idle']:.1%} · "
-                    f"bubble mean {m['bubble_mean']:.1%} · exposed DP wait (max over ranks) "
-                    f"{m['reduce_wait_max'] * 1e3:.3g} ms{note}")
+            line = (
+                f"step {m['duration'] * 1e3:.3g} ms · all-rank idle {m['all_idle']:.1%} · "
+                f"bubble mean {m['bubble_mean']:.1%} · exposed DP wait (max over ranks) "
+                f"{m['reduce_wait_max'] * 1e3:.3g} ms{note}"
+            )
             heading = f"{title}\n{line}" if title else line
     if heading:
         ax.set_title(heading, fontsize=10, loc="left")
@@ -263,7 +300,10 @@ def plot_gantt(
         "fused": ("other compute (fused head)", dict(facecolor=_COLORS["fused"])),
         "recv_wait": ("recv wait", dict(facecolor=_COLORS["recv_wait"], hatch="////", edgecolor="#8C8C8C")),
         "send": ("send", dict(facecolor=_COLORS["send"])),
-        "reduce_wait": ("DP reduce wait (blocked)", dict(facecolor=_COLORS["reduce_wait"], hatch="xxx", edgecolor="#C44E52")),
+        "reduce_wait": (
+            "DP reduce wait (blocked)",
+            dict(facecolor=_COLORS["reduce_wait"], hatch="xxx", edgecolor="#C44E52"),
+        ),
         "reduce": ("DP reduction in flight", dict(facecolor=_COLORS["reduce"][0], edgecolor="#2F6B3C")),
         "optim": ("optimizer step", dict(facecolor=_COLORS["optim"])),
         "other": ("other", dict(facecolor=_COLORS["other"])),
@@ -271,8 +311,14 @@ def plot_gantt(
     }
     handles = [Patch(label=lab, **kw) for key, (lab, kw) in labels.items() if key in present]
     if handles:
-        fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.02), ncol=min(len(handles), 7),
-                   fontsize=8, frameon=False)
+        fig.legend(
+            handles=handles,
+            loc="lower center",
+            bbox_to_anchor=(0.5, 0.02),
+            ncol=min(len(handles), 7),
+            fontsize=8,
+            frameon=False,
+        )
     path = os.fspath(path)
     d = os.path.dirname(path)
     if d:
@@ -311,7 +357,9 @@ def load_events(*paths: str | os.PathLike) -> list[list[dict[str, Any]]]:
         elif isinstance(d, dict) and "events" in d:
             flat += [dict(ev, rank=d["rank"]) for ev in d["events"]]
         elif isinstance(d, dict):
-            raise ValueError(f"{p}: not an events file (want save_events or Timeline.to_json output, e.g. not a Chrome trace)")
+            raise ValueError(
+                f"{p}: not an events file (want save_events or Timeline.to_json output, e.g. not a Chrome trace)"
+            )
         else:  # a bare list of per-rank lists, or of events
             flat += [dict(ev, rank=r) for r, evs in enumerate(as_rank_lists(d)) for ev in evs]
     return as_rank_lists(flat)

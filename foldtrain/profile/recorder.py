@@ -38,7 +38,9 @@ class StepProfiler:
                 "all_rank_idle_fraction": s["all_idle"],
                 "exposed_dp_comm_s": s["reduce_wait_max"],
                 "profiled_step_s": s["duration"],  # the step window over all ranks
-                "busy_max_s": max((c + o for c, o in zip(s["compute"], s["optim"])), default=0.0),  # compute + optimizer, busiest rank
+                "busy_max_s": max(
+                    (c + o for c, o in zip(s["compute"], s["optim"])), default=0.0
+                ),  # compute + optimizer, busiest rank
             }
 
     def events(self) -> list[list[dict]]:
@@ -56,5 +58,7 @@ class StepProfiler:
         write_chrome_trace(out / "timeline.json", events)
         plot_gantt(out / "gantt.png", events, title)
         summaries = summarize(events)
-        print(f"pipeline profile ({title}); timeline.json and gantt.png in {out}\n{format_summary(summaries)}", flush=True)
+        print(
+            f"pipeline profile ({title}); timeline.json and gantt.png in {out}\n{format_summary(summaries)}", flush=True
+        )
         return summaries[-1] if summaries else {}

@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 KINDS = ("compute", "recv_wait", "send", "reduce_launch", "reduce_wait", "reduce", "optim", "other", "step")
 _KIND_SET = frozenset(KINDS)
@@ -71,13 +72,13 @@ NULL_SPAN = _NullSpan()
 class _Span:
     __slots__ = ("_tl", "_name", "_kind", "_args", "_start", "_step")
 
-    def __init__(self, tl: "Timeline", name: str, kind: str, args: dict) -> None:
+    def __init__(self, tl: Timeline, name: str, kind: str, args: dict) -> None:
         self._tl = tl
         self._name = name
         self._kind = kind
         self._args = args
 
-    def __enter__(self) -> "_Span":
+    def __enter__(self) -> _Span:
         self._step = self._tl.step
         self._start = self._tl.clock()
         return self
@@ -86,10 +87,17 @@ class _Span:
         tl = self._tl
         end = tl.clock()
         off = tl.offset
-        tl.events.append({
-            "name": self._name, "kind": self._kind, "rank": tl.rank,
-            "start": self._start + off, "end": end + off, "step": self._step, "args": self._args,
-        })
+        tl.events.append(
+            {
+                "name": self._name,
+                "kind": self._kind,
+                "rank": tl.rank,
+                "start": self._start + off,
+                "end": end + off,
+                "step": self._step,
+                "args": self._args,
+            }
+        )
         return False
 
 
@@ -131,8 +139,17 @@ class Timeline:
         if end < start:
             raise ValueError(f"event {name!r} ends ({end}) before it starts ({start})")
         off = self.offset
-        self.events.append({"name": name, "kind": kind, "rank": self.rank, "start": start + off,
-                            "end": end + off, "step": self.step, "args": args})
+        self.events.append(
+            {
+                "name": name,
+                "kind": kind,
+                "rank": self.rank,
+                "start": start + off,
+                "end": end + off,
+                "step": self.step,
+                "args": args,
+            }
+        )
 
     def instant(self, name: str, kind: str = "other", **args: Any) -> None:
         """A zero-length event now (``args["instant"] = True``)."""
@@ -141,8 +158,9 @@ class Timeline:
         _check_kind(kind)
         t = self.clock() + self.offset
         args["instant"] = True
-        self.events.append({"name": name, "kind": kind, "rank": self.rank, "start": t, "end": t,
-                            "step": self.step, "args": args})
+        self.events.append(
+            {"name": name, "kind": kind, "rank": self.rank, "start": t, "end": t, "step": self.step, "args": args}
+        )
 
     def begin_step(self, step: int) -> None:
         """Open iteration ``step``: events recorded until :meth:`end_step` carry ``step``."""
@@ -160,8 +178,17 @@ class Timeline:
             step = self.step
         start = self._step_start if self._step_start is not None else end
         off = self.offset
-        self.events.append({"name": f"step {step}", "kind": "step", "rank": self.rank, "start": start + off,
-                            "end": end + off, "step": step, "args": {}})
+        self.events.append(
+            {
+                "name": f"step {step}",
+                "kind": "step",
+                "rank": self.rank,
+                "start": start + off,
+                "end": end + off,
+                "step": step,
+                "args": {},
+            }
+        )
         self.step = None
         self._step_start = None
 
@@ -207,7 +234,7 @@ class Timeline:
         return json.dumps(self.to_dict(), **kwargs)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Timeline":
+    def from_dict(cls, d: dict[str, Any]) -> Timeline:
         tl = cls(d["rank"], enabled=True)
         tl.offset = float(d.get("offset", 0.0))
         tl.wall_base = float(d.get("wall_base", tl.wall_base))
@@ -215,7 +242,7 @@ class Timeline:
         return tl
 
     @classmethod
-    def from_json(cls, s: str) -> "Timeline":
+    def from_json(cls, s: str) -> Timeline:
         return cls.from_dict(json.loads(s))
 
     def __len__(self) -> int:

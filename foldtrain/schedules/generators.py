@@ -187,9 +187,13 @@ def insert_reductions(actions: list[Action], dp_sync: str, defer_reduce: bool) -
 def _check(name: str, pp: int, virtual: int, microbatches: int, dp_sync: str, defer_reduce: bool) -> None:
     for flag, v in (("--parallel.pp", pp), ("--parallel.virtual", virtual), ("--parallel.microbatches", microbatches)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{flag} must be a positive integer to build a pipeline schedule, got {v!r}; set it to 1 or more")
+            raise ConfigError(
+                f"{flag} must be a positive integer to build a pipeline schedule, got {v!r}; set it to 1 or more"
+            )
     if name not in _ORDERS:
-        raise ConfigError(f"unknown pipeline schedule {name!r}; use --parallel.schedule one of {', '.join(SCHEDULE_NAMES)}")
+        raise ConfigError(
+            f"unknown pipeline schedule {name!r}; use --parallel.schedule one of {', '.join(SCHEDULE_NAMES)}"
+        )
     if dp_sync not in DP_SYNC_MODES:
         raise ConfigError(f"unknown --parallel.dp_sync {dp_sync!r}; use one of {', '.join(DP_SYNC_MODES)}")
     if name == "1f1b" and virtual > 1:
@@ -213,7 +217,9 @@ def _check(name: str, pp: int, virtual: int, microbatches: int, dp_sync: str, de
                 "(--parallel.microbatches or --train.global_batch) or --parallel.schedule fold"
             )
     if defer_reduce and name != "fold":
-        raise ConfigError(f"--fold.defer_reduce only applies to --parallel.schedule fold, not {name}; drop it or use fold")
+        raise ConfigError(
+            f"--fold.defer_reduce only applies to --parallel.schedule fold, not {name}; drop it or use fold"
+        )
     if defer_reduce and dp_sync != "per-chunk":
         raise ConfigError(
             f"--fold.defer_reduce needs --parallel.dp_sync per-chunk, got {dp_sync}; set per-chunk or drop --fold.defer_reduce"

@@ -59,13 +59,17 @@ def uses_3d_engine(cfg) -> bool:
     return p.pp * p.tp > 1 or p.dp > 1
 
 
-def chunk_layers(n_layer: int, n_chunks: int, layers_per_chunk: list[int] | tuple[int, ...] | None = None) -> list[list[int]]:
+def chunk_layers(
+    n_layer: int, n_chunks: int, layers_per_chunk: list[int] | tuple[int, ...] | None = None
+) -> list[list[int]]:
     """Block indices of each of ``n_chunks`` segments, in order; every segment gets at least one block.
 
     Even split by default, the remainder going to the earliest segments; or explicit counts.
     """
     if n_chunks < 1:
-        raise ConfigError(f"the model must be cut into at least one segment, got {n_chunks}; set --parallel.pp and --parallel.virtual >= 1")
+        raise ConfigError(
+            f"the model must be cut into at least one segment, got {n_chunks}; set --parallel.pp and --parallel.virtual >= 1"
+        )
     if layers_per_chunk:
         counts = list(layers_per_chunk)
         if len(counts) != n_chunks:
@@ -144,16 +148,24 @@ def check_tp(n_head: int, d_model: int, vocab_size: int, tp: int) -> None:
     if tp == 1:
         return
     if n_head % tp:
-        raise ConfigError(f"--model.n_head {n_head} is not divisible by --parallel.tp {tp}; "
-                          f"tensor parallelism gives each rank whole attention heads, so pick n_head a multiple of tp or a tp dividing n_head")
+        raise ConfigError(
+            f"--model.n_head {n_head} is not divisible by --parallel.tp {tp}; "
+            f"tensor parallelism gives each rank whole attention heads, so pick n_head a multiple of tp or a tp dividing n_head"
+        )
     if d_model % tp:
-        raise ConfigError(f"--model.d_model {d_model} is not divisible by --parallel.tp {tp}; pick d_model a multiple of tp")
+        raise ConfigError(
+            f"--model.d_model {d_model} is not divisible by --parallel.tp {tp}; pick d_model a multiple of tp"
+        )
     if (4 * d_model) % tp:  # implied by d_model % tp == 0; kept for the MLP width's sake
-        raise ConfigError(f"the MLP width 4*d_model = {4 * d_model} is not divisible by --parallel.tp {tp}; pick d_model a multiple of tp")
+        raise ConfigError(
+            f"the MLP width 4*d_model = {4 * d_model} is not divisible by --parallel.tp {tp}; pick d_model a multiple of tp"
+        )
     if vocab_size % tp:
         up = -(-vocab_size // tp) * tp
-        raise ConfigError(f"--model.vocab_size {vocab_size} is not divisible by --parallel.tp {tp}; "
-                          f"the embedding and output layer are split over the vocabulary, so use a multiple of tp (e.g. --model.vocab_size {up})")
+        raise ConfigError(
+            f"--model.vocab_size {vocab_size} is not divisible by --parallel.tp {tp}; "
+            f"the embedding and output layer are split over the vocabulary, so use a multiple of tp (e.g. --model.vocab_size {up})"
+        )
 
 
 def validate_layout(cfg, world_size: int) -> Layout:

@@ -86,7 +86,9 @@ def _check_structure(sched: Schedule) -> None:
             if not 0 <= other < n_seg:
                 raise ScheduleError(f"{w}: segment {a.chunk} has no neighbour segment {other} to talk to")
             if a.peer != stage_rank(other, pp) or a.peer == p:
-                raise ScheduleError(f"{w}: peer must be rank {stage_rank(other, pp)} (holder of segment {other}), got {a.peer}")
+                raise ScheduleError(
+                    f"{w}: peer must be rank {stage_rank(other, pp)} (holder of segment {other}), got {a.peer}"
+                )
 
 
 def _check_compute(sched: Schedule) -> None:
@@ -104,7 +106,9 @@ def _check_compute(sched: Schedule) -> None:
             raise ScheduleError(f"{op.value}(c{s},m{mb}) appears {seen[dup[0]]} times; each must appear exactly once")
         if missing:
             s, mb = missing[0]
-            raise ScheduleError(f"{op.value}(c{s},m{mb}) is missing on rank {stage_rank(s, sched.pp)} ({len(missing)} {op.value} missing)")
+            raise ScheduleError(
+                f"{op.value}(c{s},m{mb}) is missing on rank {stage_rank(s, sched.pp)} ({len(missing)} {op.value} missing)"
+            )
     for p, acts in enumerate(sched.ranks):
         fpos = {(a.chunk, a.mb): i for i, a in enumerate(acts) if a.op is Op.FORWARD}
         for i, a in enumerate(acts):
@@ -176,12 +180,18 @@ def _check_reductions(sched: Schedule) -> None:
             if lr < last_b:
                 raise ScheduleError(f"rank {p} chunk c{c}: LR at #{lr} before the chunk's last backward at #{last_b}")
             if sched.dp_sync == "after-flush" and lr < last_compute:
-                raise ScheduleError(f"rank {p} chunk c{c}: dp_sync after-flush but LR at #{lr} precedes compute at #{last_compute}")
+                raise ScheduleError(
+                    f"rank {p} chunk c{c}: dp_sync after-flush but LR at #{lr} precedes compute at #{last_compute}"
+                )
             if wr < first_f:  # deferred: previous iteration's reduction, applied before this forward
                 if not sched.defer_reduce:
-                    raise ScheduleError(f"rank {p} chunk c{c}: WR at #{wr} before the chunk's forward but defer_reduce is off")
+                    raise ScheduleError(
+                        f"rank {p} chunk c{c}: WR at #{wr} before the chunk's forward but defer_reduce is off"
+                    )
                 if not wr < os_ < first_f:
-                    raise ScheduleError(f"rank {p} chunk c{c}: deferred WR/OS must both precede the first forward at #{first_f}")
+                    raise ScheduleError(
+                        f"rank {p} chunk c{c}: deferred WR/OS must both precede the first forward at #{first_f}"
+                    )
             elif sched.defer_reduce and wr < lr:
                 raise ScheduleError(
                     f"rank {p} chunk c{c}: WR at #{wr} is neither after LR (#{lr}) nor, deferred, "

@@ -58,8 +58,16 @@ PRESET_DIR = Path(__file__).with_name("clusters")
 
 FIELDS: dict[str, tuple[str, ...]] = {
     "node": ("gpus",),
-    "device": ("memory_gb", "fp32_tflops", "bf16_tflops", "fp16_tflops", "mem_bw_gbs", "efficiency", "half_size",
-               "layer_overhead_us"),
+    "device": (
+        "memory_gb",
+        "fp32_tflops",
+        "bf16_tflops",
+        "fp16_tflops",
+        "mem_bw_gbs",
+        "efficiency",
+        "half_size",
+        "layer_overhead_us",
+    ),
     "intra": ("bw_gbs", "latency_us"),
     "inter": ("bw_gbs", "latency_us"),
 }
@@ -95,14 +103,24 @@ class Cluster:
     shared_cores: float = 0.0  # > 0: all ranks share this many CPU cores (an emulated cluster on one machine)
     elem_bw: float = 0.0  # bytes/s of element-wise work (norms, GELU, softmax, residuals); 0: mem_bw
     softmax_rate: float = 0.0  # elements/s of the loss's log-softmax forward + backward; 0: memory-bound at mem_bw
-    head_weight_rate: float = 0.0  # weight elements/s the fused head costs beyond its FLOPs (stream W, accumulate dW); 0: free
+    head_weight_rate: float = (
+        0.0  # weight elements/s the fused head costs beyond its FLOPs (stream W, accumulate dW); 0: free
+    )
     comm_cpu: float = 0.0  # core-seconds per byte a collective sends (with shared_cores: taken from compute); 0: free
     optim_rate: float = 0.0  # parameters/s of the optimizer step (AdamW + clipping norm); 0: memory-bound at mem_bw
     rows_half_size: float = 0.0  # half_size of products whose smallest dimension is their rows (tokens); 0: half_size
-    loss_buffers: float = 3.0  # fp32 (b, L, V) tensors a rank's memory holds at the loss (3 live; more where the allocator keeps holes)
-    action_overhead: float = 0.0  # s of the pipeline executor's own host work per action (bookkeeping, posting, waking up); 0: free
-    oversubscribed: float = 1.0  # with shared_cores: the cores' throughput when twice as many ranks as cores are busy (1: none lost)
-    collective_cpu: float = 0.0  # core-seconds per rank of one step of a collective (with shared_cores: taken from compute); 0: free
+    loss_buffers: float = (
+        3.0  # fp32 (b, L, V) tensors a rank's memory holds at the loss (3 live; more where the allocator keeps holes)
+    )
+    action_overhead: float = (
+        0.0  # s of the pipeline executor's own host work per action (bookkeeping, posting, waking up); 0: free
+    )
+    oversubscribed: float = (
+        1.0  # with shared_cores: the cores' throughput when twice as many ranks as cores are busy (1: none lost)
+    )
+    collective_cpu: float = (
+        0.0  # core-seconds per rank of one step of a collective (with shared_cores: taken from compute); 0: free
+    )
 
     def matmul_efficiency(self, n: float, rows: bool = False) -> float:
         """Efficiency of a product whose smallest dimension is ``n`` (``rows``: that dimension is its rows)."""
@@ -118,7 +136,9 @@ def preset_names() -> list[str]:
 
 
 def _bad(src: str, key: str, problem: str) -> ConfigError:
-    return ConfigError(f"cluster file {src}: field {key} {problem}; give a positive number (see a preset in {PRESET_DIR})")
+    return ConfigError(
+        f"cluster file {src}: field {key} {problem}; give a positive number (see a preset in {PRESET_DIR})"
+    )
 
 
 def from_dict(data: dict, src: str = "<dict>") -> Cluster:
@@ -139,7 +159,9 @@ def from_dict(data: dict, src: str = "<dict>") -> Cluster:
                 raise _bad(src, key, f"must be positive, got {v}")
             vals[key] = float(v)
     if vals["device.efficiency"] > 1:
-        raise ConfigError(f"cluster file {src}: field device.efficiency {vals['device.efficiency']} is a fraction of peak; give a value in (0, 1]")
+        raise ConfigError(
+            f"cluster file {src}: field device.efficiency {vals['device.efficiency']} is a fraction of peak; give a value in (0, 1]"
+        )
     gpus = vals["node.gpus"]
     if not gpus.is_integer():
         raise ConfigError(f"cluster file {src}: field node.gpus must be a whole number, got {gpus}")
@@ -152,8 +174,16 @@ def from_dict(data: dict, src: str = "<dict>") -> Cluster:
         efficiency=vals["device.efficiency"],
         half_size=vals["device.half_size"],
         layer_overhead=vals["device.layer_overhead_us"] * 1e-6,
-        intra=Link(vals["intra.bw_gbs"] * 1e9, vals["intra.latency_us"] * 1e-6, _optional(data, "intra", "collective_latency_us", src) * 1e-6),
-        inter=Link(vals["inter.bw_gbs"] * 1e9, vals["inter.latency_us"] * 1e-6, _optional(data, "inter", "collective_latency_us", src) * 1e-6),
+        intra=Link(
+            vals["intra.bw_gbs"] * 1e9,
+            vals["intra.latency_us"] * 1e-6,
+            _optional(data, "intra", "collective_latency_us", src) * 1e-6,
+        ),
+        inter=Link(
+            vals["inter.bw_gbs"] * 1e9,
+            vals["inter.latency_us"] * 1e-6,
+            _optional(data, "inter", "collective_latency_us", src) * 1e-6,
+        ),
         source=src,
         runtime=_optional(data, "device", "runtime_gb", src) * 1e9,
         backward_ratio=_optional(data, "device", "backward_ratio", src, default=2.0, positive=True),
@@ -174,7 +204,9 @@ def from_dict(data: dict, src: str = "<dict>") -> Cluster:
 def _fraction(data: dict, sec: str, k: str, src: str) -> float:
     v = _optional(data, sec, k, src, default=1.0, positive=True)
     if v > 1:
-        raise ConfigError(f"cluster file {src}: field {sec}.{k} {v} is a fraction of the cores' throughput; give a value in (0, 1]")
+        raise ConfigError(
+            f"cluster file {src}: field {sec}.{k} {v} is a fraction of the cores' throughput; give a value in (0, 1]"
+        )
     return v
 
 
@@ -191,13 +223,17 @@ def load_cluster(name_or_file: str) -> Cluster:
     p = Path(name_or_file)
     if p.suffix == ".toml" or p.is_file() or "/" in name_or_file:
         if not p.is_file():
-            raise ConfigError(f"cluster file {p} not found; pass a preset ({', '.join(preset_names())}) or an existing TOML file")
+            raise ConfigError(
+                f"cluster file {p} not found; pass a preset ({', '.join(preset_names())}) or an existing TOML file"
+            )
     else:
         p = PRESET_DIR / f"{name_or_file}.toml"
         if not p.is_file():
             near = difflib.get_close_matches(name_or_file, preset_names(), n=1)
             hint = f"did you mean '{near[0]}'? " if near else ""
-            raise ConfigError(f"unknown cluster '{name_or_file}'; {hint}use a preset ({', '.join(preset_names())}) or a TOML file")
+            raise ConfigError(
+                f"unknown cluster '{name_or_file}'; {hint}use a preset ({', '.join(preset_names())}) or a TOML file"
+            )
     try:
         data = tomllib.loads(p.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -209,25 +245,53 @@ def to_toml(c: Cluster, comments: dict[str, str] | None = None) -> str:
     """A cluster file for ``c`` (``comments``: ``"section.field" -> source``)."""
     comments = comments or {}
     vals = {
-        "node.gpus": c.gpus_per_node, "node.shared_cores": c.shared_cores, "device.memory_gb": c.memory / 1e9,
-        "device.fp32_tflops": c.tflops["fp32"] / 1e12, "device.bf16_tflops": c.tflops["bf16"] / 1e12,
-        "device.fp16_tflops": c.tflops["fp16"] / 1e12, "device.mem_bw_gbs": c.mem_bw / 1e9,
-        "device.efficiency": c.efficiency, "device.half_size": c.half_size,
-        "device.layer_overhead_us": c.layer_overhead * 1e6, "device.runtime_gb": c.runtime / 1e9,
-        "device.backward_ratio": c.backward_ratio, "device.elem_gbs": c.elem_bw / 1e9,
-        "device.softmax_gelems": c.softmax_rate / 1e9, "device.loss_buffers": c.loss_buffers,
-        "device.rows_half_size": c.rows_half_size, "device.head_weight_gelems": c.head_weight_rate / 1e9,
-        "device.optim_gparams": c.optim_rate / 1e9, "node.comm_cpu_ns": c.comm_cpu * 1e9,
-        "device.action_overhead_us": c.action_overhead * 1e6, "node.oversubscribed_efficiency": c.oversubscribed,
+        "node.gpus": c.gpus_per_node,
+        "node.shared_cores": c.shared_cores,
+        "device.memory_gb": c.memory / 1e9,
+        "device.fp32_tflops": c.tflops["fp32"] / 1e12,
+        "device.bf16_tflops": c.tflops["bf16"] / 1e12,
+        "device.fp16_tflops": c.tflops["fp16"] / 1e12,
+        "device.mem_bw_gbs": c.mem_bw / 1e9,
+        "device.efficiency": c.efficiency,
+        "device.half_size": c.half_size,
+        "device.layer_overhead_us": c.layer_overhead * 1e6,
+        "device.runtime_gb": c.runtime / 1e9,
+        "device.backward_ratio": c.backward_ratio,
+        "device.elem_gbs": c.elem_bw / 1e9,
+        "device.softmax_gelems": c.softmax_rate / 1e9,
+        "device.loss_buffers": c.loss_buffers,
+        "device.rows_half_size": c.rows_half_size,
+        "device.head_weight_gelems": c.head_weight_rate / 1e9,
+        "device.optim_gparams": c.optim_rate / 1e9,
+        "node.comm_cpu_ns": c.comm_cpu * 1e9,
+        "device.action_overhead_us": c.action_overhead * 1e6,
+        "node.oversubscribed_efficiency": c.oversubscribed,
         "node.collective_cpu_us": c.collective_cpu * 1e6,
-        "intra.bw_gbs": c.intra.bw / 1e9, "intra.latency_us": c.intra.latency * 1e6,
-        "inter.bw_gbs": c.inter.bw / 1e9, "inter.latency_us": c.inter.latency * 1e6,
-        "intra.collective_latency_us": c.intra.hop * 1e6, "inter.collective_latency_us": c.inter.hop * 1e6,
+        "intra.bw_gbs": c.intra.bw / 1e9,
+        "intra.latency_us": c.intra.latency * 1e6,
+        "inter.bw_gbs": c.inter.bw / 1e9,
+        "inter.latency_us": c.inter.latency * 1e6,
+        "intra.collective_latency_us": c.intra.hop * 1e6,
+        "inter.collective_latency_us": c.inter.hop * 1e6,
     }
     lines = [f'name = "{c.name}"']
     for sec, keys in FIELDS.items():
-        keys = keys + {"device": ("runtime_gb", "backward_ratio", "elem_gbs", "softmax_gelems", "loss_buffers", "rows_half_size", "head_weight_gelems", "optim_gparams", "action_overhead_us"), "node": ("shared_cores", "comm_cpu_ns", "collective_cpu_us", "oversubscribed_efficiency"),
-                       "intra": ("collective_latency_us",), "inter": ("collective_latency_us",)}.get(sec, ())
+        keys = keys + {
+            "device": (
+                "runtime_gb",
+                "backward_ratio",
+                "elem_gbs",
+                "softmax_gelems",
+                "loss_buffers",
+                "rows_half_size",
+                "head_weight_gelems",
+                "optim_gparams",
+                "action_overhead_us",
+            ),
+            "node": ("shared_cores", "comm_cpu_ns", "collective_cpu_us", "oversubscribed_efficiency"),
+            "intra": ("collective_latency_us",),
+            "inter": ("collective_latency_us",),
+        }.get(sec, ())
         lines += ["", f"[{sec}]"]
         for k in keys:
             v = vals[f"{sec}.{k}"]

@@ -46,8 +46,9 @@ exporters read simulated and measured runs alike.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from foldtrain.schedules import Op, Schedule, message_key
 
@@ -63,7 +64,7 @@ class SharedLink:
 
     __slots__ = ("sim", "bw", "cap", "over", "flows", "t", "ver", "_next")
 
-    def __init__(self, sim: "Sim", bw: float, cap: float = float("inf"), over: float = 1.0):
+    def __init__(self, sim: Sim, bw: float, cap: float = float("inf"), over: float = 1.0):
         self.sim, self.bw, self.cap, self.over = sim, bw, cap, over
         self.flows: dict[int, list] = {}
         self.t = 0.0
@@ -121,7 +122,7 @@ class SharedLink:
 class Stream:
     """A FIFO of phase lists (a rank's reduction stream): one job at a time; ``after()`` once each is done."""
 
-    def __init__(self, sim: "Sim", after: Callable[[], None] | None = None):
+    def __init__(self, sim: Sim, after: Callable[[], None] | None = None):
         self.sim = sim
         self.queue: list = []
         self.busy = False
@@ -224,8 +225,9 @@ class Sim:
         else:
             self.at(start, lambda: self.link(CPU).add(dur, self.cpu[2], done))
 
-    def busy_marked(self, r: RankState, start: float, dur: float, marks: list, done: Callable[[float], None],
-                    reached: float = 0.0) -> None:
+    def busy_marked(
+        self, r: RankState, start: float, dur: float, marks: list, done: Callable[[float], None], reached: float = 0.0
+    ) -> None:
         """``busy`` in pieces: ``marks[i][1](t)`` is called when fraction ``marks[i][0]`` of ``dur`` is done
         (``reached``: the fraction done before ``start``)."""
         if not marks:
@@ -246,8 +248,17 @@ class Sim:
 
         def done(start: float, t: float) -> None:
             if it >= self.record_from:
-                r.events.append({"name": f"reduce c{c} b{k}", "kind": "reduce", "rank": r.p, "start": start, "end": t,
-                                 "step": it, "args": {"chunk": c, "bucket": k}})
+                r.events.append(
+                    {
+                        "name": f"reduce c{c} b{k}",
+                        "kind": "reduce",
+                        "rank": r.p,
+                        "start": start,
+                        "end": t,
+                        "step": it,
+                        "args": {"chunk": c, "bucket": k},
+                    }
+                )
 
         return done
 
@@ -281,7 +292,7 @@ class Sim:
         start(part)
         self.link(CPU).add(cpu_s, self.cpu[2], part)
 
-    def run(self) -> "Sim":
+    def run(self) -> Sim:
         for r in self.ranks:
             self.at(0.0, lambda r=r: self.step(r))
         while self._heap:
@@ -317,7 +328,9 @@ class Sim:
                 r.debt = 0.0
 
                 def computed(t: float, r=r, a=a, t0=t0) -> None:
-                    self.ev(r, f"{a.op.value} c{a.chunk} m{a.mb}", "compute", t0, t, op=a.op.value, chunk=a.chunk, mb=a.mb)
+                    self.ev(
+                        r, f"{a.op.value} c{a.chunk} m{a.mb}", "compute", t0, t, op=a.op.value, chunk=a.chunk, mb=a.mb
+                    )
                     r.pc += 1
                     self.resume(r, t)
 
@@ -325,8 +338,15 @@ class Sim:
                 if op is Op.BACKWARD and nxt is not None and nxt.op is Op.LAUNCH_REDUCE and nxt.chunk == a.chunk:
                     early = [(f, ph) for f, ph in self.buckets(r.p, a.chunk) if f is not None]
                     if early:  # buckets launched during this backward as their gradients complete
-                        marks = [(f, lambda t, ph=ph, r=r, a=a, k=k: self.dp_stream[r.p].submit(t, list(ph), self.bucket_done(r, a.chunk, k)))
-                                 for k, (f, ph) in enumerate(early)]
+                        marks = [
+                            (
+                                f,
+                                lambda t, ph=ph, r=r, a=a, k=k: self.dp_stream[r.p].submit(
+                                    t, list(ph), self.bucket_done(r, a.chunk, k)
+                                ),
+                            )
+                            for k, (f, ph) in enumerate(early)
+                        ]
                         self.busy_marked(r, r.t, dur, marks, computed)
                         return
                 self.busy(r, dur, computed)
@@ -336,7 +356,17 @@ class Sim:
                 key, weight, lat, nbytes = costs.send(r.p, a)
                 r.in_flight += 1
                 msg = (r.it, message_key(a))
-                self.ev(r, f"{op.value} c{a.chunk} m{a.mb}", "send", r.t, r.t, chunk=a.chunk, mb=a.mb, peer=a.peer, instant=True)
+                self.ev(
+                    r,
+                    f"{op.value} c{a.chunk} m{a.mb}",
+                    "send",
+                    r.t,
+                    r.t,
+                    chunk=a.chunk,
+                    mb=a.mb,
+                    peer=a.peer,
+                    instant=True,
+                )
 
                 def delivered(t: float, r=r, msg=msg) -> None:
                     r.in_flight -= 1
@@ -371,13 +401,24 @@ class Sim:
                     def got(t: float, r=r, a=a, t0=t0) -> None:
                         r.debt += overhead
                         if t > t0:
-                            self.ev(r, f"{a.op.value} c{a.chunk} m{a.mb}", "recv_wait", t0, t, chunk=a.chunk, mb=a.mb, peer=a.peer)
+                            self.ev(
+                                r,
+                                f"{a.op.value} c{a.chunk} m{a.mb}",
+                                "recv_wait",
+                                t0,
+                                t,
+                                chunk=a.chunk,
+                                mb=a.mb,
+                                peer=a.peer,
+                            )
                         r.pc += 1
                         self.resume(r, t)
 
                     self.recv_waiters[msg] = got
                     return
-                self.ev(r, f"{op.value} c{a.chunk} m{a.mb}", "recv_wait", r.t, t_arr, chunk=a.chunk, mb=a.mb, peer=a.peer)
+                self.ev(
+                    r, f"{op.value} c{a.chunk} m{a.mb}", "recv_wait", r.t, t_arr, chunk=a.chunk, mb=a.mb, peer=a.peer
+                )
                 r.debt += overhead
                 r.pc += 1
                 self.resume(r, t_arr)
@@ -398,12 +439,16 @@ class Sim:
                 missing = [k for k in need if k not in self.red_done]
                 if missing:
                     # re-check once it is done (the rank's clock stays where it blocked)
-                    self.red_waiters.setdefault(missing[0], []).append(lambda t, r=r: self.at(self.now, lambda: self.step(r)))
+                    self.red_waiters.setdefault(missing[0], []).append(
+                        lambda t, r=r: self.at(self.now, lambda: self.step(r))
+                    )
                     return
                 t_done = max(self.red_done[k] for k in need)
                 r.debt += overhead
                 if t_done > r.t:
-                    self.ev(r, f"WR c{a.chunk}", "reduce_wait", r.t, t_done, chunk=a.chunk, deferred=a.chunk in r.deferred)
+                    self.ev(
+                        r, f"WR c{a.chunk}", "reduce_wait", r.t, t_done, chunk=a.chunk, deferred=a.chunk in r.deferred
+                    )
                     r.pc += 1
                     self.resume(r, t_done)
                     return
@@ -498,8 +543,17 @@ class Sim:
 
         def done(kind: str, start: float, t: float, r=r, record: bool = True) -> None:
             if kind == "dp" and record and it >= self.record_from:
-                r.events.append({"name": f"reduce c{c}", "kind": "reduce", "rank": r.p, "start": start, "end": t,
-                                 "step": it, "args": {"chunk": c}})
+                r.events.append(
+                    {
+                        "name": f"reduce c{c}",
+                        "kind": "reduce",
+                        "rank": r.p,
+                        "start": start,
+                        "end": t,
+                        "step": it,
+                        "args": {"chunk": c},
+                    }
+                )
             key = (r.p, c, it, kind)
             self.red_done[key] = t
             for w in self.red_waiters.pop(key, []):
@@ -522,8 +576,17 @@ class Sim:
 
         def bucket_done(start: float, t: float, k: int) -> None:
             if it >= self.record_from:
-                r.events.append({"name": f"reduce c{c} b{k}", "kind": "reduce", "rank": r.p, "start": start, "end": t,
-                                 "step": it, "args": {"chunk": c, "bucket": k, "deferred": True}})
+                r.events.append(
+                    {
+                        "name": f"reduce c{c} b{k}",
+                        "kind": "reduce",
+                        "rank": r.p,
+                        "start": start,
+                        "end": t,
+                        "step": it,
+                        "args": {"chunk": c, "bucket": k, "deferred": True},
+                    }
+                )
             first[0] = start if first[0] is None else first[0]
             left[0] -= 1
             if left[0] == 0:

@@ -39,7 +39,9 @@ def activations_live_bytes(sched: Schedule, p: int, per_segment: dict[int, float
     return peak
 
 
-def rank_memory(s: Setup, cm: CostModel, sched: Schedule, p: int, runtime: float = 0.0, server: bool = False) -> dict[str, float]:
+def rank_memory(
+    s: Setup, cm: CostModel, sched: Schedule, p: int, runtime: float = 0.0, server: bool = False
+) -> dict[str, float]:
     """Bytes by category for pipeline rank ``p`` (one tensor-parallel shard; ``server``: the ps server rank)."""
     segs = rank_segments(s, p)
     n = sum(segment_params(s, g) for g in segs)
@@ -62,7 +64,11 @@ def rank_memory(s: Setup, cm: CostModel, sched: Schedule, p: int, runtime: float
     elif s.strategy == "allreduce":
         buf = min(s.fusion_bytes, n * s.grad_bytes)
     elif s.strategy == "ps":
-        buf = n * (s.grad_bytes + s.weight_bytes) * ((workers if s.servers == 0 else workers / s.servers) if server else 1)
+        buf = (
+            n
+            * (s.grad_bytes + s.weight_bytes)
+            * ((workers if s.servers == 0 else workers / s.servers) if server else 1)
+        )
     else:
         buf = 0.0
     out["comm_buffers"] = buf

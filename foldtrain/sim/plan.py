@@ -43,8 +43,11 @@ class Candidate:
         if s.mode == "dp":
             return f"{s.strategy} x{s.dp} mb={s.micro_batch}" + (" ac" if s.ac else "")
         sync = "" if s.dp == 1 else f" {s.dp_sync}"
-        return (f"dp{s.dp} pp{s.pp} tp{s.tp} V{s.virtual} mb={s.micro_batch} {s.schedule}{sync}"
-                + (" defer" if s.defer else "") + (" ac" if s.ac else ""))
+        return (
+            f"dp{s.dp} pp{s.pp} tp{s.tp} V{s.virtual} mb={s.micro_batch} {s.schedule}{sync}"
+            + (" defer" if s.defer else "")
+            + (" ac" if s.ac else "")
+        )
 
     def to_json(self) -> dict:
         d = self.result.to_json() if self.result else {}
@@ -86,8 +89,19 @@ def _variants(base, gpus: int, cluster: Cluster):
                 for ac in ("none", "full"):
                     if pp == 1 and tp == 1 and dp > 1:
                         for strat in ("allreduce", "ddp", "sharded-ps"):
-                            yield dict(strategy=strat, dp=dp, pp=1, tp=1, virtual=1, schedule="1f1b", dp_sync="after-flush",
-                                       defer=False, mb=mb, M=M, ac=ac)
+                            yield dict(
+                                strategy=strat,
+                                dp=dp,
+                                pp=1,
+                                tp=1,
+                                virtual=1,
+                                schedule="1f1b",
+                                dp_sync="after-flush",
+                                defer=False,
+                                mb=mb,
+                                M=M,
+                                ac=ac,
+                            )
                     for v in (1, 2, 4, 8):
                         if v > 1 and (pp == 1 or pp * v > m.n_layer):
                             continue
@@ -97,16 +111,40 @@ def _variants(base, gpus: int, cluster: Cluster):
                         for sc in scheds:
                             if sc == "interleaved-1f1b" and M % pp:
                                 continue
-                            for sync in (("after-flush", "per-chunk") if dp > 1 and pp > 1 and v > 1 else ("after-flush",)):
-                                for defer in ((False, True) if sc == "fold" and sync == "per-chunk" and v > 1 and allow_defer else (False,)):
-                                    yield dict(strategy="none", dp=dp, pp=pp, tp=tp, virtual=v, schedule=sc, dp_sync=sync,
-                                               defer=defer, mb=mb, M=M, ac=ac)
+                            for sync in (
+                                ("after-flush", "per-chunk") if dp > 1 and pp > 1 and v > 1 else ("after-flush",)
+                            ):
+                                for defer in (
+                                    (False, True)
+                                    if sc == "fold" and sync == "per-chunk" and v > 1 and allow_defer
+                                    else (False,)
+                                ):
+                                    yield dict(
+                                        strategy="none",
+                                        dp=dp,
+                                        pp=pp,
+                                        tp=tp,
+                                        virtual=v,
+                                        schedule=sc,
+                                        dp_sync=sync,
+                                        defer=defer,
+                                        mb=mb,
+                                        M=M,
+                                        ac=ac,
+                                    )
 
 
 def _make_cfg(base, c: dict):
     cfg = copy.deepcopy(base)
     p = cfg.parallel
-    p.dp, p.pp, p.tp, p.virtual, p.schedule, p.dp_sync = c["dp"], c["pp"], c["tp"], c["virtual"], c["schedule"], c["dp_sync"]
+    p.dp, p.pp, p.tp, p.virtual, p.schedule, p.dp_sync = (
+        c["dp"],
+        c["pp"],
+        c["tp"],
+        c["virtual"],
+        c["schedule"],
+        c["dp_sync"],
+    )
     p.microbatches = c["M"]
     p.layers_per_chunk = []
     cfg.train.micro_batch = c["mb"]
@@ -165,7 +203,9 @@ def estimate(s: Setup, c: Cluster) -> tuple[float, float]:
     return t, mem
 
 
-def plan(argv: list[str], config_file: str | None, cluster: Cluster, gpus: int, simulate_top: int | None = None) -> PlanResult:
+def plan(
+    argv: list[str], config_file: str | None, cluster: Cluster, gpus: int, simulate_top: int | None = None
+) -> PlanResult:
     base = build_config(argv, config_file)
     if simulate_top is None:
         simulate_top = SIMULATE if gpus <= 128 else 8
@@ -221,8 +261,17 @@ def _explain(sims: list[Candidate]) -> None:
         if s.pp > 1:
             why.append(f"bubble {r.bubble:.0%}")
         if s.dp > 1:
-            why.append(f"exposed DP {r.exposed_dp:.3g} s" + (" (per-chunk overlap)" if s.dp_sync == "per-chunk" and s.mode == "3d" else ""))
-        why.append("no recomputation" if not s.ac else "recomputation needed to fit" if c.mem > 0.8 * r.cluster.memory else "recomputation")
+            why.append(
+                f"exposed DP {r.exposed_dp:.3g} s"
+                + (" (per-chunk overlap)" if s.dp_sync == "per-chunk" and s.mode == "3d" else "")
+            )
+        why.append(
+            "no recomputation"
+            if not s.ac
+            else "recomputation needed to fit"
+            if c.mem > 0.8 * r.cluster.memory
+            else "recomputation"
+        )
         if s.tp > 1:
             why.append(f"tp {s.tp} inside a node")
         why.append(f"{r.peak_mem / GB:.1f} GB peak")
@@ -230,13 +279,17 @@ def _explain(sims: list[Candidate]) -> None:
 
 
 def format_plan(res: PlanResult, top: int = 5) -> str:
-    lines = [f"plan for {res.gpus} x {res.cluster.name}: {res.considered} layouts, {res.fitting} fit by estimate, "
-             f"{res.simulated} simulated in full",
-             f"{'#':>2} {'layout':<58} {'step s':>9} {'tokens/s':>12} {'MFU':>6} {'mem GB':>7}  why"]
+    lines = [
+        f"plan for {res.gpus} x {res.cluster.name}: {res.considered} layouts, {res.fitting} fit by estimate, "
+        f"{res.simulated} simulated in full",
+        f"{'#':>2} {'layout':<58} {'step s':>9} {'tokens/s':>12} {'MFU':>6} {'mem GB':>7}  why",
+    ]
     for i, c in enumerate(res.top[:top]):
         r = c.result
-        lines.append(f"{i + 1:>2} {c.label():<58} {r.step_time:>9.4g} {r.tokens_per_s:>12,.0f} {r.mfu:>6.1%} "
-                     f"{r.peak_mem / GB:>7.2f}  {'; '.join(c.reasons)}")
+        lines.append(
+            f"{i + 1:>2} {c.label():<58} {r.step_time:>9.4g} {r.tokens_per_s:>12,.0f} {r.mfu:>6.1%} "
+            f"{r.peak_mem / GB:>7.2f}  {'; '.join(c.reasons)}"
+        )
     if not res.top:
         lines.append("no simulated layout fits in memory")
     return "\n".join(lines)
@@ -247,14 +300,19 @@ def plan_toml(res: PlanResult) -> str:
         raise ConfigError("no layout fits; nothing to write")
     c = res.top[0]
     cfg = copy.deepcopy(c.cfg)
-    head = [f"# foldtrain plan: best of {res.simulated} simulated layouts on {res.gpus} x {res.cluster.name}: {c.label()}",
-            f"# predicted {c.result.tokens_per_s:,.0f} tokens/s, {c.result.peak_mem / GB:.2f} GB peak per device"]
+    head = [
+        f"# foldtrain plan: best of {res.simulated} simulated layouts on {res.gpus} x {res.cluster.name}: {c.label()}",
+        f"# predicted {c.result.tokens_per_s:,.0f} tokens/s, {c.result.peak_mem / GB:.2f} GB peak per device",
+    ]
     if c.setup.mode == "dp":
-        head.append(f"# a data-parallel strategy: launch torchrun --nproc_per_node {c.setup.dp} (parallel.dp stays 1 for train;"
-                    f" foldtrain simulate takes --parallel.dp {c.setup.dp})")
+        head.append(
+            f"# a data-parallel strategy: launch torchrun --nproc_per_node {c.setup.dp} (parallel.dp stays 1 for train;"
+            f" foldtrain simulate takes --parallel.dp {c.setup.dp})"
+        )
         cfg.parallel.dp = 1
         cfg.parallel.microbatches = 0
     else:
-        head.append(f"# launch {c.setup.world} processes: torchrun --nproc_per_node {c.setup.world} -m foldtrain train --config FILE")
+        head.append(
+            f"# launch {c.setup.world} processes: torchrun --nproc_per_node {c.setup.world} -m foldtrain train --config FILE"
+        )
     return "\n".join(head) + "\n" + to_toml(cfg)
-

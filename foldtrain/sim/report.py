@@ -13,12 +13,15 @@ def layout_text(r: Result) -> str:
     s = r.setup
     if s.mode == "3d":
         sched = f"{s.schedule} dp_sync={s.dp_sync}" + (" defer_reduce" if s.defer else "")
-        return (f"dp={s.dp} pp={s.pp} tp={s.tp} V={s.virtual} M={s.microbatches} x {s.micro_batch} seq={s.seq} "
-                f"{sched} {s.dtype}" + (" ac=full" if s.ac else ""))
+        return (
+            f"dp={s.dp} pp={s.pp} tp={s.tp} V={s.virtual} M={s.microbatches} x {s.micro_batch} seq={s.seq} "
+            f"{sched} {s.dtype}" + (" ac=full" if s.ac else "")
+        )
     srv = f" servers={s.servers}" if s.servers else ""
     stale = f" staleness={s.staleness}" if s.staleness else ""
-    return (f"{s.strategy} workers={s.dp}{srv}{stale} M={s.microbatches} x {s.micro_batch} seq={s.seq} {s.dtype}"
-            + (" ac=full" if s.ac else ""))
+    return f"{s.strategy} workers={s.dp}{srv}{stale} M={s.microbatches} x {s.micro_batch} seq={s.seq} {s.dtype}" + (
+        " ac=full" if s.ac else ""
+    )
 
 
 def format_table(r: Result) -> str:
@@ -31,14 +34,20 @@ def format_table(r: Result) -> str:
         f"bubble       {r.bubble:.1%} (mean over pipeline ranks)",
         f"all-rank idle {r.all_rank_idle:.1%}",
         f"exposed DP   {r.exposed_dp:.4g} s",
-        f"peak memory  {r.peak_mem / GB:.2f} GB of {r.cluster.memory / GB:.0f} GB" + ("" if r.fits else "  (DOES NOT FIT)"),
+        f"peak memory  {r.peak_mem / GB:.2f} GB of {r.cluster.memory / GB:.0f} GB"
+        + ("" if r.fits else "  (DOES NOT FIT)"),
         "",
         f"{'rank':>4} {'params':>8} {'grads':>8} {'optim':>8} {'masters':>8} {'buffers':>8} {'activ.':>8} {'runtime':>8} {'total GB':>9}",
     ]
     for p, m in enumerate(r.memory):
-        lines.append(f"{p:>4} " + " ".join(f"{m[k] / GB:>8.2f}" for k in
-                     ("params", "grads", "optimizer", "masters", "comm_buffers", "activations", "runtime"))
-                     + f" {m['total'] / GB:>9.2f}")
+        lines.append(
+            f"{p:>4} "
+            + " ".join(
+                f"{m[k] / GB:>8.2f}"
+                for k in ("params", "grads", "optimizer", "masters", "comm_buffers", "activations", "runtime")
+            )
+            + f" {m['total'] / GB:>9.2f}"
+        )
     lines += [f"note: {n}" for n in r.notes]
     return "\n".join(lines)
 

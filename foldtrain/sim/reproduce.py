@@ -43,20 +43,32 @@ HP3C = [  # label, strategy, precision, sequences per GPU (the paper's batches)
 
 def hp3c(lines: list[str]) -> None:
     c = load_cluster("hal-v100")
-    lines += ["## HP3C'22 (Bai 2022) on `hal-v100`", "",
-              "GPT-2 `bai2022` (12 layers, d 768, context 512, vocab 26.7k, ~106M parameters), AdamW, sequences of 512; "
-              "the paper's batch per GPU (SPS: 4 in total, DPS: 2 per GPU, the others 4 per GPU). "
-              "GPU utilisation = share of the step the device computes.", "",
-              "| strategy | GPUs | nodes | tokens/s | vs single GPU | GPU utilisation | peak memory GB | fits 16 GB |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "## HP3C'22 (Bai 2022) on `hal-v100`",
+        "",
+        "GPT-2 `bai2022` (12 layers, d 768, context 512, vocab 26.7k, ~106M parameters), AdamW, sequences of 512; "
+        "the paper's batch per GPU (SPS: 4 in total, DPS: 2 per GPU, the others 4 per GPU). "
+        "GPU utilisation = share of the step the device computes.",
+        "",
+        "| strategy | GPUs | nodes | tokens/s | vs single GPU | GPU utilisation | peak memory GB | fits 16 GB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     res = {}
     for label, strat, prec, per in HP3C:
         for n in (1, 4, 8):
             if strat == "none" and n > 1:
                 continue
             workers = n
-            args = ["--model.preset", "bai2022", "--train.seq_len", "512", "--precision", prec,
-                    "--train.global_batch", str(per * workers if strat != "ps" else 4 * (n // 4 or 1))]
+            args = [
+                "--model.preset",
+                "bai2022",
+                "--train.seq_len",
+                "512",
+                "--precision",
+                prec,
+                "--train.global_batch",
+                str(per * workers if strat != "ps" else 4 * (n // 4 or 1)),
+            ]
             if strat != "none" and n > 1:
                 args += ["--dp.strategy", strat, "--parallel.dp", str(workers)]
             if n == 1 and strat != "none":
@@ -65,23 +77,43 @@ def hp3c(lines: list[str]) -> None:
             res[(label, n)] = r
     base = res[("single GPU", 1)].tokens_per_s
     for (label, n), r in res.items():
-        lines.append(f"| {label} | {n} | {1 if n <= 4 else 2} | {r.tokens_per_s:,.0f} | {r.tokens_per_s / base:.2f}x | "
-                     f"{1 - r.bubble:.0%} | {r.peak_mem / GB:.2f} | {'yes' if r.fits else 'no'} |")
+        lines.append(
+            f"| {label} | {n} | {1 if n <= 4 else 2} | {r.tokens_per_s:,.0f} | {r.tokens_per_s / base:.2f}x | "
+            f"{1 - r.bubble:.0%} | {r.peak_mem / GB:.2f} | {'yes' if r.fits else 'no'} |"
+        )
     g = lambda lab, n: res[(lab, n)].tokens_per_s  # noqa: E731
     sps, dps, hvd = HP3C[1][0], HP3C[2][0], HP3C[3][0]
     dpsa, hvda = HP3C[4][0], HP3C[5][0]
-    lines += ["", "Published findings against the simulation:", "",
-              "| finding (paper) | simulated | agrees? |", "|---|---|---|"]
+    lines += [
+        "",
+        "Published findings against the simulation:",
+        "",
+        "| finding (paper) | simulated | agrees? |",
+        "|---|---|---|",
+    ]
     rows = [
         ("SPS slower than one GPU (4 GPUs)", f"SPS/single = {g(sps, 4) / base:.2f}", g(sps, 4) < base),
-        ("DPS fastest on one node (4 GPUs, fp32 strategies)", f"DPS {g(dps, 4):,.0f} vs Horovod {g(hvd, 4):,.0f} vs SPS {g(sps, 4):,.0f} tokens/s",
-         g(dps, 4) >= max(g(hvd, 4), g(sps, 4))),
+        (
+            "DPS fastest on one node (4 GPUs, fp32 strategies)",
+            f"DPS {g(dps, 4):,.0f} vs Horovod {g(hvd, 4):,.0f} vs SPS {g(sps, 4):,.0f} tokens/s",
+            g(dps, 4) >= max(g(hvd, 4), g(sps, 4)),
+        ),
         ("Apex ~2x for DPS (4 GPUs)", f"{g(dpsa, 4) / g(dps, 4):.2f}x", 1.6 <= g(dpsa, 4) / g(dps, 4) <= 2.5),
-        ("Apex ~4x for Horovod (8 GPUs, 2 nodes)", f"{g(hvda, 8) / g(hvd, 8):.2f}x", 3.0 <= g(hvda, 8) / g(hvd, 8) <= 5.0),
-        ("Horovod+Apex robust across nodes (8 vs 4 GPUs)", f"8/4 GPUs = {g(hvda, 8) / g(hvda, 4):.2f}x", g(hvda, 8) / g(hvda, 4) > 1.6),
-        ("GPU utilisation: single 85%, SPS 11-17%, DPS 89-94%",
-         f"single {1 - res[('single GPU', 1)].bubble:.0%}, SPS {1 - res[(sps, 4)].bubble:.0%}, DPS {1 - res[(dps, 4)].bubble:.0%}",
-         1 - res[(sps, 4)].bubble < 0.3),
+        (
+            "Apex ~4x for Horovod (8 GPUs, 2 nodes)",
+            f"{g(hvda, 8) / g(hvd, 8):.2f}x",
+            3.0 <= g(hvda, 8) / g(hvd, 8) <= 5.0,
+        ),
+        (
+            "Horovod+Apex robust across nodes (8 vs 4 GPUs)",
+            f"8/4 GPUs = {g(hvda, 8) / g(hvda, 4):.2f}x",
+            g(hvda, 8) / g(hvda, 4) > 1.6,
+        ),
+        (
+            "GPU utilisation: single 85%, SPS 11-17%, DPS 89-94%",
+            f"single {1 - res[('single GPU', 1)].bubble:.0%}, SPS {1 - res[(sps, 4)].bubble:.0%}, DPS {1 - res[(dps, 4)].bubble:.0%}",
+            1 - res[(sps, 4)].bubble < 0.3,
+        ),
     ]
     for f, sim, ok in rows:
         lines.append(f"| {f} | {sim} | {'yes' if ok else '**no**'} |")
@@ -90,10 +122,32 @@ def hp3c(lines: list[str]) -> None:
 
 # --------------------------------------------------------------------------- Fold3D
 
+
 def _fold_args(shape: list[str], dp: int, pp: int, tp: int, v: int, mb: int, gb: int, seq: int) -> list[str]:
-    return shape + ["--parallel.dp", str(dp), "--parallel.pp", str(pp), "--parallel.tp", str(tp), "--parallel.virtual", str(v),
-                    "--train.micro_batch", str(mb), "--train.global_batch", str(gb), "--train.seq_len", str(seq),
-                    "--precision", "fp16", "--ac", "full", "--optim.grad_clip", "0", "--model.vocab_size", "50304"]
+    return shape + [
+        "--parallel.dp",
+        str(dp),
+        "--parallel.pp",
+        str(pp),
+        "--parallel.tp",
+        str(tp),
+        "--parallel.virtual",
+        str(v),
+        "--train.micro_batch",
+        str(mb),
+        "--train.global_batch",
+        str(gb),
+        "--train.seq_len",
+        str(seq),
+        "--precision",
+        "fp16",
+        "--ac",
+        "full",
+        "--optim.grad_clip",
+        "0",
+        "--model.vocab_size",
+        "50304",
+    ]
 
 
 MEGATRON_WIRE = dict(grad_bytes=2, p2p_scatter=True)  # fp16 gradient all-reduce, scatter/gather p2p
@@ -110,7 +164,17 @@ def fold_compare(c, args: list[str], wire: dict | None = None) -> dict[str, Resu
 
 
 CASES = [  # label, shape flags, dp, pp, tp, V, micro-batch, global batch, seq
-    ("public example (6.7B shape, seq 1024)", ["--model.preset", "gpt3-6.7b", "--model.context", "1024"], 2, 4, 4, 4, 8, 128, 1024),
+    (
+        "public example (6.7B shape, seq 1024)",
+        ["--model.preset", "gpt3-6.7b", "--model.context", "1024"],
+        2,
+        4,
+        4,
+        4,
+        8,
+        128,
+        1024,
+    ),
     ("GPT-3 6.7B", ["--model.preset", "gpt3-6.7b"], 4, 4, 8, 2, 1, 512, 2048),
     ("GPT-3 6.7B", ["--model.preset", "gpt3-6.7b"], 8, 4, 8, 2, 1, 512, 2048),
     ("GPT-3 13B", ["--model.preset", "gpt3-13b"], 4, 8, 8, 2, 1, 512, 2048),
@@ -121,33 +185,45 @@ CASES = [  # label, shape flags, dp, pp, tp, V, micro-batch, global batch, seq
 
 def fold3d(lines: list[str], img_dir: Path) -> None:
     c = load_cluster("cloud-v100-25g")
-    lines += ["## Fold3D (Li et al., TPDS 2023) on `cloud-v100-25g`", "",
-              "Megatron-LM v3 = `interleaved-1f1b` + `after-flush`; Fold3D = `fold` + `per-chunk` (and with deferral). "
-              "fp16 autocast, full recomputation, no clipping, and Megatron's wire format for both (fp16 gradients in the "
-              "data-parallel all-reduce, pipeline activations scattered over the TP ranks; foldtrain's own executor sends "
-              "fp32 gradients and whole activations per TP rank: see the last row). All-GPU idle = share of the step in which no GPU of the "
-              "pipeline computes (the paper: > 44% for Megatron).", "",
-              "| model | GPUs (dp x pp x tp, V) | Megatron tokens/s | all-GPU idle | fold tokens/s | idle | gain | "
-              "fold+defer tokens/s | idle | gain | peak GB (fold) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "## Fold3D (Li et al., TPDS 2023) on `cloud-v100-25g`",
+        "",
+        "Megatron-LM v3 = `interleaved-1f1b` + `after-flush`; Fold3D = `fold` + `per-chunk` (and with deferral). "
+        "fp16 autocast, full recomputation, no clipping, and Megatron's wire format for both (fp16 gradients in the "
+        "data-parallel all-reduce, pipeline activations scattered over the TP ranks; foldtrain's own executor sends "
+        "fp32 gradients and whole activations per TP rank: see the last row). All-GPU idle = share of the step in which no GPU of the "
+        "pipeline computes (the paper: > 44% for Megatron).",
+        "",
+        "| model | GPUs (dp x pp x tp, V) | Megatron tokens/s | all-GPU idle | fold tokens/s | idle | gain | "
+        "fold+defer tokens/s | idle | gain | peak GB (fold) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     gains = []
     for label, shape, dp, pp, tp, v, mb, gb, seq in CASES:
         r = fold_compare(c, _fold_args(shape, dp, pp, tp, v, mb, gb, seq))
         m, f, d = r["megatron"], r["fold"], r["defer"]
         gf, gd = f.tokens_per_s / m.tokens_per_s - 1, d.tokens_per_s / m.tokens_per_s - 1
         gains += [gf, gd]
-        lines.append(f"| {label} | {dp * pp * tp} ({dp}x{pp}x{tp}, V={v}) | {m.tokens_per_s:,.0f} | {m.all_rank_idle:.1%} | "
-                     f"{f.tokens_per_s:,.0f} | {f.all_rank_idle:.1%} | {gf:+.1%} | {d.tokens_per_s:,.0f} | {d.all_rank_idle:.1%} | "
-                     f"{gd:+.1%} | {f.peak_mem / GB:.1f}{'' if f.fits else ' (>16)'} |")
+        lines.append(
+            f"| {label} | {dp * pp * tp} ({dp}x{pp}x{tp}, V={v}) | {m.tokens_per_s:,.0f} | {m.all_rank_idle:.1%} | "
+            f"{f.tokens_per_s:,.0f} | {f.all_rank_idle:.1%} | {gf:+.1%} | {d.tokens_per_s:,.0f} | {d.all_rank_idle:.1%} | "
+            f"{gd:+.1%} | {f.peak_mem / GB:.1f}{'' if f.fits else ' (>16)'} |"
+        )
     label, shape, dp, pp, tp, v, mb, gb, seq = CASES[0]
     r = fold_compare(c, _fold_args(shape, dp, pp, tp, v, mb, gb, seq), wire={})
     m, f, d = r["megatron"], r["fold"], r["defer"]
-    lines.append(f"| {label}, foldtrain's wire format | {dp * pp * tp} ({dp}x{pp}x{tp}, V={v}) | {m.tokens_per_s:,.0f} | "
-                 f"{m.all_rank_idle:.1%} | {f.tokens_per_s:,.0f} | {f.all_rank_idle:.1%} | "
-                 f"{f.tokens_per_s / m.tokens_per_s - 1:+.1%} | {d.tokens_per_s:,.0f} | {d.all_rank_idle:.1%} | "
-                 f"{d.tokens_per_s / m.tokens_per_s - 1:+.1%} | {f.peak_mem / GB:.1f} |")
-    lines += ["", f"Simulated gains (Megatron wire format): {min(gains):+.1%} to {max(gains):+.1%} "
-              "(paper: +25.2% to +42.1% over four baselines).", ""]
+    lines.append(
+        f"| {label}, foldtrain's wire format | {dp * pp * tp} ({dp}x{pp}x{tp}, V={v}) | {m.tokens_per_s:,.0f} | "
+        f"{m.all_rank_idle:.1%} | {f.tokens_per_s:,.0f} | {f.all_rank_idle:.1%} | "
+        f"{f.tokens_per_s / m.tokens_per_s - 1:+.1%} | {d.tokens_per_s:,.0f} | {d.all_rank_idle:.1%} | "
+        f"{d.tokens_per_s / m.tokens_per_s - 1:+.1%} | {f.peak_mem / GB:.1f} |"
+    )
+    lines += [
+        "",
+        f"Simulated gains (Megatron wire format): {min(gains):+.1%} to {max(gains):+.1%} "
+        "(paper: +25.2% to +42.1% over four baselines).",
+        "",
+    ]
     # gain vs bandwidth, on the public example
     label, shape, dp, pp, tp, v, mb, gb, seq = CASES[0]
     args = _fold_args(shape, dp, pp, tp, v, mb, gb, seq)
@@ -156,10 +232,20 @@ def fold3d(lines: list[str], img_dir: Path) -> None:
     for gbit in rates:
         cc = dataclasses.replace(c, inter=dataclasses.replace(c.inter, bw=gbit * 1e9 / 8), name=f"{gbit} Gbit/s")
         r = fold_compare(cc, args)
-        pts.append((gbit, r["fold"].tokens_per_s / r["megatron"].tokens_per_s - 1,
-                    r["defer"].tokens_per_s / r["megatron"].tokens_per_s - 1, r["megatron"].all_rank_idle))
-    lines += ["### Gain against network bandwidth (public example, 32 GPUs)", "",
-              "| network Gbit/s per node | Megatron all-GPU idle | fold gain | fold+defer gain |", "|---|---|---|---|"]
+        pts.append(
+            (
+                gbit,
+                r["fold"].tokens_per_s / r["megatron"].tokens_per_s - 1,
+                r["defer"].tokens_per_s / r["megatron"].tokens_per_s - 1,
+                r["megatron"].all_rank_idle,
+            )
+        )
+    lines += [
+        "### Gain against network bandwidth (public example, 32 GPUs)",
+        "",
+        "| network Gbit/s per node | Megatron all-GPU idle | fold gain | fold+defer gain |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {g} | {idle:.1%} | {a:+.1%} | {b:+.1%} |" for g, a, b, idle in pts]
     png = img_dir / "sim_fold_gain_vs_bandwidth.png"
     try:
@@ -191,10 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out)
     t0 = time.time()
-    lines = ["# Reproducing the papers with the simulator", "",
-             f"Regenerate with `{CMD}` (writes this file and `img/sim_fold_gain_vs_bandwidth.png`). "
-             "Every number here is a prediction of `foldtrain simulate` on a cluster preset "
-             "(`foldtrain/sim/clusters/`, each number with its source); nothing ran on GPUs.", ""]
+    lines = [
+        "# Reproducing the papers with the simulator",
+        "",
+        f"Regenerate with `{CMD}` (writes this file and `img/sim_fold_gain_vs_bandwidth.png`). "
+        "Every number here is a prediction of `foldtrain simulate` on a cluster preset "
+        "(`foldtrain/sim/clusters/`, each number with its source); nothing ran on GPUs.",
+        "",
+    ]
     hp3c(lines)
     fold3d(lines, out / "img")
     lines += [f"_Generated in {time.time() - t0:.0f} s._", ""]
@@ -203,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     marker = "<!-- discussion -->"
     path = out / "reproduction.md"
     if path.is_file() and marker in path.read_text():
-        body += "\n" + path.read_text()[path.read_text().index(marker):]
+        body += "\n" + path.read_text()[path.read_text().index(marker) :]
     path.write_text(body)
     print(f"wrote {path}")
     return 0

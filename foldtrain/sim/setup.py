@@ -63,7 +63,9 @@ class Setup:
     budget_bytes: float = 0.0  # sharded-ps: --dp.shard_budget_mb (0: one bucket, the largest)
     fold_bucket_bytes: float = 2 * 2**20  # 3D with --fold.defer_reduce: deferred reductions go in buckets of this size
     cycle_s: float = 0.0  # allreduce: Horovod's cycle time (a bucket also closes this long after the last launch)
-    p2p_scatter: bool = False  # Megatron's scatter/gather: each TP rank sends 1/tp of an activation (not foldtrain's executor)
+    p2p_scatter: bool = (
+        False  # Megatron's scatter/gather: each TP rank sends 1/tp of an activation (not foldtrain's executor)
+    )
 
     @property
     def world(self) -> int:
@@ -74,8 +76,12 @@ class Setup:
         """``sharded-ps``: the replica's gradients and slice buffers a rank holds before its backward waits
         for the link: the largest bucket (``--dp.shard_bucket_mb``, or a gradient bigger than that, alone:
         the embedding, a 4d x d matrix), or ``--dp.shard_budget_mb`` if larger."""
-        return max(self.shard_bytes, self.vocab * self.d_model / self.tp * self.grad_bytes,
-                   4 * self.d_model * self.d_model / self.tp * self.grad_bytes, self.budget_bytes)
+        return max(
+            self.shard_bytes,
+            self.vocab * self.d_model / self.tp * self.grad_bytes,
+            4 * self.d_model * self.d_model / self.tp * self.grad_bytes,
+            self.budget_bytes,
+        )
 
     @property
     def segments(self) -> int:
@@ -117,7 +123,9 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
     else:
         workers = p.dp
         if strategy == "none" and workers > 1:
-            raise ConfigError(f"--parallel.dp {workers} needs a data-parallel strategy or the 3D engine; this should not happen")
+            raise ConfigError(
+                f"--parallel.dp {workers} needs a data-parallel strategy or the 3D engine; this should not happen"
+            )
         micro = t.micro_batch or max(1, t.global_batch // workers)
         if t.global_batch % (workers * micro):
             raise ConfigError(
@@ -128,15 +136,41 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         layers = (len(chunk_layers(m.n_layer, 1)[0]),)
         mode, strat = "dp", strategy if workers > 1 else "none"
     return Setup(
-        mode=mode, strategy=strat, dp=p.dp, servers=d.ps_servers if strat == "ps" else 0, pp=p.pp if three_d else 1,
-        tp=p.tp if three_d else 1, virtual=V, microbatches=n_micro, micro_batch=micro, seq=t.seq_len,
-        n_layer=m.n_layer, d_model=m.d_model, n_head=m.n_head, vocab=m.vocab_size, context=m.context, layers=layers,
-        dtype=dtype, weight_bytes=wb, grad_bytes=gb, act_bytes=ab, master=master, ac=cfg.ac == "full",
-        schedule=p.schedule if three_d else "gpipe", dp_sync=p.dp_sync if three_d else "after-flush",
-        defer=bool(cfg.fold.defer_reduce) and three_d, staleness=d.ps_staleness if strat == "ps" else 0,
-        bucket_bytes=d.bucket_mb * 2**20, fusion_bytes=d.fusion_mb * 2**20,
-        first_bytes=d.first_bucket_mb * 2**20, shard_bytes=d.shard_bucket_mb * 2**20, slice_bytes=d.shard_slice_mb * 2**20,
-        budget_bytes=d.shard_budget_mb * 2**20, fold_bucket_bytes=cfg.fold.bucket_mb * 2**20, cycle_s=d.cycle_ms * 1e-3,
+        mode=mode,
+        strategy=strat,
+        dp=p.dp,
+        servers=d.ps_servers if strat == "ps" else 0,
+        pp=p.pp if three_d else 1,
+        tp=p.tp if three_d else 1,
+        virtual=V,
+        microbatches=n_micro,
+        micro_batch=micro,
+        seq=t.seq_len,
+        n_layer=m.n_layer,
+        d_model=m.d_model,
+        n_head=m.n_head,
+        vocab=m.vocab_size,
+        context=m.context,
+        layers=layers,
+        dtype=dtype,
+        weight_bytes=wb,
+        grad_bytes=gb,
+        act_bytes=ab,
+        master=master,
+        ac=cfg.ac == "full",
+        schedule=p.schedule if three_d else "gpipe",
+        dp_sync=p.dp_sync if three_d else "after-flush",
+        defer=bool(cfg.fold.defer_reduce) and three_d,
+        staleness=d.ps_staleness if strat == "ps" else 0,
+        bucket_bytes=d.bucket_mb * 2**20,
+        fusion_bytes=d.fusion_mb * 2**20,
+        first_bytes=d.first_bucket_mb * 2**20,
+        shard_bytes=d.shard_bucket_mb * 2**20,
+        slice_bytes=d.shard_slice_mb * 2**20,
+        budget_bytes=d.shard_budget_mb * 2**20,
+        fold_bucket_bytes=cfg.fold.bucket_mb * 2**20,
+        cycle_s=d.cycle_ms * 1e-3,
         wire_factor=(0.5 if d.compression in ("fp16", "bf16") and gb == 4 else 1.0) if strat == "allreduce" else 1.0,
-        fp16_scaler=cfg.precision.startswith("fp16"), clip=cfg.optim.grad_clip > 0,
+        fp16_scaler=cfg.precision.startswith("fp16"),
+        clip=cfg.optim.grad_clip > 0,
     )

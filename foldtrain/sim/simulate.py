@@ -117,22 +117,39 @@ class RunCosts:
                     done += b
                     ready = done / g if i < len(sizes) - 1 else None  # the pipeline engine's one buffer: at the LR
                     if s.strategy == "sharded-ps":  # per bucket a reduce-scatter per slice, (n-1) steps each
-                        phases = [self.steps((n - 1) * math.ceil(b / s.slice_bytes), lat), ("delay", add(b)), ("flow", key, weight, (n - 1) / n * b)]
+                        phases = [
+                            self.steps((n - 1) * math.ceil(b / s.slice_bytes), lat),
+                            ("delay", add(b)),
+                            ("flow", key, weight, (n - 1) / n * b),
+                        ]
                     else:
                         phases = self.ring(p, b)
                     out.append((ready, phases))
-                if s.strategy == "sharded-ps":  # then every bucket's all-gather of the updated parameters, (n-1) steps each
+                if (
+                    s.strategy == "sharded-ps"
+                ):  # then every bucket's all-gather of the updated parameters, (n-1) steps each
                     out.append((None, [self.steps((n - 1) * len(sizes), lat), ("flow", key, weight, (n - 1) / n * w)]))
             elif s.strategy == "ps":
                 bw_s, lat_s = self.server_link()
                 k = max(s.servers, 1)
                 senders = n if s.servers else n - 1
                 if s.staleness > 0:  # a worker waits for its own push and pull only
-                    out = [(None, [("delay", 2 * lat_s), ("flow", ("worker", p), 1.0, g), ("flow", ("worker", p), 1.0, w)])]
+                    out = [
+                        (None, [("delay", 2 * lat_s), ("flow", ("worker", p), 1.0, g), ("flow", ("worker", p), 1.0, w)])
+                    ]
                 else:
-                    out = [(None, [("delay", lat_s), ("flow", ("srv-in",), 1.0, senders * g / k),
-                                   ("delay", senders * g / k / self.c.mem_bw + self.cm.optim(seg, 1.0 / k)),
-                                   ("flow", ("srv-out",), 1.0, senders * w / k), ("delay", lat_s)])]
+                    out = [
+                        (
+                            None,
+                            [
+                                ("delay", lat_s),
+                                ("flow", ("srv-in",), 1.0, senders * g / k),
+                                ("delay", senders * g / k / self.c.mem_bw + self.cm.optim(seg, 1.0 / k)),
+                                ("flow", ("srv-out",), 1.0, senders * w / k),
+                                ("delay", lat_s),
+                            ],
+                        )
+                    ]
         self._red[seg] = out
         return out
 
@@ -153,8 +170,11 @@ class RunCosts:
         received parts summed at memory bandwidth, 2 (n-1)/n of the bytes (compressed) on the link."""
         n = self.s.dp
         key, weight, _bw, lat = self.pl.dp_link(p)
-        return [self.steps(2 * (n - 1), lat), ("delay", (n - 1) / n * nbytes * 3 / self.c.mem_bw),
-                ("flow", key, weight, 2 * (n - 1) / n * nbytes * self.s.wire_factor)]
+        return [
+            self.steps(2 * (n - 1), lat),
+            ("delay", (n - 1) / n * nbytes * 3 / self.c.mem_bw),
+            ("flow", key, weight, 2 * (n - 1) / n * nbytes * self.s.wire_factor),
+        ]
 
     def hold_deferred(self) -> bool:
         """Whether deferred buckets wait for the urgent reductions and the end of the iteration (the
@@ -171,8 +191,11 @@ class RunCosts:
         s = self.s
         if s.mode != "dp" or s.strategy not in ("ddp", "sharded-ps", "allreduce"):
             return [g]
-        first, rest = {"ddp": (2**20, s.bucket_bytes), "sharded-ps": (s.first_bytes, s.shard_bytes),
-                       "allreduce": (s.first_bytes, s.fusion_bytes)}[s.strategy]
+        first, rest = {
+            "ddp": (2**20, s.bucket_bytes),
+            "sharded-ps": (s.first_bytes, s.shard_bytes),
+            "allreduce": (s.first_bytes, s.fusion_bytes),
+        }[s.strategy]
         if g <= first:
             return [g]
         sizes = [first]
@@ -240,7 +263,11 @@ class RunCosts:
         if s.mode == "dp":
             if s.dp <= 1 or s.strategy not in ("sharded-ps", "ps") or (s.strategy == "ps" and s.staleness > 0):
                 return None
-            norm = self.pl.world_latency() if s.strategy == "sharded-ps" else CostModel.tree_latency(s.servers, self.server_link()[1])
+            norm = (
+                self.pl.world_latency()
+                if s.strategy == "sharded-ps"
+                else CostModel.tree_latency(s.servers, self.server_link()[1])
+            )
             cost = norm + (self.pl.world_latency() if s.fp16_scaler else 0.0)
             return cost or None
         if s.pp * s.tp == 1 and not s.fp16_scaler:
@@ -290,11 +317,22 @@ class Result:
         s = self.setup
         return {
             "cluster": self.cluster.name,
-            "layout": {"dp": s.dp, "pp": s.pp, "tp": s.tp, "virtual": s.virtual, "microbatches": s.microbatches,
-                       "micro_batch": s.micro_batch, "schedule": s.schedule if s.mode == "3d" else None,
-                       "dp_sync": s.dp_sync if s.mode == "3d" else None, "defer_reduce": s.defer,
-                       "strategy": s.strategy, "ps_servers": s.servers, "precision": s.dtype, "ac": s.ac,
-                       "world": s.world},
+            "layout": {
+                "dp": s.dp,
+                "pp": s.pp,
+                "tp": s.tp,
+                "virtual": s.virtual,
+                "microbatches": s.microbatches,
+                "micro_batch": s.micro_batch,
+                "schedule": s.schedule if s.mode == "3d" else None,
+                "dp_sync": s.dp_sync if s.mode == "3d" else None,
+                "defer_reduce": s.defer,
+                "strategy": s.strategy,
+                "ps_servers": s.servers,
+                "precision": s.dtype,
+                "ac": s.ac,
+                "world": s.world,
+            },
             "step_time_s": self.step_time,
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
@@ -310,10 +348,14 @@ class Result:
 
 
 def simulate_setup(s: Setup, c: Cluster, *, check_memory: bool = True, keep_events: bool = False) -> Result:
-    sched = build_schedule("1f1b" if s.mode == "dp" else s.schedule, s.pp, s.virtual, s.microbatches, s.dp_sync, s.defer)
+    sched = build_schedule(
+        "1f1b" if s.mode == "dp" else s.schedule, s.pp, s.virtual, s.microbatches, s.dp_sync, s.defer
+    )
     costs = RunCosts(s, c)
-    mems = [rank_memory(s, costs.cm, sched, p, c.runtime, server=(s.strategy == "ps" and s.servers == 0 and p == 0))
-            for p in range(s.pp)]
+    mems = [
+        rank_memory(s, costs.cm, sched, p, c.runtime, server=(s.strategy == "ps" and s.servers == 0 and p == 0))
+        for p in range(s.pp)
+    ]
     notes: list[str] = []
     if s.strategy == "ps" and s.servers:
         srv = rank_memory(s, costs.cm, sched, 0, c.runtime, server=True)
@@ -340,7 +382,9 @@ def simulate_setup(s: Setup, c: Cluster, *, check_memory: bool = True, keep_even
         k = max(s.servers, 1)
         tot_g = sum(costs.cm.grad_bytes(g) for g in range(s.segments))
         tot_w = sum(segment_params(s, g) for g in range(s.segments)) * s.weight_bytes
-        server = max(s.dp * tot_g, s.dp * tot_w) / k / bw_s + s.dp / k * sum(costs.cm.optim(g) for g in range(s.segments))
+        server = max(s.dp * tot_g, s.dp * tot_w) / k / bw_s + s.dp / k * sum(
+            costs.cm.optim(g) for g in range(s.segments)
+        )
         if server > step:
             notes.append(f"async parameter server bound: the server needs {server:.4g} s per round of {s.dp} gradients")
             step = server
@@ -351,10 +395,19 @@ def simulate_setup(s: Setup, c: Cluster, *, check_memory: bool = True, keep_even
     flops = 6 * model_params(s) * tokens + 12 * s.n_layer * s.seq * s.d_model * tokens
     devices = s.dp * s.pp * s.tp
     mfu = flops / (step * devices * c.peak(s.dtype)) if step > 0 else 0.0
-    return Result(setup=s, cluster=c, step_time=step, tokens_per_s=tokens / step if step > 0 else 0.0, mfu=mfu,
-                  bubble=summ.get("bubble_mean", 0.0), all_rank_idle=summ.get("all_idle", 0.0),
-                  exposed_dp=summ.get("reduce_wait_max", 0.0), memory=mems, events=evs if keep_events else [],
-                  notes=notes)
+    return Result(
+        setup=s,
+        cluster=c,
+        step_time=step,
+        tokens_per_s=tokens / step if step > 0 else 0.0,
+        mfu=mfu,
+        bubble=summ.get("bubble_mean", 0.0),
+        all_rank_idle=summ.get("all_idle", 0.0),
+        exposed_dp=summ.get("reduce_wait_max", 0.0),
+        memory=mems,
+        events=evs if keep_events else [],
+        notes=notes,
+    )
 
 
 def simulate(cfg, cluster: Cluster, *, check_memory: bool = True, keep_events: bool = False) -> Result:

@@ -16,7 +16,9 @@ from .events import run_schedule
 
 
 class UnitCosts:
-    def __init__(self, t_f: float = 1.0, t_b: float = 2.0, t_comm: float = 0.0, t_reduce: float = 0.0, t_optim: float = 0.0):
+    def __init__(
+        self, t_f: float = 1.0, t_b: float = 2.0, t_comm: float = 0.0, t_reduce: float = 0.0, t_optim: float = 0.0
+    ):
         self.t_f, self.t_b, self.t_comm, self.t_reduce, self.t_optim = t_f, t_b, t_comm, t_reduce, t_optim
 
     def compute(self, p: int, a) -> float:
@@ -59,13 +61,26 @@ def simulate_order(sched: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: 
     makespan = max((e for acts in out for _, _, e in acts), default=0.0)
     busy = [sum(e - s for _, s, e in acts) for acts in out]
     bubble = [1.0 - b / makespan if makespan else 0.0 for b in busy]
-    return {"ranks": out, "makespan": makespan, "busy": busy, "bubble": bubble,
-            "_sched": sched, "_costs": (t_f, t_b, t_comm)}
+    return {
+        "ranks": out,
+        "makespan": makespan,
+        "busy": busy,
+        "bubble": bubble,
+        "_sched": sched,
+        "_costs": (t_f, t_b, t_comm),
+    }
 
 
-def events_from_simulation(sim_result: dict[str, Any], schedule: Schedule | None = None, *, t_reduce: float = 0.0,
-                           t_optim: float = 0.0, unit_s: float = 1e-3, step: int = 0,
-                           recv_waits: bool = True) -> list[list[dict[str, Any]]]:
+def events_from_simulation(
+    sim_result: dict[str, Any],
+    schedule: Schedule | None = None,
+    *,
+    t_reduce: float = 0.0,
+    t_optim: float = 0.0,
+    unit_s: float = 1e-3,
+    step: int = 0,
+    recv_waits: bool = True,
+) -> list[list[dict[str, Any]]]:
     """Per-rank profile events (:mod:`foldtrain.profile.timeline` format) of a unit-cost run.
 
     One unit becomes ``unit_s`` seconds. With ``t_reduce`` / ``t_optim`` > 0 the reductions and

@@ -65,7 +65,9 @@ class RunLogger:
             post = {k: record[k] for k in ("loss", "val_loss") if k in record}
             if "tokens_per_s" in record:
                 post["tok/s"] = f"{record['tokens_per_s']:.0f}"
-            self.bar.set_postfix({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in post.items()}, refresh=False)
+            self.bar.set_postfix(
+                {k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in post.items()}, refresh=False
+            )
             self.bar.update(advance)
 
     def close(self) -> None:

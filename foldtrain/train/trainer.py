@@ -17,12 +17,19 @@ from foldtrain import faults
 from foldtrain.checkpoint import RunPlan, export_safetensors, plan_run
 from foldtrain.config import Config, dp_workers, to_toml, validate
 from foldtrain.data import SequenceSampler, TokenData, load_tokenizer, open_dataset, val_batches
-from foldtrain.distributed import (DistEnv, check_same_data, gather_floats, init_distributed, keep_freed_host_memory,
-                                   launch_world_size, shutdown)
-from foldtrain.errors import ConfigError
-from foldtrain.model.generate import sample
-from foldtrain.model import GPT, GPTShape, analytic_param_count
+from foldtrain.distributed import (
+    DistEnv,
+    check_same_data,
+    gather_floats,
+    init_distributed,
+    keep_freed_host_memory,
+    launch_world_size,
+    shutdown,
+)
 from foldtrain.engine import build_engine
+from foldtrain.errors import ConfigError
+from foldtrain.model import GPT, GPTShape, analytic_param_count
+from foldtrain.model.generate import sample
 from foldtrain.model.hf import maybe_init_from
 from foldtrain.schedules.layout import uses_3d_engine
 from foldtrain.train.metrics import RunLogger, peak_memory_mb
@@ -100,15 +107,24 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, plan: RunPlan) -> dict:
         torch.manual_seed(cfg.train.seed + 1000 * (env.rank // cfg.parallel.tp))
 
     log = RunLogger(out, env.is_main, t.steps, start, t.progress)
-    log.info(f"model {cfg.model.preset}: {n_params:,} parameters (analytic {analytic:,}); {env.world_size} process(es), strategy {cfg.dp.strategy}, precision {cfg.precision}, device {env.device}")
-    log.info(f"data: {data.split('train').shape[0]:,} train / {data.split('val').shape[0]:,} val tokens, vocab {data.vocab_size}; {len(sampler):,} sequences of {t.seq_len}")
+    log.info(
+        f"model {cfg.model.preset}: {n_params:,} parameters (analytic {analytic:,}); {env.world_size} process(es), strategy {cfg.dp.strategy}, precision {cfg.precision}, device {env.device}"
+    )
+    log.info(
+        f"data: {data.split('train').shape[0]:,} train / {data.split('val').shape[0]:,} val tokens, vocab {data.vocab_size}; {len(sampler):,} sequences of {t.seq_len}"
+    )
     if plan.notice:
         log.info(plan.notice)
     if plan.resume_from is not None:
         log.info(f"resumed from {plan.resume_from} at step {start}")
 
     tokens_per_step = t.global_batch * t.seq_len
-    meta = {"world_size": env.world_size, "strategy": cfg.dp.strategy, "model": GPTShape.from_config(cfg.model).__dict__, "data_step": 0}
+    meta = {
+        "world_size": env.world_size,
+        "strategy": cfg.dp.strategy,
+        "model": GPTShape.from_config(cfg.model).__dict__,
+        "data_step": 0,
+    }
     loss = float("nan")
     end = min(t.steps, t.stop_at) if t.stop_at else t.steps
     t_start = time.perf_counter()  # metrics' time_s: wall time since this session's loop began
@@ -123,7 +139,17 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, plan: RunPlan) -> dict:
             raise FloatingPointError(f"loss became {loss} at step {step + 1}; lower --optim.lr or use --precision fp32")
         done = step + 1
         if done % t.log_every == 0 or done == t.steps:
-            record = {"step": done, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "time_s": time.perf_counter() - t_start, "grad_norm": engine.last_grad_norm, **memory_record(env), **engine.stats()}
+            record = {
+                "step": done,
+                "loss": loss,
+                "lr": lr,
+                "tokens_per_s": tokens_per_step / dt,
+                "step_time_s": dt,
+                "time_s": time.perf_counter() - t_start,
+                "grad_norm": engine.last_grad_norm,
+                **memory_record(env),
+                **engine.stats(),
+            }
             if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
                 record["val_loss"] = engine.eval_loss(val)
                 record["val_ppl"] = math.exp(min(record["val_loss"], 50.0))
@@ -141,7 +167,9 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, plan: RunPlan) -> dict:
         if cfg.checkpoint.safetensors and full is not None:
             export_safetensors(full, out / "model.safetensors", GPTShape.from_config(cfg.model).__dict__)
         if t.sample_tokens and full is not None:
-            text = generate_text(full, data, cfg, prompt=t.sample_prompt, max_new_tokens=t.sample_tokens, device=env.device)
+            text = generate_text(
+                full, data, cfg, prompt=t.sample_prompt, max_new_tokens=t.sample_tokens, device=env.device
+            )
             print(f"\n----- sample after {t.steps} steps -----\n{text}\n-----", flush=True)
     else:
         engine.eval_model()  # collective on some layouts (gathering a sharded model)
@@ -157,7 +185,17 @@ def memory_record(env: DistEnv) -> dict:
     return {"peak_mem_mb": mine, "peak_mem_mb_max": max(ranks), "peak_mem_mb_ranks": ranks}
 
 
-def generate_text(model: torch.nn.Module, data: TokenData, cfg: Config, prompt: str, max_new_tokens: int, device: torch.device, temperature: float = 0.8, top_k: int = 50, seed: int = 0) -> str:
+def generate_text(
+    model: torch.nn.Module,
+    data: TokenData,
+    cfg: Config,
+    prompt: str,
+    max_new_tokens: int,
+    device: torch.device,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    seed: int = 0,
+) -> str:
     tok = load_tokenizer(data.tokenizer_path)
     ids = tok.encode(prompt).ids if prompt else [data.eot_id]
     idx = torch.tensor([ids], dtype=torch.long, device=device)

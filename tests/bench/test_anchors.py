@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import sys
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,8 +22,23 @@ def run_anchor(n: int, module: str, *args: str, timeout: float = 120) -> subproc
 
 
 def common(data: Path, out: Path, steps: int = 2) -> list[str]:
-    return [*TINY_ARGS, "--train.global_batch", "4", "--train.seq_len", "16", "--train.steps", str(steps), "--optim.warmup_steps", "1",
-            "--data.path", str(data), "--out", str(out), "--train.device", "cpu"]
+    return [
+        *TINY_ARGS,
+        "--train.global_batch",
+        "4",
+        "--train.seq_len",
+        "16",
+        "--train.steps",
+        str(steps),
+        "--optim.warmup_steps",
+        "1",
+        "--data.path",
+        str(data),
+        "--out",
+        str(out),
+        "--train.device",
+        "cpu",
+    ]
 
 
 def records(out: Path) -> list[dict]:
@@ -33,8 +48,21 @@ def records(out: Path) -> list[dict]:
 def test_torch_pipelining_anchor_world2(small_data, tmp_path):
     """LoopedBFS with 2 chunks per rank (4 stages, the tied head split across ranks), 2 steps."""
     out = tmp_path / "bfs"
-    r = run_anchor(2, "foldtrain.bench.anchors.torch_pipelining", "--schedule", "looped-bfs", *common(small_data, out),
-                 "--model.n_layer", "4", "--parallel.pp", "2", "--parallel.virtual", "2", "--parallel.microbatches", "2")
+    r = run_anchor(
+        2,
+        "foldtrain.bench.anchors.torch_pipelining",
+        "--schedule",
+        "looped-bfs",
+        *common(small_data, out),
+        "--model.n_layer",
+        "4",
+        "--parallel.pp",
+        "2",
+        "--parallel.virtual",
+        "2",
+        "--parallel.microbatches",
+        "2",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rec = records(out)
     assert [x["step"] for x in rec] == [1, 2]
@@ -46,19 +74,33 @@ def test_torch_pipelining_anchor_world2(small_data, tmp_path):
 
 def test_ddp_plain_anchor_world2(small_data, tmp_path):
     out = tmp_path / "ddp"
-    r = run_anchor(2, "foldtrain.bench.anchors.ddp_plain", *common(small_data, out, steps=3), "--train.micro_batch", "1")
+    r = run_anchor(
+        2, "foldtrain.bench.anchors.ddp_plain", *common(small_data, out, steps=3), "--train.micro_batch", "1"
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rec = records(out)
     assert [x["step"] for x in rec] == [1, 2, 3]
     assert all(x["tokens_per_s"] > 0 and 5.0 < x["loss"] < 8.0 for x in rec)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed (pip install -e '.[bench]')")
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed (pip install -e '.[bench]')"
+)
 def test_deepspeed_pipe_anchor_world2(small_data, tmp_path):
     """DeepSpeed's PipelineModule over 2 pipeline stages, 2 micro-batches, 2 steps (starts without compiling any op)."""
     out = tmp_path / "ds"
-    r = run_anchor(2, "foldtrain.bench.anchors.deepspeed_pipe", *common(small_data, out), "--model.n_layer", "2", "--parallel.pp", "2",
-                 "--parallel.microbatches", "2", timeout=300)
+    r = run_anchor(
+        2,
+        "foldtrain.bench.anchors.deepspeed_pipe",
+        *common(small_data, out),
+        "--model.n_layer",
+        "2",
+        "--parallel.pp",
+        "2",
+        "--parallel.microbatches",
+        "2",
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "built successfully" not in r.stdout + r.stderr  # no JIT-compiled DeepSpeed op
     rec = records(out)
@@ -70,9 +112,22 @@ def test_deepspeed_pipe_anchor_world2(small_data, tmp_path):
 def test_horovod_plain_anchor_world2(small_data, tmp_path):
     out = tmp_path / "hvd"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HOROVOD_CYCLE_TIME": "5"}
-    cmd = [str(HOROVODRUN), "-np", "2", "-H", "localhost:2", sys.executable, "-m", "foldtrain.bench.anchors.horovod_plain",
-           *common(small_data, out, steps=3), "--train.micro_batch", "1"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parents[2])
+    cmd = [
+        str(HOROVODRUN),
+        "-np",
+        "2",
+        "-H",
+        "localhost:2",
+        sys.executable,
+        "-m",
+        "foldtrain.bench.anchors.horovod_plain",
+        *common(small_data, out, steps=3),
+        "--train.micro_batch",
+        "1",
+    ]
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parents[2]
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     rec = records(out)
     assert [x["step"] for x in rec] == [1, 2, 3]

@@ -10,20 +10,36 @@ from pathlib import Path
 import pytest
 
 from foldtrain.bench import common, dp, pipeline
-from foldtrain.netem.cluster import format_rate, parse_rate, tbf_burst_bytes
 from foldtrain.bench.results import RunResult, error_line, load_results, read_metrics, save_results, summarize_records
-from foldtrain.bench.tables import (DP_HEADERS, PIPE_HEADERS, bytes_per_step, dp_ratios, dp_rows, markdown_table, pipeline_ratios,
-                                    pipeline_rows, report_markdown, text_table)
 from foldtrain.bench.runner import Job, run_job
+from foldtrain.bench.tables import (
+    DP_HEADERS,
+    PIPE_HEADERS,
+    bytes_per_step,
+    dp_ratios,
+    dp_rows,
+    markdown_table,
+    pipeline_ratios,
+    pipeline_rows,
+    report_markdown,
+    text_table,
+)
 from foldtrain.errors import FoldtrainError
+from foldtrain.netem.cluster import format_rate, parse_rate, tbf_burst_bytes
 
 
 def write_metrics(path: Path, step_times: list[float], tokens: int = 2048, **per_step) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     with open(path / "metrics.jsonl", "w") as f:
         for i, dt in enumerate(step_times):
-            rec = {"step": i + 1, "loss": 5.0 - 0.1 * i, "lr": 1e-3, "step_time_s": dt, "tokens_per_s": tokens / dt,
-                   "peak_mem_mb": 100.0 + i}
+            rec = {
+                "step": i + 1,
+                "loss": 5.0 - 0.1 * i,
+                "lr": 1e-3,
+                "step_time_s": dt,
+                "tokens_per_s": tokens / dt,
+                "peak_mem_mb": 100.0 + i,
+            }
             for k, v in per_step.items():
                 rec[k] = v[i] if isinstance(v, list) else v
             f.write(json.dumps(rec) + "\n")
@@ -31,19 +47,51 @@ def write_metrics(path: Path, step_times: list[float], tokens: int = 2048, **per
     return path / "metrics.jsonl"
 
 
-def run_from(tmp: Path, name: str, step_times, impl="foldtrain", variant="none", ranks=1, network="loopback", precision="fp32",
-             workers=None, bench="dp", warmup=2, wire=None, info=None, **per_step) -> RunResult:
+def run_from(
+    tmp: Path,
+    name: str,
+    step_times,
+    impl="foldtrain",
+    variant="none",
+    ranks=1,
+    network="loopback",
+    precision="fp32",
+    workers=None,
+    bench="dp",
+    warmup=2,
+    wire=None,
+    info=None,
+    **per_step,
+) -> RunResult:
     m = write_metrics(tmp / name, step_times, **per_step)
-    return RunResult(bench, impl, variant, precision, ranks, network, workers or ranks,
-                     metrics=summarize_records(read_metrics(m), warmup), wire=wire, info=info or {})
+    return RunResult(
+        bench,
+        impl,
+        variant,
+        precision,
+        ranks,
+        network,
+        workers or ranks,
+        metrics=summarize_records(read_metrics(m), warmup),
+        wire=wire,
+        info=info or {},
+    )
 
 
 # ---------------------------------------------------------------- medians
 
 
 def test_summarize_skips_warmup_and_takes_medians(tmp_path):
-    recs = read_metrics(write_metrics(tmp_path / "r", [9.0, 8.0, 1.0, 3.0, 2.0], comm_bytes_sent=100, comm_bytes_recv=[1, 2, 50, 70, 60],
-                                      comm_wait_s=[0, 0, 0.5, 1.5, 0.5], compute_s=0.2))
+    recs = read_metrics(
+        write_metrics(
+            tmp_path / "r",
+            [9.0, 8.0, 1.0, 3.0, 2.0],
+            comm_bytes_sent=100,
+            comm_bytes_recv=[1, 2, 50, 70, 60],
+            comm_wait_s=[0, 0, 0.5, 1.5, 0.5],
+            compute_s=0.2,
+        )
+    )
     assert len(recs) == 5  # the non-JSON line is skipped
     s = summarize_records(recs, warmup=2)
     assert s["step_time_s"] == 2.0
@@ -76,12 +124,16 @@ Root Cause (first observed failure):
 [0]:
   exitcode  : 2 (pid: 123)
 ============================================================"""
-    assert error_line(text) == "foldtrain: error: --dp.strategy ps is not available in this build; use --dp.strategy none"
+    assert (
+        error_line(text) == "foldtrain: error: --dp.strategy ps is not available in this build; use --dp.strategy none"
+    )
 
 
 def test_error_line_finds_the_exception_and_falls_back():
-    tb = "Traceback (most recent call last):\n  File x\nRuntimeError: Connection closed by peer\n" \
-         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n====\nRoot Cause (first observed failure):\n"
+    tb = (
+        "Traceback (most recent call last):\n  File x\nRuntimeError: Connection closed by peer\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n====\nRoot Cause (first observed failure):\n"
+    )
     assert error_line(tb) == "RuntimeError: Connection closed by peer"
     assert error_line("some output\nlast words\n") == "last words"
     assert error_line("") == "failed without output"
@@ -97,7 +149,10 @@ E1130 torch.distributed.elastic.multiprocessing.api: failed (exitcode: 1) local_
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 [1]:
   exitcode  : 1 (pid: 123)"""
-    assert error_line(torch_text) == "TypeError: _DistributedOptimizer.zero_grad() got an unexpected keyword argument 'set_to_none'"
+    assert (
+        error_line(torch_text)
+        == "TypeError: _DistributedOptimizer.zero_grad() got an unexpected keyword argument 'set_to_none'"
+    )
     hvd_text = """[1]<stderr>:Traceback (most recent call last):
 [1]<stderr>:ValueError: bad shape
 [0]<stdout>:step 1
@@ -108,8 +163,12 @@ RuntimeError: Horovod detected that one or more processes exited with non-zero s
 Process name: 1
 Exit code: 1"""
     assert error_line(hvd_text) == "ValueError: bad shape"
-    assert error_line("[1,0]<stderr>:foldtrain: error: no data\nRuntimeError: Horovod detected that one or more processes exited") \
+    assert (
+        error_line(
+            "[1,0]<stderr>:foldtrain: error: no data\nRuntimeError: Horovod detected that one or more processes exited"
+        )
         == "foldtrain: error: no data"
+    )
 
 
 # ---------------------------------------------------------------- dp table and ratios
@@ -120,19 +179,63 @@ def dp_runs(tmp_path):
     t = tmp_path
     runs = [
         run_from(t, "none", [9, 9, 1.0, 1.0, 1.0]),
-        run_from(t, "ar2", [9, 9, 0.6, 0.6, 0.6], variant="allreduce", ranks=2, comm_bytes_sent=5e6, comm_bytes_recv=5e6,
-                 comm_wait_s=0.15),
-        run_from(t, "sps2", [9, 9, 0.8, 0.8, 0.8], variant="sharded-ps", ranks=2, comm_bytes_sent=4e6, comm_bytes_recv=4e6,
-                 grad_optim_mem_mb=12.25),
+        run_from(
+            t,
+            "ar2",
+            [9, 9, 0.6, 0.6, 0.6],
+            variant="allreduce",
+            ranks=2,
+            comm_bytes_sent=5e6,
+            comm_bytes_recv=5e6,
+            comm_wait_s=0.15,
+        ),
+        run_from(
+            t,
+            "sps2",
+            [9, 9, 0.8, 0.8, 0.8],
+            variant="sharded-ps",
+            ranks=2,
+            comm_bytes_sent=4e6,
+            comm_bytes_recv=4e6,
+            grad_optim_mem_mb=12.25,
+        ),
         run_from(t, "plain2", [9, 9, 0.5, 0.5, 0.5], impl="ddp_plain", variant="", ranks=2),
         # throttled, 4 ranks: ps's rank 0 is the server; workers' bytes come from the link counters
-        run_from(t, "ps4", [9, 9, 2.0, 2.0, 2.0], variant="ps", ranks=4, network="100mbit", comm_bytes_sent=9e6,
-                 comm_bytes_recv=9e6, wire=[(9.5e6, 9.5e6), (3.1e6, 3.1e6), (3.0e6, 3.0e6), (2.9e6, 2.9e6)]),
-        run_from(t, "ar4", [9, 9, 1.0, 1.0, 1.0], variant="allreduce", ranks=4, network="100mbit", comm_bytes_sent=4e6,
-                 comm_bytes_recv=4e6, wire=[(4.2e6, 4.2e6)] * 4),
-        run_from(t, "plain4", [9, 9, 1.25, 1.25, 1.25], impl="ddp_plain", variant="", ranks=4, network="100mbit",
-                 wire=[(4.1e6, 4.1e6)] * 4),
-        RunResult("dp", "foldtrain", "horovod", "fp32", 2, "loopback", 2, error="foldtrain: error: horovod is not available"),
+        run_from(
+            t,
+            "ps4",
+            [9, 9, 2.0, 2.0, 2.0],
+            variant="ps",
+            ranks=4,
+            network="100mbit",
+            comm_bytes_sent=9e6,
+            comm_bytes_recv=9e6,
+            wire=[(9.5e6, 9.5e6), (3.1e6, 3.1e6), (3.0e6, 3.0e6), (2.9e6, 2.9e6)],
+        ),
+        run_from(
+            t,
+            "ar4",
+            [9, 9, 1.0, 1.0, 1.0],
+            variant="allreduce",
+            ranks=4,
+            network="100mbit",
+            comm_bytes_sent=4e6,
+            comm_bytes_recv=4e6,
+            wire=[(4.2e6, 4.2e6)] * 4,
+        ),
+        run_from(
+            t,
+            "plain4",
+            [9, 9, 1.25, 1.25, 1.25],
+            impl="ddp_plain",
+            variant="",
+            ranks=4,
+            network="100mbit",
+            wire=[(4.1e6, 4.1e6)] * 4,
+        ),
+        RunResult(
+            "dp", "foldtrain", "horovod", "fp32", 2, "loopback", 2, error="foldtrain: error: horovod is not available"
+        ),
     ]
     return runs
 
@@ -147,7 +250,9 @@ def test_dp_rows_speedup_efficiency_bytes(dp_runs):
     assert ar[h["speed-up"]] == "1.67x" and ar[h["efficiency"]] == "83.3%"
     assert ar[h["MB/step/worker"]] == "10.00" and ar[h["MB/step server"]] == "—"
     assert ar[h["comm wait"]] == "25.0%"
-    assert ar[h["grad+optim MB/rank"]] == "—" and rows[("sharded-ps", "2", "loopback")][h["grad+optim MB/rank"]] == "12.2"
+    assert (
+        ar[h["grad+optim MB/rank"]] == "—" and rows[("sharded-ps", "2", "loopback")][h["grad+optim MB/rank"]] == "12.2"
+    )
     ps = rows[("ps", "4", "100mbit")]
     assert ps[h["MB/step server"]] == "18.00"  # rank 0's counters
     assert ps[h["MB/step/worker"]] == "6.00*"  # mean of nodes 1..3 from the links, starred
@@ -175,8 +280,17 @@ def test_dp_ratios(dp_runs):
 
 
 def test_bytes_prefer_explicit_worker_server_keys(tmp_path):
-    r = run_from(tmp_path, "ps", [1, 1, 1, 1], variant="ps", ranks=3, comm_bytes_sent=1, comm_bytes_recv=1,
-                 worker_comm_bytes=10.0, server_comm_bytes=40.0)
+    r = run_from(
+        tmp_path,
+        "ps",
+        [1, 1, 1, 1],
+        variant="ps",
+        ranks=3,
+        comm_bytes_sent=1,
+        comm_bytes_recv=1,
+        worker_comm_bytes=10.0,
+        server_comm_bytes=40.0,
+    )
     assert bytes_per_step(r) == (10.0, 40.0, "counters")
     loop = run_from(tmp_path, "ps2", [1, 1, 1, 1], variant="ps", ranks=2, comm_bytes_sent=3, comm_bytes_recv=3)
     w, s, _ = bytes_per_step(loop)
@@ -212,17 +326,55 @@ def test_tables_render(dp_runs, tmp_path):
 
 def test_pipeline_rows_and_ratios(tmp_path):
     t = tmp_path
-    mk = lambda name, times, impl, variant, v, sync, **kw: run_from(t, name, times, impl=impl, variant=variant, ranks=4, workers=2,
-                                                                      network="1gbit", bench="pipeline",
-                                                                      info={"virtual": v, "dp_sync": sync}, **kw)
+    mk = lambda name, times, impl, variant, v, sync, **kw: run_from(
+        t,
+        name,
+        times,
+        impl=impl,
+        variant=variant,
+        ranks=4,
+        workers=2,
+        network="1gbit",
+        bench="pipeline",
+        info={"virtual": v, "dp_sync": sync},
+        **kw,
+    )
     runs = [
-        mk("il", [9, 9, 1.2, 1.2], "foldtrain", "interleaved-1f1b", 2, "after-flush", all_rank_idle_fraction=0.4,
-           bubble_fraction=0.5, exposed_dp_comm_s=0.3),
+        mk(
+            "il",
+            [9, 9, 1.2, 1.2],
+            "foldtrain",
+            "interleaved-1f1b",
+            2,
+            "after-flush",
+            all_rank_idle_fraction=0.4,
+            bubble_fraction=0.5,
+            exposed_dp_comm_s=0.3,
+        ),
         mk("fold_af", [9, 9, 2.0, 2.0], "foldtrain", "fold", 2, "after-flush", all_rank_idle_fraction=0.5),
-        mk("fold", [9, 9, 1.0, 1.0], "foldtrain", "fold", 2, "per-chunk", all_rank_idle_fraction=0.1, bubble_fraction=0.45,
-           exposed_dp_comm_s=0.05),
+        mk(
+            "fold",
+            [9, 9, 1.0, 1.0],
+            "foldtrain",
+            "fold",
+            2,
+            "per-chunk",
+            all_rank_idle_fraction=0.1,
+            bubble_fraction=0.45,
+            exposed_dp_comm_s=0.05,
+        ),
         mk("bfs", [9, 9, 1.1, 1.1], "torch", "looped-bfs", 2, "after-flush", wire=[(3e6, 3e6), (3e6, 3e6)]),
-        RunResult("pipeline", "foldtrain", "gpipe", "fp32", 4, "1gbit", 2, error="RuntimeError: x", info={"virtual": 1, "dp_sync": "after-flush"}),
+        RunResult(
+            "pipeline",
+            "foldtrain",
+            "gpipe",
+            "fp32",
+            4,
+            "1gbit",
+            2,
+            error="RuntimeError: x",
+            info={"virtual": 1, "dp_sync": "after-flush"},
+        ),
     ]
     rows = pipeline_rows(runs)
     h = {k: i for i, k in enumerate(PIPE_HEADERS)}
@@ -249,8 +401,24 @@ def test_parse_rate():
 
 
 def test_dp_plan_shapes_the_study():
-    a = dp.parser().parse_args(["--strategies", "none,allreduce,ps", "--precisions", "fp32,bf16", "--ranks", "1,2,4",
-                                "--networks", "loopback,1gbit", "--anchors", "ddp_plain,horovod", "--ps_servers", "1", "--global_batch", "12"])
+    a = dp.parser().parse_args(
+        [
+            "--strategies",
+            "none,allreduce,ps",
+            "--precisions",
+            "fp32,bf16",
+            "--ranks",
+            "1,2,4",
+            "--networks",
+            "loopback,1gbit",
+            "--anchors",
+            "ddp_plain,horovod",
+            "--ps_servers",
+            "1",
+            "--global_batch",
+            "12",
+        ]
+    )
     notes = []
     jobs = dp.plan(a, "/data", horovod_ok=False, notes=notes)
     assert notes == []
@@ -280,14 +448,31 @@ def test_dp_plan_horovod_rows(monkeypatch):
     the hand-made Horovod launch on the emulated network, each with the cycle time(s) asked for."""
     hvdrun = lambda n: ["/env/bin/horovodrun", "-np", str(n), "-H", f"localhost:{n}", "/env/bin/python"]  # noqa: E731
     monkeypatch.setattr(dp, "horovodrun_command", hvdrun)
-    a = dp.parser().parse_args(["--strategies", "none,horovod", "--precisions", "fp32", "--ranks", "1,2", "--networks", "loopback,1gbit",
-                                "--anchors", "ddp_plain,horovod", "--horovod_cycle_ms", "1,20"])
+    a = dp.parser().parse_args(
+        [
+            "--strategies",
+            "none,horovod",
+            "--precisions",
+            "fp32",
+            "--ranks",
+            "1,2",
+            "--networks",
+            "loopback,1gbit",
+            "--anchors",
+            "ddp_plain,horovod",
+            "--horovod_cycle_ms",
+            "1,20",
+        ]
+    )
     jobs = dp.plan(a, "/data", horovod_ok=True, notes=[])
     hvd = [j for js in jobs.values() for j in js if j.horovod]
     assert sorted({j.result.label for j in hvd}) == ["horovod", "horovod_plain"]
     assert len(hvd) == 8  # 2 rows x 2 networks x 2 cycle times
     for j in hvd:
-        assert j.env["HOROVOD_CYCLE_TIME"] == j.result.info["cycle_ms"] and j.result.info["note"] == f"cycle {j.result.info['cycle_ms']} ms"
+        assert (
+            j.env["HOROVOD_CYCLE_TIME"] == j.result.info["cycle_ms"]
+            and j.result.info["note"] == f"cycle {j.result.info['cycle_ms']} ms"
+        )
         if j.result.network == "loopback":
             cmd = j.command(Path("/o"))
             assert cmd[:6] == hvdrun(2) and cmd[-2:] == ["--out", "/o"]
@@ -306,22 +491,48 @@ def test_quick_keeps_explicit_options():
 
 
 def test_pipeline_plan():
-    a = pipeline.parser().parse_args(["--schedules", "gpipe,fold,fold:after-flush,fold+defer", "--torch_schedules", "1f1b,looped-bfs",
-                                      "--networks", "1gbit,loopback"])
+    a = pipeline.parser().parse_args(
+        [
+            "--schedules",
+            "gpipe,fold,fold:after-flush,fold+defer",
+            "--torch_schedules",
+            "1f1b,looped-bfs",
+            "--networks",
+            "1gbit,loopback",
+        ]
+    )
     jobs = pipeline.plan(a, "/data", deepspeed_ok=False)
     slow = jobs["1gbit"]
     # every foldtrain run twice: plain (its speed is reported) and a profiled twin (its idle figures)
-    assert [(j.result.impl, j.result.variant, j.result.info["virtual"], j.result.info["dp_sync"], bool(j.result.info.get("profiled_twin")))
-            for j in slow] == [
-        ("foldtrain", "gpipe", 1, "after-flush", False), ("foldtrain", "gpipe", 1, "after-flush", True),
-        ("foldtrain", "fold", 2, "per-chunk", False), ("foldtrain", "fold", 2, "per-chunk", True),
-        ("foldtrain", "fold", 2, "after-flush", False), ("foldtrain", "fold", 2, "after-flush", True),
-        ("foldtrain", "fold", 2, "per-chunk", False), ("foldtrain", "fold", 2, "per-chunk", True),
-        ("torch", "1f1b", 1, "after-flush", False), ("torch", "looped-bfs", 2, "after-flush", False)]
+    assert [
+        (
+            j.result.impl,
+            j.result.variant,
+            j.result.info["virtual"],
+            j.result.info["dp_sync"],
+            bool(j.result.info.get("profiled_twin")),
+        )
+        for j in slow
+    ] == [
+        ("foldtrain", "gpipe", 1, "after-flush", False),
+        ("foldtrain", "gpipe", 1, "after-flush", True),
+        ("foldtrain", "fold", 2, "per-chunk", False),
+        ("foldtrain", "fold", 2, "per-chunk", True),
+        ("foldtrain", "fold", 2, "after-flush", False),
+        ("foldtrain", "fold", 2, "after-flush", True),
+        ("foldtrain", "fold", 2, "per-chunk", False),
+        ("foldtrain", "fold", 2, "per-chunk", True),
+        ("torch", "1f1b", 1, "after-flush", False),
+        ("torch", "looped-bfs", 2, "after-flush", False),
+    ]
     assert all(j.nnodes == 2 and j.nproc_per_node == 2 for j in slow)
     assert all(j.nnodes == 1 and j.nproc_per_node == 4 for j in jobs["loopback"])
     fold, twin, defer = slow[2], slow[3], slow[6]
-    assert "--profile" not in fold.args and "--profile" in twin.args and fold.args[fold.args.index("--parallel.microbatches") + 1] == "4"
+    assert (
+        "--profile" not in fold.args
+        and "--profile" in twin.args
+        and fold.args[fold.args.index("--parallel.microbatches") + 1] == "4"
+    )
     assert "--fold.defer_reduce" in defer.args and defer.result.info["defer"]
     assert len({common.run_name(j.result) for j in slow}) == len(slow)  # every run its own directory
     with pytest.raises(FoldtrainError, match="unknown schedule"):
@@ -338,18 +549,45 @@ def test_overlap_efficiency_from_the_runs():
     assert v == pytest.approx(0.75) and "max(compute 500, link 600)" in detail
     assert efficiency(0.5, 0.5, 0.5, 0.1)[0] is None  # nothing to hide
     info = {"virtual": 2, "dp_sync": "per-chunk"}
-    base = RunResult("pipeline", "foldtrain", "interleaved-1f1b", network="1gbit", metrics={"step_time_s": 1.0},
-                     info={"virtual": 2, "dp_sync": "after-flush"})
-    fold = RunResult("pipeline", "foldtrain", "fold", network="1gbit", metrics={"step_time_s": 0.7}, info=dict(info),
-                     wire=[(75e6, 70e6), (60e6, 75e6)])  # 75 MB at 125 MB/s: 0.6 s
-    twin = RunResult("pipeline", "foldtrain", "fold", network="1gbit", info={**info, "profiled_twin": True},
-                     metrics={"step_time_s": 0.9, "profiled_step_s": 0.8, "exposed_dp_comm_s": 0.3, "all_rank_idle_fraction": 0.2})
+    base = RunResult(
+        "pipeline",
+        "foldtrain",
+        "interleaved-1f1b",
+        network="1gbit",
+        metrics={"step_time_s": 1.0},
+        info={"virtual": 2, "dp_sync": "after-flush"},
+    )
+    fold = RunResult(
+        "pipeline",
+        "foldtrain",
+        "fold",
+        network="1gbit",
+        metrics={"step_time_s": 0.7},
+        info=dict(info),
+        wire=[(75e6, 70e6), (60e6, 75e6)],
+    )  # 75 MB at 125 MB/s: 0.6 s
+    twin = RunResult(
+        "pipeline",
+        "foldtrain",
+        "fold",
+        network="1gbit",
+        info={**info, "profiled_twin": True},
+        metrics={"step_time_s": 0.9, "profiled_step_s": 0.8, "exposed_dp_comm_s": 0.3, "all_rank_idle_fraction": 0.2},
+    )
     runs = merge_profiled([base, fold, twin])
     assert runs == [base, fold] and fold.metrics["all_rank_idle_fraction"] == 0.2 and fold.metrics["step_time_s"] == 0.7
     (r,) = pipeline_overlap(runs)
     assert r.value == pytest.approx(0.75), r.line()  # compute = 0.8 - 0.3 s
-    dp = RunResult("dp", "foldtrain", "allreduce", ranks=4, workers=4, network="1gbit", wire=[(12.5e6, 12.5e6)],
-                   metrics={"step_time_s": 0.25, "compute_s": 0.2})  # link 0.1 s: after-flush 0.3, bound 0.2
+    dp = RunResult(
+        "dp",
+        "foldtrain",
+        "allreduce",
+        ranks=4,
+        workers=4,
+        network="1gbit",
+        wire=[(12.5e6, 12.5e6)],
+        metrics={"step_time_s": 0.25, "compute_s": 0.2},
+    )  # link 0.1 s: after-flush 0.3, bound 0.2
     (r,) = dp_overlap([dp])
     assert r.value == pytest.approx(0.5)
 
@@ -400,8 +638,12 @@ def test_slug_and_csv():
 def test_merge_repeats(tmp_path):
     from foldtrain.bench.results import merge_repeats
 
-    a = run_from(tmp_path, "a", [9, 9, 1.0, 1.0], variant="allreduce", ranks=2, network="1gbit", wire=[(1.0, 2.0), (3.0, 4.0)])
-    b = run_from(tmp_path, "b", [9, 9, 3.0, 3.0], variant="allreduce", ranks=2, network="1gbit", wire=[(3.0, 4.0), (5.0, 6.0)])
+    a = run_from(
+        tmp_path, "a", [9, 9, 1.0, 1.0], variant="allreduce", ranks=2, network="1gbit", wire=[(1.0, 2.0), (3.0, 4.0)]
+    )
+    b = run_from(
+        tmp_path, "b", [9, 9, 3.0, 3.0], variant="allreduce", ranks=2, network="1gbit", wire=[(3.0, 4.0), (5.0, 6.0)]
+    )
     c = run_from(tmp_path, "c", [9, 9, 2.0, 2.0], variant="allreduce", ranks=2, network="1gbit")
     c.wire = None
     bad = RunResult("dp", "foldtrain", "allreduce", "fp32", 2, "1gbit", 2, error="RuntimeError: flaky")
@@ -426,11 +668,16 @@ def test_execute_without_root_runs_the_loopback_part(tmp_path, monkeypatch):
 
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     a = dp.parser().parse_args(["--steps", "5", "--warmup", "2", "--device", "cpu", "--repeat", "2"])
-    fake = lambda variant, net: Job(RunResult("dp", "fake", variant, network=net), [], [], launcher=[sys.executable, "-c", FAKE_OK])
+    fake = lambda variant, net: Job(
+        RunResult("dp", "fake", variant, network=net), [], [], launcher=[sys.executable, "-c", FAKE_OK]
+    )
     jobs = {"loopback": [fake("a", "loopback")], "1gbit": [fake("b", "1gbit")]}
     ws = common.Workspace(str(tmp_path / "ws"), "dp")
     lines = []
     results = common.execute(jobs, a, ws, {"1gbit": 2}, lines.append)
     assert f"foldtrain bench: {NEEDS_ROOT}" in lines
     assert [(r.variant, r.network, r.ok, r.info.get("repeats")) for r in results] == [("a", "loopback", True, 2)]
-    assert sorted(p.name for p in ws.runs.iterdir()) == ["dp_fake_a_fp32_1r_loopback_rep1", "dp_fake_a_fp32_1r_loopback_rep2"]
+    assert sorted(p.name for p in ws.runs.iterdir()) == [
+        "dp_fake_a_fp32_1r_loopback_rep1",
+        "dp_fake_a_fp32_1r_loopback_rep2",
+    ]

@@ -36,7 +36,9 @@ def test_meta_json_lists_every_file_with_its_checksum(run4):
     ck = run4 / "checkpoints" / "step_00000004"
     meta = json.loads((ck / "meta.json").read_text())
     names = {p.name for p in ck.iterdir()} - {"meta.json"}
-    assert set(meta["files"]) == names and {".metadata", "rank0.pt"} <= names and any(n.endswith(".distcp") for n in names)
+    assert (
+        set(meta["files"]) == names and {".metadata", "rank0.pt"} <= names and any(n.endswith(".distcp") for n in names)
+    )
     assert meta["hash"] == HASH and meta["step"] == 4
     for name, rec in meta["files"].items():
         assert rec == {"bytes": (ck / name).stat().st_size, HASH: file_digest(ck / name)}
@@ -86,7 +88,9 @@ def test_eval_of_a_corrupt_checkpoint_is_one_line(run4, tmp_path, capsys):
     assert main(["eval", "--out", str(out), "--checkpoint", str(out / "checkpoints" / "step_00000002")]) == 0
 
 
-def test_automatic_resume_after_a_restart_falls_back_to_the_newest_intact(run4, tmp_path, small_data, monkeypatch, capsys):
+def test_automatic_resume_after_a_restart_falls_back_to_the_newest_intact(
+    run4, tmp_path, small_data, monkeypatch, capsys
+):
     """What a torchrun restart sees: its job owns --out, the newest checkpoint is damaged -> resume from
     the one before, say so in one line, and end exactly where an uninterrupted run ends."""
     ident = {"TORCHELASTIC_RUN_ID": "job-1", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "RANK": "0"}
@@ -105,7 +109,9 @@ def test_automatic_resume_after_a_restart_falls_back_to_the_newest_intact(run4, 
     assert main(["train", *args]) == 0  # no --resume: automatic
     err = capsys.readouterr().err
     notice = [l for l in err.splitlines() if l.startswith("restart 1:")]
-    assert notice == [f"restart 1: skipped 1 damaged checkpoint(s) (step_00000004: rank0.pt does not match its checksum); resuming from {out / 'checkpoints' / 'step_00000002'}"]
+    assert notice == [
+        f"restart 1: skipped 1 damaged checkpoint(s) (step_00000004: rank0.pt does not match its checksum); resuming from {out / 'checkpoints' / 'step_00000002'}"
+    ]
     full = tmp_path / "full"
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     assert main(["train", *tiny_run_args(small_data, full, "--train.steps", "6", "--checkpoint.every", "2")]) == 0
@@ -134,10 +140,14 @@ def test_rank_state_round_trip_restores_every_rng_stream(tmp_path):
 def test_layout_and_shape_mismatch_are_one_line_before_any_process_group(run4, tmp_path, capsys, small_data):
     from foldtrain.checkpoint.rundir import plan_run
 
-    with pytest.raises(CheckpointError, match=r"was saved by 1 processes, this launch has 2; resume with --nproc_per_node 1"):
+    with pytest.raises(
+        CheckpointError, match=r"was saved by 1 processes, this launch has 2; resume with --nproc_per_node 1"
+    ):
         plan_run(run4, True, 3, world_size=2)
     out = copy_run(run4, tmp_path)
-    assert main(["train", *tiny_run_args(small_data, out, "--train.steps", "6", "--resume"), "--model.d_model", "64"]) == 2
+    assert (
+        main(["train", *tiny_run_args(small_data, out, "--train.steps", "6", "--resume"), "--model.d_model", "64"]) == 2
+    )
     assert "holds another model shape: d_model 32 (now 64)" in err_line(capsys)
 
 

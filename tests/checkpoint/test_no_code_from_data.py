@@ -84,7 +84,9 @@ def test_planted_pickle_runs_nothing(run4, tmp_path, small_data, capsys, target,
     elif target == ".metadata":
         assert ".metadata refers to posix.system, which is not checkpoint metadata" in line, line
     else:
-        assert "a stored value is not plain data (refused by the restricted unpickler); refusing to load it" in line, line
+        assert "a stored value is not plain data (refused by the restricted unpickler); refusing to load it" in line, (
+            line
+        )
 
 
 def test_metadata_unpickler_allows_only_metadata(run4):

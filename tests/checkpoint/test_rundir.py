@@ -46,7 +46,13 @@ def test_unwritable_out_is_one_line_before_anything(small_data, tmp_path, capsys
 
 
 def env_of(restart: int, run_id: str = "job-1", rank: int = 0) -> dict:
-    return {"TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": str(restart), "RANK": str(rank), "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    return {
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": str(restart),
+        "RANK": str(rank),
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+    }
 
 
 def test_a_restart_resumes_only_a_run_its_own_job_started(run4, tmp_path):
@@ -64,10 +70,15 @@ def test_a_restart_resumes_only_a_run_its_own_job_started(run4, tmp_path):
     assert plan.resume_from is None and plan.notice == "restart 1: no intact checkpoint yet, starting over from step 0"
     shutil.copytree(run4 / "checkpoints", fresh / "checkpoints")  # the job's checkpoints, as if it had saved them
     plan = plan_run(fresh, False, 3, env=env_of(2))
-    assert plan.resume_from == fresh / "checkpoints" / "step_00000004" and plan.notice.startswith("restart 2: resuming from")
+    assert plan.resume_from == fresh / "checkpoints" / "step_00000004" and plan.notice.startswith(
+        "restart 2: resuming from"
+    )
     for ck in (fresh / "checkpoints").iterdir():
         (ck / "meta.json").write_text("{}")
-    with pytest.raises(CheckpointError, match=r"restart 3: every checkpoint in .* is damaged \(step_00000004: its meta.json records no file checksums"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"restart 3: every checkpoint in .* is damaged \(step_00000004: its meta.json records no file checksums",
+    ):
         plan_run(fresh, False, 3, env=env_of(3))
     with pytest.raises(ConfigError, match="already holds checkpoints"):  # another job (run id) reusing --out
         plan_run(fresh, False, 3, env=env_of(1, run_id="job-2"))

@@ -66,7 +66,20 @@ def to_v1(v2: Path, dst: Path) -> Path:
         shutil.copy(v2 / f"{split}-00000.bin", dst / f"{split}.bin")
         shutil.copy(v2 / f"{split}-00000_docs.npy", dst / f"{split}_docs.npy")
     shutil.copy(v2 / "tokenizer.json", dst / "tokenizer.json")
-    v1 = {k: meta[k] for k in ("dtype", "vocab_size", "eot_id", "n_documents", "source", "tokenizer", "seed", "val_fraction", "text_field")}
+    v1 = {
+        k: meta[k]
+        for k in (
+            "dtype",
+            "vocab_size",
+            "eot_id",
+            "n_documents",
+            "source",
+            "tokenizer",
+            "seed",
+            "val_fraction",
+            "text_field",
+        )
+    }
     v1 = {"format": "foldtrain-tokens-v1", **v1, "splits": meta["shards"][0]}
     (dst / "meta.json").write_text(json.dumps(v1, indent=2))
     return dst

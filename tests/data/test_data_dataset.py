@@ -71,7 +71,10 @@ def test_truncated(copy):
     size = f.stat().st_size
     with f.open("r+b") as fh:
         fh.truncate(size - 2)
-    with pytest.raises(DataError, match=rf"token file .*{f.name} is truncated \({size - 2} bytes, expected {size}\); re-run foldtrain prepare"):
+    with pytest.raises(
+        DataError,
+        match=rf"token file .*{f.name} is truncated \({size - 2} bytes, expected {size}\); re-run foldtrain prepare",
+    ):
         TokenData.open(copy)
 
 
@@ -177,7 +180,7 @@ def test_val_batches():
     batches = val_batches(tokens, SEQ, 3, 2)
     assert [sample_ids(x) for x, _ in batches] == [[0, 1, 2], [3, 4, 5]]
     assert len(val_batches(tokens, SEQ, 3, 100)) == 3  # only full batches
-    (x, y), = val_batches(tokens, SEQ, 16, 4)  # fewer samples than one batch
+    ((x, y),) = val_batches(tokens, SEQ, 16, 4)  # fewer samples than one batch
     assert sample_ids(x) == list(range(10)) and torch.equal(y[:, :-1], x[:, 1:])
     with pytest.raises(DataError, match="validation split"):
         val_batches(np.arange(3, dtype=np.uint16), SEQ, 2, 2)

@@ -7,7 +7,13 @@ import sys
 
 from foldtrain.config import DataConfig
 from foldtrain.data import default_corpus_files, default_corpus_root, iter_default_corpus, resolve_data, sources
-from foldtrain.data.corpus_filter import RULE, RULE_VERSION, TABLE_LINE_FRACTION, is_generated_table, table_line_fraction
+from foldtrain.data.corpus_filter import (
+    RULE,
+    RULE_VERSION,
+    TABLE_LINE_FRACTION,
+    is_generated_table,
+    table_line_fraction,
+)
 from foldtrain.data.resolve import default_cache_dir
 
 from .conftest import write_corpus
@@ -65,7 +71,10 @@ def test_cache_key_has_the_rule(tmp_path, monkeypatch):
     """A default corpus prepared under the old rule (or none) is not reused: the cache directory and the
     request both name the rule, and the meta reports what was left out."""
     monkeypatch.setenv("FOLDTRAIN_CACHE", str(tmp_path / "cache"))
-    assert default_cache_dir(8192).name == f"stdlib-py{sys.version_info.major}{sys.version_info.minor}-f{RULE_VERSION}-v8192"
+    assert (
+        default_cache_dir(8192).name
+        == f"stdlib-py{sys.version_info.major}{sys.version_info.minor}-f{RULE_VERSION}-v8192"
+    )
     root = tmp_path / "stdlib"
     write_corpus(root, n_docs=4, words=100)
     for p in list(root.rglob("*.txt")):
@@ -81,4 +90,7 @@ def test_cache_key_has_the_rule(tmp_path, monkeypatch):
     (out / "meta.json").write_text(json.dumps(meta))
     mtime = (out / "meta.json").stat().st_mtime_ns
     assert resolve_data(DataConfig(vocab_size=300), quiet=True) == out
-    assert json.loads((out / "meta.json").read_text())["corpus_filter"]["rule"] == RULE and (out / "meta.json").stat().st_mtime_ns != mtime
+    assert (
+        json.loads((out / "meta.json").read_text())["corpus_filter"]["rule"] == RULE
+        and (out / "meta.json").stat().st_mtime_ns != mtime
+    )

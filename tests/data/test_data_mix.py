@@ -25,15 +25,26 @@ def marked(n_samples: int, mark: int) -> np.ndarray:
 
 
 def blend(weights, sizes=(50, 30, 20)):
-    return Blend([marked(n, i) for i, n in enumerate(sizes[: len(weights)])], list(weights), [f"d{i}" for i in range(len(weights))])
+    return Blend(
+        [marked(n, i) for i, n in enumerate(sizes[: len(weights)])],
+        list(weights),
+        [f"d{i}" for i in range(len(weights))],
+    )
 
 
 def test_parse_mix():
     assert parse_mix("a=0.7, b=0.3") == [("a", 0.7), ("b", 0.3)]
     assert parse_mix("/x/y=z=2") == [("/x/y=z", 2.0)]  # the weight follows the last '='
-    for spec, msg in [("a=0,b=1", "not a positive number"), ("a=-1", "not a positive number"), ("a=nan", "not a positive number"),
-                      ("a=inf", "not a positive number"), ("a=x", "not a number"), ("a", "not DIR=WEIGHT"), ("", "empty"),
-                      ("a=1,a=2", "names a twice")]:
+    for spec, msg in [
+        ("a=0,b=1", "not a positive number"),
+        ("a=-1", "not a positive number"),
+        ("a=nan", "not a positive number"),
+        ("a=inf", "not a positive number"),
+        ("a=x", "not a number"),
+        ("a", "not DIR=WEIGHT"),
+        ("", "empty"),
+        ("a=1,a=2", "names a twice"),
+    ]:
         with pytest.raises(DataError, match=msg):
             parse_mix(spec)
 
@@ -65,7 +76,9 @@ def test_each_dataset_runs_its_own_epochs():
     ids = s.indices(0, BLEND_BLOCK)
     comp = np.searchsorted(s.offsets, ids, side="right") - 1
     small = ids[comp == 0]
-    assert len(small) == BLEND_BLOCK // 2 and sorted(small[:10].tolist()) == list(range(10))  # many epochs of the small one
+    assert len(small) == BLEND_BLOCK // 2 and sorted(small[:10].tolist()) == list(
+        range(10)
+    )  # many epochs of the small one
     assert sorted(small[10:20].tolist()) == list(range(10)) and small[:10].tolist() != small[10:20].tolist()
 
 
@@ -75,7 +88,9 @@ def test_pure_function_of_step_across_ranks_and_resume():
         gx, gy = a.global_batch(step, 32)
         for world in (2, 4):
             parts = [a.rank_batch(step, 32, r, world) for r in range(world)]
-            assert torch.equal(torch.cat([p[0] for p in parts]), gx) and torch.equal(torch.cat([p[1] for p in parts]), gy)
+            assert torch.equal(torch.cat([p[0] for p in parts]), gx) and torch.equal(
+                torch.cat([p[1] for p in parts]), gy
+            )
         fresh = SequenceSampler(blend([0.5, 0.25, 0.25]), SEQ, seed=3)  # a resumed run builds a new sampler
         assert torch.equal(fresh.global_batch(step, 32)[0], gx)
     other = SequenceSampler(blend([0.5, 0.25, 0.25]), SEQ, seed=4)
@@ -96,7 +111,15 @@ def two_datasets(tmp_path_factory):
     write_corpus(root / "raw_a", n_docs=10, seed=1)
     write_corpus(root / "raw_b", n_docs=10, seed=2)
     prepare(root / "raw_a", root / "a", vocab_size=300, val_fraction=0.2, seed=1, quiet=True)
-    prepare(root / "raw_b", root / "b", tokenizer_path=root / "a" / "tokenizer.json", val_fraction=0.2, seed=1, quiet=True, shard_mb=0.003)
+    prepare(
+        root / "raw_b",
+        root / "b",
+        tokenizer_path=root / "a" / "tokenizer.json",
+        val_fraction=0.2,
+        seed=1,
+        quiet=True,
+        shard_mb=0.003,
+    )
     prepare(root / "raw_b", root / "c", vocab_size=280, val_fraction=0.2, seed=1, quiet=True)  # its own tokenizer
     return root
 
@@ -114,7 +137,9 @@ def test_open_mix(two_datasets):
 
 def test_bad_mixes(two_datasets, tmp_path):
     r = two_datasets
-    with pytest.raises(DataError, match=r"datasets .*a and .*c use different tokenizers; prepare them with the same --data.tokenizer"):
+    with pytest.raises(
+        DataError, match=r"datasets .*a and .*c use different tokenizers; prepare them with the same --data.tokenizer"
+    ):
         open_mix(f"{r / 'a'}=1,{r / 'c'}=1")
     with pytest.raises(DataError, match="is not a prepared dataset.*foldtrain prepare"):
         open_mix(f"{r / 'a'}=1,{r / 'raw_a'}=1")

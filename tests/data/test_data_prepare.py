@@ -50,12 +50,23 @@ def test_meta_and_files(prepared):
     for split in ("train", "val"):
         data = (prepared / f"{split}-00000.bin").read_bytes()
         info = meta["shards"][0][split]
-        assert len(data) == 2 * info["tokens"] and info["tokens"] > 0 and meta["splits"][split]["tokens"] == info["tokens"]
+        assert (
+            len(data) == 2 * info["tokens"] and info["tokens"] > 0 and meta["splits"][split]["tokens"] == info["tokens"]
+        )
         assert hashlib.sha256(data).hexdigest() == info["sha256"]
     texts = [p.read_text() for p in (prepared.parent / "raw").rglob("*.txt")]
     assert meta["splits"]["val"]["documents"] == len(expected_val(texts, 3, 0.2)) > 0
-    assert not list(prepared.parent.glob(".out.*")) and not list(prepared.parent.glob("out.partial")), "work directories left behind"
-    assert sorted(p.name for p in prepared.iterdir()) == ["meta.json", "tokenizer.json", "train-00000.bin", "train-00000_docs.npy", "val-00000.bin", "val-00000_docs.npy"]
+    assert not list(prepared.parent.glob(".out.*")) and not list(prepared.parent.glob("out.partial")), (
+        "work directories left behind"
+    )
+    assert sorted(p.name for p in prepared.iterdir()) == [
+        "meta.json",
+        "tokenizer.json",
+        "train-00000.bin",
+        "train-00000_docs.npy",
+        "val-00000.bin",
+        "val-00000_docs.npy",
+    ]
 
 
 def test_documents_survive_intact(prepared):
@@ -81,7 +92,10 @@ def test_deterministic_and_seeded(tmp_path, corpus):
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
     texts = [p.read_text() for p in sorted(corpus.rglob("*.txt"))]
     assert c["splits"]["val"]["documents"] == len(expected_val(texts, 2, 0.3))
-    assert c["splits"]["train"]["tokens"] != a["splits"]["train"]["tokens"] or c["shards"][0]["train"]["sha256"] != a["shards"][0]["train"]["sha256"]
+    assert (
+        c["splits"]["train"]["tokens"] != a["splits"]["train"]["tokens"]
+        or c["shards"][0]["train"]["sha256"] != a["shards"][0]["train"]["sha256"]
+    )
 
 
 def test_empty_val_gets_one_document(tmp_path, corpus):

@@ -9,8 +9,7 @@ import time
 import pytest
 
 from foldtrain.config import DataConfig
-from foldtrain.data import TokenData, resolve_data
-from foldtrain.data import sources
+from foldtrain.data import TokenData, resolve_data, sources
 from foldtrain.errors import DataError
 
 from .conftest import write_corpus

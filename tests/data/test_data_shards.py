@@ -67,7 +67,9 @@ def test_interrupted_prepare_resumes_from_complete_shards(raw, reference, tmp_pa
     with pytest.raises(KeyboardInterrupt):
         prepare(raw, out, vocab_size=300, val_fraction=0.2, seed=4, shard_mb=SHARD_MB, quiet=True)
     assert calls == [0, 1, 2, 3] and not out.exists()
-    assert sorted(p.name for p in (tmp_path / "ds.partial").glob("shard-*.json")) == [f"shard-{i:05d}.json" for i in range(4)]
+    assert sorted(p.name for p in (tmp_path / "ds.partial").glob("shard-*.json")) == [
+        f"shard-{i:05d}.json" for i in range(4)
+    ]
     calls.clear()
     monkeypatch.setattr(shards_mod, "run_shard", lambda job: (calls.append(job.index), real(job))[1])
     prepare(raw, out, vocab_size=300, val_fraction=0.2, seed=4, shard_mb=SHARD_MB, quiet=True)
@@ -83,11 +85,27 @@ def test_resume_with_other_options_refused_and_nothing_changes(raw, tmp_path, mo
     with pytest.raises(KeyboardInterrupt):
         prepare(raw, out, vocab_size=300, val_fraction=0.2, seed=4, shard_mb=SHARD_MB, quiet=True)
     before = {p.name: p.read_bytes() for p in (tmp_path / "ds.partial").iterdir()}
-    with pytest.raises(DataError, match=r"ds.partial holds an interrupted prepare with different options \(seed 4 there, 5 now\); re-run with the same options"):
+    with pytest.raises(
+        DataError,
+        match=r"ds.partial holds an interrupted prepare with different options \(seed 4 there, 5 now\); re-run with the same options",
+    ):
         prepare(raw, out, vocab_size=300, val_fraction=0.2, seed=5, shard_mb=SHARD_MB, quiet=True)
     assert {p.name: p.read_bytes() for p in (tmp_path / "ds.partial").iterdir()} == before
-    args = ["prepare", "--data.path", str(raw), "--data.out", str(out), "--data.vocab_size", "300", "--data.val_fraction", "0.2",
-            "--data.seed", "4", "--data.shard_mb", "0.008"]
+    args = [
+        "prepare",
+        "--data.path",
+        str(raw),
+        "--data.out",
+        str(out),
+        "--data.vocab_size",
+        "300",
+        "--data.val_fraction",
+        "0.2",
+        "--data.seed",
+        "4",
+        "--data.shard_mb",
+        "0.008",
+    ]
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("foldtrain: error: ") and "shard_mb 0.004 there, 0.008 now" in err[0]
@@ -123,7 +141,10 @@ def test_missing_or_truncated_shard_on_open(reference, tmp_path):
     size = f.stat().st_size
     with f.open("r+b") as fh:
         fh.truncate(size - 4)
-    with pytest.raises(DataError, match=rf"train-00003.bin is truncated \({size - 4} bytes, expected {size}\); re-run foldtrain prepare"):
+    with pytest.raises(
+        DataError,
+        match=rf"train-00003.bin is truncated \({size - 4} bytes, expected {size}\); re-run foldtrain prepare",
+    ):
         TokenData.open(ds)
     f.unlink()
     with pytest.raises(DataError, match="token file .*train-00003.bin is missing; re-run foldtrain prepare"):
@@ -154,7 +175,9 @@ def test_checksums_small_or_on_request(reference, tmp_path, monkeypatch):
 def test_sharded_stream_reads_across_boundaries(reference):
     data = TokenData.open(reference)
     train = data.split("train")
-    whole = np.concatenate([np.fromfile(reference / f"train-{i:05d}.bin", dtype="<u2") for i in range(len(data.meta["shards"]))])
+    whole = np.concatenate(
+        [np.fromfile(reference / f"train-{i:05d}.bin", dtype="<u2") for i in range(len(data.meta["shards"]))]
+    )
     assert len(train) == len(whole) and np.array_equal(train[:], whole)
     b = int(train.bounds[1])
     assert np.array_equal(train[b - 3 : b + 3], whole[b - 3 : b + 3])
@@ -180,8 +203,12 @@ def test_jsonl_byte_ranges_read_every_line_once(tmp_path, monkeypatch):
     """A JSONL file cut into many small byte ranges (pieces) yields each document exactly once, in order."""
     monkeypatch.setattr("foldtrain.data.plan.PIECE_BYTES", 97)  # ranges end mid-line, on newlines, anywhere
     rows = [{"text": f"row {i} " + "x" * (i % 37) + ("\n" if i % 5 == 0 else "")} for i in range(200)]
-    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" + ("\n" if i % 7 == 0 else "") for i, r in enumerate(rows)))
-    meta = prepare(tmp_path / "d.jsonl", tmp_path / "out", vocab_size=300, val_fraction=0.3, seed=1, shard_mb=0.002, quiet=True)
+    (tmp_path / "d.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" + ("\n" if i % 7 == 0 else "") for i, r in enumerate(rows))
+    )
+    meta = prepare(
+        tmp_path / "d.jsonl", tmp_path / "out", vocab_size=300, val_fraction=0.3, seed=1, shard_mb=0.002, quiet=True
+    )
     assert meta["n_documents"] == 200 and len(meta["shards"]) > 3
     from foldtrain.data import decode, load_tokenizer
 
@@ -199,9 +226,10 @@ def test_hf_dataset_in_row_ranges(tmp_path, monkeypatch):
     monkeypatch.setattr("foldtrain.data.plan.PIECE_BYTES", 300)
     texts = [f"document {i} " * (1 + i % 9) for i in range(120)]
     datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "hf"))
-    meta = prepare(tmp_path / "hf", tmp_path / "out", vocab_size=300, val_fraction=0.2, seed=1, shard_mb=0.001, quiet=True)
+    meta = prepare(
+        tmp_path / "hf", tmp_path / "out", vocab_size=300, val_fraction=0.2, seed=1, shard_mb=0.001, quiet=True
+    )
     assert meta["n_documents"] == 120 and len(meta["shards"]) > 2
-
 
 
 def test_tokenizer_sample_is_bounded_and_seeded(raw, tmp_path):

@@ -53,7 +53,7 @@ def test_jsonl_field_and_blank_lines(tmp_path):
     [
         ('{"text": "ok"}\n{"text": broken}\n', r"line 2 is not valid JSON"),
         ('{"text": "ok"}\n{"body": "x"}\n', r"line 2 has no field 'text'.*--data.text_field"),
-        ('[1, 2]\n', r"line 1 is a JSON list"),
+        ("[1, 2]\n", r"line 1 is a JSON list"),
         ('{"text": null}\n', r"line 1: field 'text' is NoneType"),
     ],
 )

@@ -30,7 +30,15 @@ def sharded(small_corpus, tmp_path_factory):
     (root / "half").mkdir()
     for f in files[::2]:
         (root / "half" / f.name).write_bytes(f.read_bytes())
-    prepare(root / "half", root / "other", tokenizer_path=root / "many" / "tokenizer.json", val_fraction=0.1, seed=0, shard_mb=0.05, quiet=True)
+    prepare(
+        root / "half",
+        root / "other",
+        tokenizer_path=root / "many" / "tokenizer.json",
+        val_fraction=0.1,
+        seed=0,
+        shard_mb=0.05,
+        quiet=True,
+    )
     return root
 
 
@@ -54,5 +62,7 @@ def test_resume_of_a_mixture_is_exact(sharded, tmp_path):
     run("", part, "--train.steps", "12", "--resume", "--data.path=", "--data.mix", mix)
     assert losses(part) == losses(full)
     other = tmp_path / "other"
-    run("", other, "--train.steps", "3", "--data.path=", "--data.mix", f"{sharded / 'many'}=0.1,{sharded / 'other'}=0.9")
+    run(
+        "", other, "--train.steps", "3", "--data.path=", "--data.mix", f"{sharded / 'many'}=0.1,{sharded / 'other'}=0.9"
+    )
     assert [losses(other)[s] for s in (1, 2, 3)] != [losses(full)[s] for s in (1, 2, 3)]  # the weights matter

@@ -20,9 +20,28 @@ SHAPE = dict(n_layer=4, n_head=8, d_model=512, context=64, vocab_size=512)
 @pytest.mark.parametrize("attempt", [1, 2])
 def test_pipelined_run_ends_cleanly(small_data, tmp_path, attempt):
     out = tmp_path / "run"
-    args = tiny_run_args(small_data, out, "--model.n_layer", "4", "--model.n_head", "8", "--model.d_model", "512",
-                         "--train.steps", "2", "--train.global_batch", "4", "--parallel.pp", "2", "--parallel.schedule", "1f1b",
-                         "--train.sample_tokens", "48", "--checkpoint.every", "0")
+    args = tiny_run_args(
+        small_data,
+        out,
+        "--model.n_layer",
+        "4",
+        "--model.n_head",
+        "8",
+        "--model.d_model",
+        "512",
+        "--train.steps",
+        "2",
+        "--train.global_batch",
+        "4",
+        "--parallel.pp",
+        "2",
+        "--parallel.schedule",
+        "1f1b",
+        "--train.sample_tokens",
+        "48",
+        "--checkpoint.every",
+        "0",
+    )
     r = torchrun(2, "-m", "foldtrain", "train", *args, timeout=600)
     assert r.returncode == 0, failed(r)
     assert "----- sample after 2 steps -----" in r.stdout

@@ -28,19 +28,48 @@ STEPS, EVERY, TIMEOUT_S = 8, 3, 10
 LAUNCH_TIMEOUT = 450  # a hang fails the test instead of the suite (generous: CI machines may be shared)
 
 
-def torchrun(world: int, args: list[str], fault: str = "", restarts: int = 0, monitor_s: float | None = None) -> subprocess.CompletedProcess:
+def torchrun(
+    world: int, args: list[str], fault: str = "", restarts: int = 0, monitor_s: float | None = None
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "FOLDTRAIN_FAULT"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     if fault:
         env["FOLDTRAIN_FAULT"] = fault
     monitor = ["--monitor-interval", str(monitor_s)] if monitor_s else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), "--max-restarts", str(restarts), *monitor, "-m", "foldtrain", "train", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        "--max-restarts",
+        str(restarts),
+        *monitor,
+        "-m",
+        "foldtrain",
+        "train",
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env, cwd=str(ROOT))
 
 
 def run_args(data: Path, out: Path, layout: list[str]) -> list[str]:
-    return tiny_run_args(data, out, "--train.steps", str(STEPS), "--checkpoint.every", str(EVERY), "--checkpoint.keep", "5",
-                         "--dp.timeout_s", str(TIMEOUT_S), "--train.device", "cpu", *layout)
+    return tiny_run_args(
+        data,
+        out,
+        "--train.steps",
+        str(STEPS),
+        "--checkpoint.every",
+        str(EVERY),
+        "--checkpoint.keep",
+        "5",
+        "--dp.timeout_s",
+        str(TIMEOUT_S),
+        "--train.device",
+        "cpu",
+        *layout,
+    )
 
 
 LAYOUTS = {
@@ -141,5 +170,7 @@ def test_without_restarts_a_kill_is_one_line_within_the_timeout(small_data, tmp_
     r = torchrun(2, run_args(small_data, out, LAYOUTS["allreduce"][1]), fault="0:1:5:reduce", monitor_s=2)
     assert r.returncode != 0
     lines = re.findall(r"foldtrain: error: (.*)", r.stderr)
-    assert lines == [f"rank 1 stopped responding during all-reduce at step 5 (timeout {TIMEOUT_S} s); check that rank's log"], r.stderr[-3000:]
+    assert lines == [
+        f"rank 1 stopped responding during all-reduce at step 5 (timeout {TIMEOUT_S} s); check that rank's log"
+    ], r.stderr[-3000:]
     assert_newest_intact_loads(out, 3)

@@ -22,10 +22,21 @@ SHAPE = dict(n_layer=2, n_head=4, d_model=48, context=64, vocab_size=300)
 TOL = 1e-5
 
 
-def hf_gpt2(seed: int = 0, **kw) -> "transformers.GPT2LMHeadModel":
+def hf_gpt2(seed: int = 0, **kw) -> transformers.GPT2LMHeadModel:
     torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(vocab_size=SHAPE["vocab_size"], n_positions=SHAPE["context"], n_embd=SHAPE["d_model"], n_layer=SHAPE["n_layer"],
-                                  n_head=SHAPE["n_head"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **kw)
+    cfg = transformers.GPT2Config(
+        vocab_size=SHAPE["vocab_size"],
+        n_positions=SHAPE["context"],
+        n_embd=SHAPE["d_model"],
+        n_layer=SHAPE["n_layer"],
+        n_head=SHAPE["n_head"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        **kw,
+    )
     model = transformers.GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():  # HF initialises biases and LayerNorms to constants; randomise them so the layout is tested
         for name, p in model.named_parameters():
@@ -90,7 +101,10 @@ def test_foldtrain_to_hf_logits_and_tokenizer(tmp_path, tokenizer_json):
     auto = transformers.AutoTokenizer.from_pretrained(out)
     text = "def f(x):\n    return x ** 2  # héllo\n"
     assert auto(text)["input_ids"] == tok.encode(text).ids and auto.decode(auto(text)["input_ids"]) == text
-    assert auto.eos_token == "<|endoftext|>" and auto.eos_token_id == tok.token_to_id("<|endoftext|>") == hf.config.eos_token_id
+    assert (
+        auto.eos_token == "<|endoftext|>"
+        and auto.eos_token_id == tok.token_to_id("<|endoftext|>") == hf.config.eos_token_id
+    )
 
 
 def test_round_trip_is_bit_exact(hf_dir, tmp_path, tokenizer_json):
@@ -122,22 +136,38 @@ def test_hub_variants_load(hf_dir, tmp_path):
 
 
 def test_init_from_resolves_the_shape(hf_dir, tmp_path, tokenizer_json):
-    with pytest.raises(ConfigError, match="has no tokenizer.json, and a BPE trained on your data would give ids the weights do not know"):
+    with pytest.raises(
+        ConfigError,
+        match="has no tokenizer.json, and a BPE trained on your data would give ids the weights do not know",
+    ):
         init_cfg([str(hf_dir)])  # raw (or default) data to be tokenized, and no tokenizer for it
     cfg = init_cfg([str(hf_dir), "--data.tokenizer", str(tokenizer_json)])
-    assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.context, cfg.model.vocab_size) == (2, 4, 48, 64, 300)
+    assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.context, cfg.model.vocab_size) == (
+        2,
+        4,
+        48,
+        64,
+        300,
+    )
     assert cfg.data.tokenizer == str(tokenizer_json)  # an explicit tokenizer wins
     # a foldtrain model.safetensors (shape in its metadata), and a HF directory with a tokenizer
     from foldtrain.checkpoint import export_safetensors
 
     f = export_safetensors(foldtrain_from(hf_dir), tmp_path / "model.safetensors", SHAPE)
     assert init_cfg([str(f)]).model.d_model == 48
-    assert all(torch.equal(p, q) for p, q in zip(foldtrain_from(f).state_dict().values(), foldtrain_from(hf_dir).state_dict().values()))
+    assert all(
+        torch.equal(p, q)
+        for p, q in zip(foldtrain_from(f).state_dict().values(), foldtrain_from(hf_dir).state_dict().values())
+    )
     hub = export_hf(foldtrain_from(hf_dir).state_dict(), SHAPE, tmp_path / "with_tok", tokenizer_json, 0)
     assert init_cfg([str(hub)]).data.tokenizer == str(hub / "tokenizer.json")
     small = dict(n_layer=12, n_head=12, d_model=768, context=1024, vocab_size=50257)
     g = tmp_path / "gpt2.json"
-    g.write_text(json.dumps({"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024, "vocab_size": 50257}))
+    g.write_text(
+        json.dumps(
+            {"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024, "vocab_size": 50257}
+        )
+    )
     from foldtrain.model.hf_config import shape_from_hf_config
 
     assert shape_from_hf_config(json.loads(g.read_text()), g) == small
@@ -171,7 +201,9 @@ def test_bad_inputs(hf_dir, tmp_path, tokenizer_json, capsys):
         "holds neither config.json": str(_write(tmp_path / "empty", None)),
         "has config.json but no weights": str(_write(tmp_path / "noweights", config)),
         "model_type is 'llama'": str(_write(tmp_path / "llama", {**config, "model_type": "llama"}, weights)),
-        "activation_function 'relu'": str(_write(tmp_path / "relu", {**config, "activation_function": "relu"}, weights)),
+        "activation_function 'relu'": str(
+            _write(tmp_path / "relu", {**config, "activation_function": "relu"}, weights)
+        ),
         "has no foldtrain shape metadata": str(tmp_path / "plain.safetensors"),
     }
     save_file({"x": torch.zeros(1)}, str(tmp_path / "plain.safetensors"))
@@ -182,7 +214,9 @@ def test_bad_inputs(hf_dir, tmp_path, tokenizer_json, capsys):
     for k, v in {"--model.n_layer": "3", "--model.d_model": "64", "--model.vocab_size": "8192"}.items():
         with pytest.raises(ConfigError, match=f"{k} {v} conflicts with --model.init_from"):
             init_cfg([str(hf_dir), k, v, *tok])
-    with pytest.raises(ConfigError, match="--model.preset gpt2-small conflicts with --model.init_from .*n_layer 12 vs 2"):
+    with pytest.raises(
+        ConfigError, match="--model.preset gpt2-small conflicts with --model.init_from .*n_layer 12 vs 2"
+    ):
         init_cfg([str(hf_dir), "--model.preset", "gpt2-small", *tok])
     assert init_cfg([str(hf_dir), "--model.n_layer", "2", *tok]).model.n_layer == 2  # agreeing is fine
     # weights that do not match the config, and a pickle that would run code: refused when loaded

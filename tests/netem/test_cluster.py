@@ -11,9 +11,9 @@ import textwrap
 
 import pytest
 
+from foldtrain.errors import FoldtrainError
 from foldtrain.netem import cluster as netns
 from foldtrain.netem.cluster import NEEDS_ROOT, EmulatedCluster, list_prefix
-from foldtrain.errors import FoldtrainError
 
 PREFIX = f"ftt{os.getpid() % 100000}"
 
@@ -32,7 +32,9 @@ needs_root = pytest.mark.skipif(not can_emulate(), reason="needs root and iprout
 @pytest.fixture(autouse=True, scope="module")
 def _remove_lock_files():
     yield
-    for f in netns.LOCK_DIR.glob(f"{PREFIX}*.lock"):  # the clusters leave their (empty) lock files; these prefixes are ours
+    for f in netns.LOCK_DIR.glob(
+        f"{PREFIX}*.lock"
+    ):  # the clusters leave their (empty) lock files; these prefixes are ours
         f.unlink(missing_ok=True)
 
 
@@ -77,9 +79,14 @@ def test_two_nodes_at_100mbit_reach_each_other_and_are_shaped():
         lo = subprocess.run(c.node_cmd(0, ["ip", "-o", "link", "show", "lo"]), capture_output=True, text=True).stdout
         assert "UP" in lo
         # both ends of each link are shaped
-        qd = subprocess.run(c.node_cmd(0, ["tc", "qdisc", "show", "dev", c.ifname(0)]), capture_output=True, text=True).stdout
+        qd = subprocess.run(
+            c.node_cmd(0, ["tc", "qdisc", "show", "dev", c.ifname(0)]), capture_output=True, text=True
+        ).stdout
         assert "tbf" in qd and "100Mbit" in qd
-        assert "tbf" in subprocess.run(["tc", "qdisc", "show", "dev", c.host_ifname(1)], capture_output=True, text=True).stdout
+        assert (
+            "tbf"
+            in subprocess.run(["tc", "qdisc", "show", "dev", c.host_ifname(1)], capture_output=True, text=True).stdout
+        )
         limit = 100e6 / 8
         bps = c.measure_throughput(0, 1, nbytes=3 << 20, max_s=5)
         assert 0.2 * limit < bps < 3 * limit, f"{bps / 1e6:.1f} MB/s through a 12.5 MB/s link"
@@ -118,13 +125,22 @@ def test_stale_leftovers_removed_and_prefix_locked():
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_teardown_on_signal(sig):
     prefix = f"{PREFIX}s"
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import time
         from foldtrain.netem.cluster import EmulatedCluster
         with EmulatedCluster(2, "100mbit", name_prefix="{prefix}"):
             print("up", flush=True)
             time.sleep(60)
-        """)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        """),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout.readline().strip() == "up"
         assert len(list_prefix(prefix)[0]) == 2

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from foldtrain.schedules import build_schedule
-from foldtrain.sim import events_from_simulation, simulate_order  # moved from schedules / profile (issue 8)
 from foldtrain.profile import (
     Timeline,
     as_rank_lists,
@@ -15,6 +13,8 @@ from foldtrain.profile import (
     step_windows,
     summarize,
 )
+from foldtrain.schedules import build_schedule
+from foldtrain.sim import events_from_simulation, simulate_order  # moved from schedules / profile (issue 8)
 
 approx = pytest.approx
 
@@ -25,8 +25,12 @@ def ev(rank, kind, start, end, step=0, name=None, **args):
 
 def two_ranks(r1_compute, r1_end):
     """Rank 0 computes [0,1] and [2,3]; rank 1 computes ``r1_compute``; step markers [0,3] and [0,r1_end]."""
-    r0 = [ev(0, "compute", 0, 1), ev(0, "compute", 2, 3), ev(0, "reduce_wait", 3.0, 3.0),
-          ev(0, "step", 0, 3, name="step 0")]
+    r0 = [
+        ev(0, "compute", 0, 1),
+        ev(0, "compute", 2, 3),
+        ev(0, "reduce_wait", 3.0, 3.0),
+        ev(0, "step", 0, 3, name="step 0"),
+    ]
     r1 = [ev(1, "compute", *r1_compute), ev(1, "step", 0, r1_end, name="step 0")]
     return [r0, r1]
 
@@ -122,14 +126,16 @@ def test_timeline_events_feed_the_analysis():
     ticks = iter(range(1000))
     tls = [Timeline(r, clock=lambda: next(ticks)) for r in range(2)]  # a shared fake clock: one time base
     ticks = iter(range(2, 1000))
-    tls[0].begin_step(0); tls[1].begin_step(0)  # noqa: E702
+    tls[0].begin_step(0)
+    tls[1].begin_step(0)  # noqa: E702
     with tls[0].span("F c0 m0", "compute"):
         pass
     with tls[1].span("RA c1 m0", "recv_wait"):
         pass
     with tls[1].span("F c1 m0", "compute"):
         pass
-    tls[0].end_step(0); tls[1].end_step(0)  # noqa: E702
+    tls[0].end_step(0)
+    tls[1].end_step(0)  # noqa: E702
     s = summarize(tls)[0]
     # clock: 0, 1 wall bases; begin 2, 3; spans 4-5, 6-7, 8-9; end 10, 11 -> window [2, 11]
     assert s["duration"] == 9 and s["compute"] == [1, 1] and s["recv_wait"] == [0, 1]
@@ -150,8 +156,9 @@ def test_events_from_simulation_shape():
     for p in range(2):
         comp = [e for e in evs[p] if e["kind"] == "compute"]
         assert len(comp) == 2 * 2 * 4
-        assert [(e["args"]["op"], e["args"]["chunk"], e["args"]["mb"]) for e in comp] == \
-               [(a.op.value, a.chunk, a.mb) for a in sched.compute_only(p)]
+        assert [(e["args"]["op"], e["args"]["chunk"], e["args"]["mb"]) for e in comp] == [
+            (a.op.value, a.chunk, a.mb) for a in sched.compute_only(p)
+        ]
         a, s, e = sim["ranks"][p][0]
         assert comp[0]["name"] == f"F c{a.chunk} m{a.mb}" and comp[0]["start"] == s * 1e-3
         assert [e["kind"] for e in evs[p] if e["kind"] not in ("compute", "recv_wait")] == ["step"]

@@ -6,8 +6,6 @@ import json
 
 import pytest
 
-from foldtrain.schedules import build_schedule
-from foldtrain.sim import events_from_simulation, simulate_order  # moved from schedules / profile (issue 8)
 from foldtrain.profile import (
     Timeline,
     chrome_trace,
@@ -18,6 +16,8 @@ from foldtrain.profile import (
     write_chrome_trace,
 )
 from foldtrain.profile.__main__ import main
+from foldtrain.schedules import build_schedule
+from foldtrain.sim import events_from_simulation, simulate_order  # moved from schedules / profile (issue 8)
 
 
 @pytest.fixture(scope="module")

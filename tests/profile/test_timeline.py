@@ -111,6 +111,7 @@ def test_disabled_span_does_no_work():
     assert reads == [] and tl.events == []
     assert type(NULL_SPAN).__enter__ is tuple and type(NULL_SPAN).__exit__ == "".format  # builtins: no Python frame
 
+
 def test_align_shifts_past_and_future_events():
     tl = fake_timeline(1, start=11.0)
     base = tl.wall_base
@@ -153,11 +154,20 @@ class _FakeDist(types.ModuleType):
         self._slots: list = [None] * world
         self.calls: list[str] = []
 
-    def is_available(self): return True
-    def is_initialized(self): return True
-    def get_world_size(self, group=None): return self.world
-    def get_rank(self, group=None): return self.local.rank
-    def get_global_rank(self, group, r): return r
+    def is_available(self):
+        return True
+
+    def is_initialized(self):
+        return True
+
+    def get_world_size(self, group=None):
+        return self.world
+
+    def get_rank(self, group=None):
+        return self.local.rank
+
+    def get_global_rank(self, group, r):
+        return r
 
     def barrier(self, group=None):
         self._barrier.wait(timeout=10)

@@ -6,7 +6,6 @@ import itertools
 import pytest
 
 import foldtrain.schedules as schedules_pkg
-
 from foldtrain.errors import ConfigError
 from foldtrain.schedules import (
     Action,
@@ -141,7 +140,9 @@ def reduce_positions(actions, op):
     return {a.chunk: i for i, a in enumerate(actions) if a.op is op}
 
 
-@pytest.mark.parametrize("name,pp,v,m", [("fold", 4, 2, 4), ("interleaved-1f1b", 4, 2, 4), ("1f1b", 2, 1, 3), ("gpipe", 2, 3, 2)])
+@pytest.mark.parametrize(
+    "name,pp,v,m", [("fold", 4, 2, 4), ("interleaved-1f1b", 4, 2, 4), ("1f1b", 2, 1, 3), ("gpipe", 2, 3, 2)]
+)
 def test_per_chunk_launch_right_after_last_backward(name, pp, v, m):
     s = build_schedule(name, pp, v, m, "per-chunk")
     for p, acts in enumerate(s.ranks):
@@ -154,7 +155,7 @@ def test_per_chunk_launch_right_after_last_backward(name, pp, v, m):
                 assert (nxt.chunk, nxt.mb) == (c, acts[last_b].mb)
             assert lr[c] == expect, f"rank {p} c{c}: {format_schedule(s, all_actions=True)}"
         # waits and steps at the end: all WR, then all OS, in the order chunks finished
-        tail = acts[-2 * v:]
+        tail = acts[-2 * v :]
         order = sorted(lr, key=lr.get)
         assert tail == [Action(Op.WAIT_REDUCE, c) for c in order] + [Action(Op.OPTIM_STEP, c) for c in order]
 
@@ -173,7 +174,7 @@ def test_after_flush_reductions_at_the_end():
     s = build_schedule("interleaved-1f1b", 2, 3, 4)
     for p, acts in enumerate(s.ranks):
         last = max(i for i, a in enumerate(acts) if a.op in (Op.FORWARD, Op.BACKWARD, Op.SEND_GRAD, Op.SEND_ACT))
-        assert [a.op for a in acts[last + 1:]] == [Op.LAUNCH_REDUCE] * 3 + [Op.WAIT_REDUCE] * 3 + [Op.OPTIM_STEP] * 3
+        assert [a.op for a in acts[last + 1 :]] == [Op.LAUNCH_REDUCE] * 3 + [Op.WAIT_REDUCE] * 3 + [Op.OPTIM_STEP] * 3
 
 
 def test_defer_reduce_placement():

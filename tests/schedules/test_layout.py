@@ -8,7 +8,20 @@ from foldtrain.config import build_config
 from foldtrain.errors import ConfigError
 from foldtrain.schedules.layout import chunk_layers, resolve_microbatches, uses_3d_engine, validate_layout
 
-MODEL = ["--model.n_layer", "8", "--model.n_head", "4", "--model.d_model", "32", "--model.context", "32", "--model.vocab_size", "64", "--train.seq_len", "16"]
+MODEL = [
+    "--model.n_layer",
+    "8",
+    "--model.n_head",
+    "4",
+    "--model.d_model",
+    "32",
+    "--model.context",
+    "32",
+    "--model.vocab_size",
+    "64",
+    "--train.seq_len",
+    "16",
+]
 
 
 def cfg(*args: str):
@@ -31,25 +44,57 @@ def test_world_size_mismatch():
 
 def test_schedule_errors_surface():
     assert "needs --parallel.virtual >= 2" in err(2, "--parallel.pp", "2", "--parallel.schedule", "interleaved-1f1b")
-    msg = err(4, "--parallel.pp", "4", "--parallel.virtual", "2", "--parallel.schedule", "interleaved-1f1b", "--parallel.microbatches", "2")
+    msg = err(
+        4,
+        "--parallel.pp",
+        "4",
+        "--parallel.virtual",
+        "2",
+        "--parallel.schedule",
+        "interleaved-1f1b",
+        "--parallel.microbatches",
+        "2",
+    )
     assert "multiple of --parallel.pp 4" in msg
-    assert "runs one chunk per rank" in err(2, "--parallel.pp", "2", "--parallel.virtual", "2", "--parallel.schedule", "1f1b")
-    assert "only applies to --parallel.schedule fold" in err(2, "--parallel.pp", "2", "--fold.defer_reduce", "--parallel.schedule", "gpipe", "--optim.grad_clip", "0")
-    assert "needs --parallel.dp_sync per-chunk" in err(2, "--parallel.pp", "2", "--fold.defer_reduce", "--parallel.schedule", "fold", "--optim.grad_clip", "0")
+    assert "runs one chunk per rank" in err(
+        2, "--parallel.pp", "2", "--parallel.virtual", "2", "--parallel.schedule", "1f1b"
+    )
+    assert "only applies to --parallel.schedule fold" in err(
+        2, "--parallel.pp", "2", "--fold.defer_reduce", "--parallel.schedule", "gpipe", "--optim.grad_clip", "0"
+    )
+    assert "needs --parallel.dp_sync per-chunk" in err(
+        2, "--parallel.pp", "2", "--fold.defer_reduce", "--parallel.schedule", "fold", "--optim.grad_clip", "0"
+    )
 
 
 def test_defer_reduce_allows_clipping_but_not_fp16():
-    base = ["--parallel.pp", "2", "--parallel.virtual", "2", "--parallel.schedule", "fold", "--parallel.dp_sync", "per-chunk", "--fold.defer_reduce"]
-    assert validate_layout(cfg(*base), 2).segments == 4  # grad_clip defaults to 1.0: the global norm waits for every chunk
+    base = [
+        "--parallel.pp",
+        "2",
+        "--parallel.virtual",
+        "2",
+        "--parallel.schedule",
+        "fold",
+        "--parallel.dp_sync",
+        "per-chunk",
+        "--fold.defer_reduce",
+    ]
+    assert (
+        validate_layout(cfg(*base), 2).segments == 4
+    )  # grad_clip defaults to 1.0: the global norm waits for every chunk
     assert "--precision fp16" in err(2, *base, "--optim.grad_clip", "0", "--precision", "fp16")
     lay = validate_layout(cfg(*base, "--optim.grad_clip", "0"), 2)
     assert lay.segments == 4
 
 
 def test_microbatch_errors():
-    assert "x --parallel.dp 1 = 12, but --train.global_batch is 16" in err(2, "--parallel.pp", "2", "--parallel.microbatches", "3", "--train.micro_batch", "4")
+    assert "x --parallel.dp 1 = 12, but --train.global_batch is 16" in err(
+        2, "--parallel.pp", "2", "--parallel.microbatches", "3", "--train.micro_batch", "4"
+    )
     assert "does not divide the 16 rows" in err(2, "--parallel.pp", "2", "--parallel.microbatches", "3")
-    assert "--train.micro_batch 3 does not divide the 8 rows" in err(4, "--parallel.pp", "2", "--parallel.dp", "2", "--train.micro_batch", "3")
+    assert "--train.micro_batch 3 does not divide the 8 rows" in err(
+        4, "--parallel.pp", "2", "--parallel.dp", "2", "--train.micro_batch", "3"
+    )
     with pytest.raises(ConfigError, match="not divisible by --parallel.dp 3"):
         validate_layout(build_config([*MODEL, "--train.global_batch", "16", "--parallel.dp", "3"]), 3)
 
@@ -57,23 +102,38 @@ def test_microbatch_errors():
 def test_microbatch_resolution():
     assert resolve_microbatches(cfg("--parallel.pp", "2")) == (16, 1)  # pipeline: micro-batches of one row
     assert resolve_microbatches(cfg("--parallel.tp", "2")) == (1, 16)  # no pipeline: one micro-batch
-    assert resolve_microbatches(cfg("--parallel.pp", "2", "--parallel.dp", "2", "--parallel.microbatches", "4")) == (4, 2)
+    assert resolve_microbatches(cfg("--parallel.pp", "2", "--parallel.dp", "2", "--parallel.microbatches", "4")) == (
+        4,
+        2,
+    )
     assert resolve_microbatches(cfg("--parallel.pp", "2", "--parallel.dp", "2", "--train.micro_batch", "4")) == (2, 4)
-    assert resolve_microbatches(cfg("--parallel.pp", "2", "--parallel.microbatches", "4", "--train.micro_batch", "4")) == (4, 4)
+    assert resolve_microbatches(
+        cfg("--parallel.pp", "2", "--parallel.microbatches", "4", "--train.micro_batch", "4")
+    ) == (4, 4)
 
 
 def test_tensor_parallel_shape_errors():
-    assert "--model.n_head 4 is not divisible by --parallel.tp 3" in err(3, "--parallel.tp", "3", "--model.d_model", "36")
+    assert "--model.n_head 4 is not divisible by --parallel.tp 3" in err(
+        3, "--parallel.tp", "3", "--model.d_model", "36"
+    )
     msg = err(2, "--parallel.tp", "2", "--model.vocab_size", "63")
     assert "--model.vocab_size 63 is not divisible by --parallel.tp 2" in msg
 
 
 def test_split_errors():
     fold = ["--parallel.schedule", "fold"]
-    assert "leave a segment empty" in err(4, *fold, "--parallel.pp", "4", "--parallel.virtual", "3")  # 12 segments, 8 layers
-    assert "has 3 entries but the model is cut into 4 segments" in err(2, *fold, "--parallel.pp", "2", "--parallel.virtual", "2", "--parallel.layers_per_chunk", "2,3,3")
-    assert "sums to 7 but the model has 8 layers" in err(2, *fold, "--parallel.pp", "2", "--parallel.virtual", "2", "--parallel.layers_per_chunk", "2,2,2,1")
-    assert "gives segment 1 0 layers" in err(2, *fold, "--parallel.pp", "2", "--parallel.virtual", "2", "--parallel.layers_per_chunk", "4,0,2,2")
+    assert "leave a segment empty" in err(
+        4, *fold, "--parallel.pp", "4", "--parallel.virtual", "3"
+    )  # 12 segments, 8 layers
+    assert "has 3 entries but the model is cut into 4 segments" in err(
+        2, *fold, "--parallel.pp", "2", "--parallel.virtual", "2", "--parallel.layers_per_chunk", "2,3,3"
+    )
+    assert "sums to 7 but the model has 8 layers" in err(
+        2, *fold, "--parallel.pp", "2", "--parallel.virtual", "2", "--parallel.layers_per_chunk", "2,2,2,1"
+    )
+    assert "gives segment 1 0 layers" in err(
+        2, *fold, "--parallel.pp", "2", "--parallel.virtual", "2", "--parallel.layers_per_chunk", "4,0,2,2"
+    )
 
 
 def test_other_layout_errors():
@@ -92,11 +152,25 @@ def test_chunk_layers():
 
 
 def test_valid_layouts_resolve():
-    lay = validate_layout(cfg("--parallel.dp", "2", "--parallel.pp", "2", "--parallel.tp", "2", "--parallel.schedule", "gpipe"), 8)
+    lay = validate_layout(
+        cfg("--parallel.dp", "2", "--parallel.pp", "2", "--parallel.tp", "2", "--parallel.schedule", "gpipe"), 8
+    )
     assert (lay.dp, lay.pp, lay.tp, lay.virtual, lay.microbatches, lay.micro_batch, lay.world) == (2, 2, 2, 1, 8, 1, 8)
     assert lay.layers == ((0, 1, 2, 3), (4, 5, 6, 7))
     for sched, v in (("gpipe", 2), ("1f1b", 1), ("interleaved-1f1b", 2), ("fold", 4)):
         for sync in ("after-flush", "per-chunk"):
-            validate_layout(cfg("--parallel.pp", "2", "--parallel.virtual", str(v), "--parallel.schedule", sched, "--parallel.dp_sync", sync), 2)
+            validate_layout(
+                cfg(
+                    "--parallel.pp",
+                    "2",
+                    "--parallel.virtual",
+                    str(v),
+                    "--parallel.schedule",
+                    sched,
+                    "--parallel.dp_sync",
+                    sync,
+                ),
+                2,
+            )
     assert uses_3d_engine(cfg("--parallel.dp", "2")) and uses_3d_engine(cfg("--parallel.tp", "2"))
     assert not uses_3d_engine(cfg())

@@ -8,8 +8,22 @@ from foldtrain.cli import main
 from foldtrain.config import build_config, validate_world
 from foldtrain.profile import load_events  # noqa: F401 - the same package reads real runs
 
-FOLD = ["--model.preset", "tiny", "--parallel.dp", "2", "--parallel.pp", "2", "--parallel.virtual", "2",
-        "--parallel.schedule", "fold", "--parallel.dp_sync", "per-chunk", "--train.global_batch", "8"]
+FOLD = [
+    "--model.preset",
+    "tiny",
+    "--parallel.dp",
+    "2",
+    "--parallel.pp",
+    "2",
+    "--parallel.virtual",
+    "2",
+    "--parallel.schedule",
+    "fold",
+    "--parallel.dp_sync",
+    "per-chunk",
+    "--train.global_batch",
+    "8",
+]
 
 
 def test_simulate_json_is_one_object(capsys):
@@ -19,14 +33,18 @@ def test_simulate_json_is_one_object(capsys):
     assert out.count("\n") == 0
     for k in ("step_time_s", "tokens_per_s", "mfu", "bubble", "all_rank_idle", "exposed_dp_s", "peak_mem_gb"):
         assert isinstance(d[k], float) and d[k] >= 0
-    assert len(d["memory_gb"]) == 2 and {"params", "grads", "optimizer", "activations", "total"} <= set(d["memory_gb"][0])
+    assert len(d["memory_gb"]) == 2 and {"params", "grads", "optimizer", "activations", "total"} <= set(
+        d["memory_gb"][0]
+    )
     assert d["tokens_per_s"] * d["step_time_s"] == 8 * 128  # global batch x seq_len
 
 
 def test_simulate_takes_the_train_toml_and_writes_a_profile(tmp_path, capsys):
     cfg = tmp_path / "run.toml"
-    cfg.write_text('[model]\npreset = "tiny"\n[parallel]\ndp = 2\npp = 2\nvirtual = 2\nschedule = "fold"\n'
-                   'dp_sync = "per-chunk"\n[train]\nglobal_batch = 8\n')
+    cfg.write_text(
+        '[model]\npreset = "tiny"\n[parallel]\ndp = 2\npp = 2\nvirtual = 2\nschedule = "fold"\n'
+        'dp_sync = "per-chunk"\n[train]\nglobal_batch = 8\n'
+    )
     prof = tmp_path / "prof"
     assert main(["simulate", "--config", str(cfg), "--cluster", "cloud-v100-25g", "--profile", str(prof)]) == 0
     out = capsys.readouterr().out
@@ -39,8 +57,24 @@ def test_simulate_takes_the_train_toml_and_writes_a_profile(tmp_path, capsys):
 
 def test_plan_writes_a_config_train_accepts(tmp_path, capsys):
     out = tmp_path / "plan.toml"
-    assert main(["plan", "--model.preset", "tiny", "--cluster", "dgx-a100", "--gpus", "4", "--train.global_batch", "8",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model.preset",
+                "tiny",
+                "--cluster",
+                "dgx-a100",
+                "--gpus",
+                "4",
+                "--train.global_batch",
+                "8",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert text.count("\n 1 ") + text.count("\n1 ") >= 1 and "wrote" in text
     cfg = build_config([], str(out))

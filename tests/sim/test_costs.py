@@ -22,8 +22,20 @@ def _cfg(*args):
 
 def test_ring_allreduce_time(cluster):
     # 4 workers on one node (intra link 10 GB/s, 10 us): one reduction of the whole gradient, nothing overlapped
-    cfg = _cfg("--dp.strategy", "allreduce", "--parallel.dp", "4", "--train.global_batch", "4", "--dp.fusion_mb", "100000",
-               "--dp.first_bucket_mb", "100000", "--dp.cycle_ms", "0")  # one bucket: one collective
+    cfg = _cfg(
+        "--dp.strategy",
+        "allreduce",
+        "--parallel.dp",
+        "4",
+        "--train.global_batch",
+        "4",
+        "--dp.fusion_mb",
+        "100000",
+        "--dp.first_bucket_mb",
+        "100000",
+        "--dp.cycle_ms",
+        "0",
+    )  # one bucket: one collective
     r = simulate(cfg, cluster, keep_events=True)
     grad = model_params(r.setup) * 4
     n = 4
@@ -39,15 +51,17 @@ def test_every_bucket_pays_a_collectives_steps():
     first 1 MB bucket then ``--dp.bucket_mb``; sharded-ps' first bucket then ``--dp.shard_bucket_mb`` (``n-1``
     by each slice of its reduce-scatter and each bucket's all-gather)."""
     from foldtrain.config.load import tomllib
-
     from foldtrain.sim.cluster import to_toml
 
     c = from_dict(cluster_dict(device__memory_gb=1000, intra__collective_latency_us=500.0), "c.toml")
     assert c.intra.coll == approx(500e-6) and c.inter.coll == c.inter.latency  # absent: the p2p latency
     assert from_dict(tomllib.loads(to_toml(c)), "c.toml").intra.hop == approx(500e-6)
     n = 4
-    for strat, flags in (("ddp", ["--dp.bucket_mb", "100"]), ("sharded-ps", ["--dp.shard_bucket_mb", "100", "--dp.shard_slice_mb", "100"]),
-                         ("allreduce", ["--dp.fusion_mb", "100", "--dp.cycle_ms", "0"])):
+    for strat, flags in (
+        ("ddp", ["--dp.bucket_mb", "100"]),
+        ("sharded-ps", ["--dp.shard_bucket_mb", "100", "--dp.shard_slice_mb", "100"]),
+        ("allreduce", ["--dp.fusion_mb", "100", "--dp.cycle_ms", "0"]),
+    ):
         cfg = _cfg("--dp.strategy", strat, "--parallel.dp", str(n), "--train.global_batch", "4", *flags)
         rc = RunCosts(resolve_setup(cfg), c)
         g = rc.cm.grad_bytes(0)
@@ -57,7 +71,16 @@ def test_every_bucket_pays_a_collectives_steps():
         delay = lambda r: sum(ph[1] for ph in r.reduce_phases(0, 0) if ph[0] == "delay")  # noqa: E731
         assert delay(rc) - delay(base) == approx(2 * (n - 1) * k * (500e-6 - c.intra.latency)), strat
     # sharded-ps' reduce-scatter goes in slices (--dp.shard_slice_mb): each pays the n-1 steps; the all-gather does not
-    cfg = _cfg("--dp.strategy", "sharded-ps", "--parallel.dp", str(n), "--train.global_batch", "4", "--dp.shard_bucket_mb", "100")
+    cfg = _cfg(
+        "--dp.strategy",
+        "sharded-ps",
+        "--parallel.dp",
+        str(n),
+        "--train.global_batch",
+        "4",
+        "--dp.shard_bucket_mb",
+        "100",
+    )
     rc = RunCosts(resolve_setup(cfg), c)
     base = RunCosts(resolve_setup(cfg), from_dict(cluster_dict(device__memory_gb=1000), "c.toml"))
     sizes = rc.bucket_sizes(0, rc.cm.grad_bytes(0))
@@ -68,7 +91,9 @@ def test_every_bucket_pays_a_collectives_steps():
 
 def test_parameter_server_link_carries_n_minus_1_workers(cluster):
     for servers, n, senders in ((0, 4, 3), (1, 4, 4), (2, 4, 2)):
-        cfg = _cfg("--dp.strategy", "ps", "--parallel.dp", str(n), "--dp.ps_servers", str(servers), "--train.global_batch", "4")
+        cfg = _cfg(
+            "--dp.strategy", "ps", "--parallel.dp", str(n), "--dp.ps_servers", str(servers), "--train.global_batch", "4"
+        )
         s = resolve_setup(cfg)
         rc = RunCosts(s, cluster)
         flows = [ph for ph in rc.reduce_phases(0, 0) if ph[0] == "flow"]
@@ -96,15 +121,28 @@ def test_memory_of_gpt2_small_single_process(cluster):
 
 def test_sharded_ps_shards_optimizer_and_master_state(cluster):
     one = simulate(_cfg("--train.global_batch", "4"), cluster).memory[0]
-    sh = simulate(_cfg("--dp.strategy", "sharded-ps", "--parallel.dp", "4", "--train.global_batch", "4"), cluster).memory[0]
+    sh = simulate(
+        _cfg("--dp.strategy", "sharded-ps", "--parallel.dp", "4", "--train.global_batch", "4"), cluster
+    ).memory[0]
     assert sh["optimizer"] == approx(one["optimizer"] / 4)
     # ZeRO-2: gradients and fp32 shard weights 1/4 each; the replica's gradients one bucket at a time, here the
     # embedding's (GPT-2 small's 50257 x 768 fp32: larger than the 4 MB bucket)
     assert sh["grads"] == approx(one["grads"] / 4) and sh["masters"] == approx(one["grads"] / 4)
     assert sh["comm_buffers"] == approx(50257 * 768 * 4)
     # a larger --dp.shard_budget_mb lets the backward hold that much before it waits for the link
-    big = simulate(_cfg("--dp.strategy", "sharded-ps", "--parallel.dp", "4", "--train.global_batch", "4", "--dp.shard_budget_mb", "300"),
-                   cluster).memory[0]
+    big = simulate(
+        _cfg(
+            "--dp.strategy",
+            "sharded-ps",
+            "--parallel.dp",
+            "4",
+            "--train.global_batch",
+            "4",
+            "--dp.shard_budget_mb",
+            "300",
+        ),
+        cluster,
+    ).memory[0]
     assert big["comm_buffers"] == approx(300 * 2**20) and big["grads"] == sh["grads"]
 
 
@@ -128,11 +166,13 @@ def test_backward_ratio_scales_the_blocks_backward():
     """A cluster's ``backward_ratio`` (2 when absent: the FLOP ratio) multiplies a block's forward time;
     it survives the cluster file round trip; calibrate measures a real block's ratio."""
     from foldtrain.calibrate import RATIO_SHAPES, _block_times
+    from foldtrain.config.load import tomllib
     from foldtrain.model.gpt import Block, GPTShape
     from foldtrain.sim.cluster import load_cluster, to_toml
-    from foldtrain.config.load import tomllib
 
-    s = resolve_setup(_cfg("--train.global_batch", "1", "--parallel.pp", "2"))  # segment 1: blocks (and the head's forward)
+    s = resolve_setup(
+        _cfg("--train.global_batch", "1", "--parallel.pp", "2")
+    )  # segment 1: blocks (and the head's forward)
     base = from_dict(cluster_dict(), "c.toml")
     assert base.backward_ratio == 2.0
     d = cluster_dict()
@@ -174,9 +214,30 @@ def test_a_nodes_nic_carries_the_bytes_the_3d_engine_sends():
     reductions leave out the tied embedding; its head copy crosses the NIC dense, its embedding copy as only the
     rows of the batch's tokens; what the two ends send each other stays inside the node (the head its dense copy,
     the embedding its rows and their indices)."""
-    cfg = build_config(["--model.preset", "tiny", "--model.n_layer", "8", "--model.d_model", "256", "--train.global_batch", "8",
-                        "--train.seq_len", "32", "--parallel.dp", "2", "--parallel.pp", "2", "--parallel.microbatches", "4",
-                        "--parallel.virtual", "2", "--parallel.schedule", "fold"])
+    cfg = build_config(
+        [
+            "--model.preset",
+            "tiny",
+            "--model.n_layer",
+            "8",
+            "--model.d_model",
+            "256",
+            "--train.global_batch",
+            "8",
+            "--train.seq_len",
+            "32",
+            "--parallel.dp",
+            "2",
+            "--parallel.pp",
+            "2",
+            "--parallel.microbatches",
+            "4",
+            "--parallel.virtual",
+            "2",
+            "--parallel.schedule",
+            "fold",
+        ]
+    )
     s = resolve_setup(cfg)
     rc = RunCosts(s, from_dict(cluster_dict(node__gpus=2)))
     tied = s.vocab * s.d_model * 4
@@ -212,13 +273,39 @@ def test_calibrate_fits_the_heads_cost_beyond_its_products():
     from foldtrain.sim.cluster import Cluster, Link
 
     peak, half, rows_half = 80e9, 6.0, 9.0
-    c = Cluster(name="t", gpus_per_node=1, memory=1e15, tflops={d: peak for d in ("fp32", "bf16", "fp16")}, mem_bw=1e30,
-                efficiency=1.0, half_size=half, layer_overhead=0.0, intra=Link(1e9, 1e-6), inter=Link(1e9, 1e-6),
-                rows_half_size=rows_half)
+    c = Cluster(
+        name="t",
+        gpus_per_node=1,
+        memory=1e15,
+        tflops={d: peak for d in ("fp32", "bf16", "fp16")},
+        mem_bw=1e30,
+        efficiency=1.0,
+        half_size=half,
+        layer_overhead=0.0,
+        intra=Link(1e9, 1e-6),
+        inter=Link(1e9, 1e-6),
+        rows_half_size=rows_half,
+    )
     times = []
     for d, vocab, tokens in HEAD_SHAPES:
-        cfg = build_config(["--model.n_layer", "1", "--model.d_model", str(d), "--model.n_head", "4", "--model.vocab_size", str(vocab),
-                            "--model.context", str(tokens), "--train.seq_len", str(tokens), "--train.global_batch", "1"])
+        cfg = build_config(
+            [
+                "--model.n_layer",
+                "1",
+                "--model.d_model",
+                str(d),
+                "--model.n_head",
+                "4",
+                "--model.vocab_size",
+                str(vocab),
+                "--model.context",
+                str(tokens),
+                "--train.seq_len",
+                str(tokens),
+                "--train.global_batch",
+                "1",
+            ]
+        )
         cm = CostModel(resolve_setup(cfg), c)
         times.append(3 * cm.t_head_f + tokens * vocab / 240e6 + vocab * d / 0.8e9)
     softmax, weight = fit_head(peak, half, rows_half, times)
@@ -242,8 +329,22 @@ def test_the_executors_work_per_action_is_paid_on_each_ranks_timeline():
     from foldtrain.schedules import build_schedule
     from foldtrain.sim.cluster import to_toml
 
-    args = ["--model.preset", "tiny", "--train.seq_len", "32", "--train.global_batch", "8", "--parallel.pp", "2",
-            "--parallel.virtual", "2", "--parallel.microbatches", "8", "--parallel.schedule", "fold"]
+    args = [
+        "--model.preset",
+        "tiny",
+        "--train.seq_len",
+        "32",
+        "--train.global_batch",
+        "8",
+        "--parallel.pp",
+        "2",
+        "--parallel.virtual",
+        "2",
+        "--parallel.microbatches",
+        "8",
+        "--parallel.schedule",
+        "fold",
+    ]
     base = from_dict(cluster_dict(device__memory_gb=1000), "c.toml")
     ov = 1e-3
     c = from_dict(cluster_dict(device__memory_gb=1000, device__action_overhead_us=ov * 1e6), "c.toml")
@@ -260,7 +361,18 @@ def test_the_executors_work_per_action_is_paid_on_each_ranks_timeline():
         assert busy0 + n * ov * 0.8 <= busy1 <= busy0 + n * ov * 1.01
         assert r1.step_time >= busy0 + n * ov
     assert r1.step_time > r0.step_time
-    dp = ["--model.preset", "tiny", "--train.seq_len", "32", "--train.global_batch", "8", "--dp.strategy", "allreduce", "--parallel.dp", "2"]
+    dp = [
+        "--model.preset",
+        "tiny",
+        "--train.seq_len",
+        "32",
+        "--train.global_batch",
+        "8",
+        "--dp.strategy",
+        "allreduce",
+        "--parallel.dp",
+        "2",
+    ]
     assert simulate(build_config(dp), c).step_time == approx(simulate(build_config(dp), base).step_time)
 
 
@@ -271,8 +383,26 @@ def test_oversubscribed_efficiency_is_a_fraction_of_the_cores():
     from foldtrain.config.load import tomllib
     from foldtrain.sim.cluster import to_toml
 
-    cfg = build_config(["--model.preset", "tiny", "--train.global_batch", "8", "--train.seq_len", "32", "--parallel.dp", "2",
-                        "--parallel.pp", "2", "--parallel.microbatches", "4", "--parallel.virtual", "2", "--parallel.schedule", "fold"])
+    cfg = build_config(
+        [
+            "--model.preset",
+            "tiny",
+            "--train.global_batch",
+            "8",
+            "--train.seq_len",
+            "32",
+            "--parallel.dp",
+            "2",
+            "--parallel.pp",
+            "2",
+            "--parallel.microbatches",
+            "4",
+            "--parallel.virtual",
+            "2",
+            "--parallel.schedule",
+            "fold",
+        ]
+    )
     slow = {"device__fp32_tflops": 0.01}  # compute-bound: the cores are the limit
     assert from_dict(cluster_dict(node__shared_cores=2, **slow), "c.toml").oversubscribed == 1.0
     c = from_dict(cluster_dict(node__shared_cores=2, node__oversubscribed_efficiency=0.8, **slow), "c.toml")
@@ -325,11 +455,15 @@ def test_data_parallel_buckets_and_the_engines_scalar_all_reduces():
         assert rc.end_of_iteration() == approx(CostModel.tree_latency(n, c.intra.coll))
         assert (rc.before_steps() is None) == (strat != "sharded-ps")
     assert rc.reduce_phases(0, 0) == [ph for _, phases in buckets for ph in phases]
-    sps = RunCosts(resolve_setup(_cfg("--dp.strategy", "sharded-ps", "--parallel.dp", "4", "--train.global_batch", "4")), c)
+    sps = RunCosts(
+        resolve_setup(_cfg("--dp.strategy", "sharded-ps", "--parallel.dp", "4", "--train.global_batch", "4")), c
+    )
     assert sps.before_steps() == approx(CostModel.tree_latency(n, c.intra.coll))
     one = RunCosts(resolve_setup(_cfg("--train.global_batch", "4")), c)
     assert one.end_of_iteration() is None and one.reduce_buckets(0, 0) == []
     # without shared cores the steps take no CPU from compute
-    own = RunCosts(resolve_setup(_cfg("--dp.strategy", "ddp", "--parallel.dp", "4", "--train.global_batch", "4")),
-                   from_dict(cluster_dict(device__memory_gb=1000, node__collective_cpu_us=300.0), "c.toml"))
+    own = RunCosts(
+        resolve_setup(_cfg("--dp.strategy", "ddp", "--parallel.dp", "4", "--train.global_batch", "4")),
+        from_dict(cluster_dict(device__memory_gb=1000, node__collective_cpu_us=300.0), "c.toml"),
+    )
     assert own.reduce_buckets(0, 0)[0][1][0][2] == 0

@@ -8,8 +8,26 @@ from foldtrain.train.trainer import train
 
 
 def test_loss_falls_on_default_corpus(tmp_path, capsys):
-    cfg = build_config(["--train.steps", "30", "--train.global_batch", "8", "--train.seq_len", "64", "--train.eval_every", "0",
-                        "--train.eval_batches", "2", "--train.sample_tokens", "30", "--optim.warmup_steps", "5", "--out", str(tmp_path / "run")])
+    cfg = build_config(
+        [
+            "--train.steps",
+            "30",
+            "--train.global_batch",
+            "8",
+            "--train.seq_len",
+            "64",
+            "--train.eval_every",
+            "0",
+            "--train.eval_batches",
+            "2",
+            "--train.sample_tokens",
+            "30",
+            "--optim.warmup_steps",
+            "5",
+            "--out",
+            str(tmp_path / "run"),
+        ]
+    )
     data = TokenData.open(resolve_data(cfg.data))  # prepared once per machine (~30-60 s), then cached
     assert data.vocab_size == 8192 and data.split("train").shape[0] > 8_000_000  # the ~8.6M-token stdlib corpus
     train(cfg)

@@ -42,7 +42,18 @@ def hf_loss(model, x: torch.Tensor, y: torch.Tensor) -> float:
 def hf_dir(tmp_path_factory) -> Path:
     """A random GPT-2 with the shape of tests.conftest.TINY_ARGS (so those explicit sizes agree with it)."""
     torch.manual_seed(7)
-    cfg = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=512,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     d = tmp_path_factory.mktemp("hf") / "gpt2-random"
     transformers.GPT2LMHeadModel(cfg).save_pretrained(d)
     return d
@@ -55,12 +66,27 @@ def test_finetune_starts_from_the_hf_weights_in_any_layout(hf_dir, small_data, t
     first = losses(one)[1]
     assert abs(first - hf_loss(transformers.GPT2LMHeadModel.from_pretrained(hf_dir), x, y)) < TOL
     # a 2-rank pipeline starts from the same weights (its step-1 loss is the HF model's too)
-    args = tiny_run_args(small_data, pipe, "--train.steps", "1", "--model.init_from", str(hf_dir), "--parallel.pp", "2", "--train.micro_batch", "2", "--train.device", "cpu")
+    args = tiny_run_args(
+        small_data,
+        pipe,
+        "--train.steps",
+        "1",
+        "--model.init_from",
+        str(hf_dir),
+        "--parallel.pp",
+        "2",
+        "--train.micro_batch",
+        "2",
+        "--train.device",
+        "cpu",
+    )
     r = torchrun(2, "-m", "foldtrain", "train", *args, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert abs(losses(pipe)[1] - first) < TOL
     # --resume keeps the checkpoint's weights (the init source is not read again, it may be gone)
-    train(build_config(tiny_run_args(small_data, one, "--train.steps", "4", "--model.init_from", str(hf_dir), "--resume")))
+    train(
+        build_config(tiny_run_args(small_data, one, "--train.steps", "4", "--model.init_from", str(hf_dir), "--resume"))
+    )
     assert sorted(losses(one)) == [1, 2, 3, 4]
 
 
@@ -68,7 +94,9 @@ def test_export_of_a_trained_run_loads_in_transformers(small_data, tmp_path):
     run, hf = tmp_path / "run", tmp_path / "hf"
     train(build_config(tiny_run_args(small_data, run, "--train.steps", "5")))
     assert main(["export", "--out", str(run), "--hf", str(hf)]) == 0
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in hf.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in hf.iterdir()
+    }
     model, info = transformers.GPT2LMHeadModel.from_pretrained(hf, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
     data = TokenData.open(small_data)
@@ -118,9 +146,34 @@ def test_gpt2_tokenizer_with_a_gpt2_preset(small_corpus, tmp_path):
     meta = prepare(small_corpus, data, tokenizer_path=str(tok), val_fraction=0.1, seed=0, quiet=True)
     assert (meta["vocab_size"], meta["eot_id"]) == (50257, 50256)
     run = tmp_path / "run"
-    args = ["--model.preset", "gpt2-small", "--model.n_layer", "1", "--model.n_head", "2", "--model.d_model", "32", "--data.path", str(data),
-            "--train.steps", "2", "--train.global_batch", "4", "--train.seq_len", "32", "--train.eval_every", "0", "--train.eval_batches", "1",
-            "--train.sample_tokens", "0", "--train.progress", "false", "--out", str(run)]
+    args = [
+        "--model.preset",
+        "gpt2-small",
+        "--model.n_layer",
+        "1",
+        "--model.n_head",
+        "2",
+        "--model.d_model",
+        "32",
+        "--data.path",
+        str(data),
+        "--train.steps",
+        "2",
+        "--train.global_batch",
+        "4",
+        "--train.seq_len",
+        "32",
+        "--train.eval_every",
+        "0",
+        "--train.eval_batches",
+        "1",
+        "--train.sample_tokens",
+        "0",
+        "--train.progress",
+        "false",
+        "--out",
+        str(run),
+    ]
     assert main(["train", *args]) == 0
     assert main(["export", "--out", str(run), "--hf", str(tmp_path / "hf")]) == 0
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())

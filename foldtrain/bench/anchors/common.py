@@ -37,7 +37,9 @@ def data_and_model(cfg) -> tuple[TokenData, GPT]:
     """The prepared data and the GPT (on the CPU) built with ``--train.seed``, as foldtrain builds it;
     the host allocator set up as foldtrain's runs set it (``--train.malloc_cache``), so that a comparison
     measures the parallel strategy, not malloc."""
-    if cfg.train.malloc_cache and not (torch.cuda.is_available() and cfg.train.device != "cpu"):  # on the CPU (setup_device)
+    if cfg.train.malloc_cache and not (
+        torch.cuda.is_available() and cfg.train.device != "cpu"
+    ):  # on the CPU (setup_device)
         keep_freed_host_memory()
     data = TokenData.open(resolve_data(cfg.data))
     torch.manual_seed(cfg.train.seed)
@@ -54,8 +56,13 @@ def adamw(params, o, foreach: bool | None = True) -> torch.optim.AdamW:
     params = list(params)
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=foreach)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        foreach=foreach,
+    )
 
 
 def lr_at(step: int, o, total: int) -> float:

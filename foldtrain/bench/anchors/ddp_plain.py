@@ -27,8 +27,18 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from foldtrain.bench.anchors.common import (HALF, Metrics, adamw, autocast_for, data_and_model, loss_fn, lr_at,
-                                            micro_batches, set_lr, setup_device)
+from foldtrain.bench.anchors.common import (
+    HALF,
+    Metrics,
+    adamw,
+    autocast_for,
+    data_and_model,
+    loss_fn,
+    lr_at,
+    micro_batches,
+    set_lr,
+    setup_device,
+)
 from foldtrain.config import build_config
 from foldtrain.data import SequenceSampler
 

@@ -31,7 +31,16 @@ import time
 
 import torch
 
-from foldtrain.bench.anchors.common import Metrics, adamw, data_and_model, loss_fn, lr_at, micro_batches, set_lr, untie_head
+from foldtrain.bench.anchors.common import (
+    Metrics,
+    adamw,
+    data_and_model,
+    loss_fn,
+    lr_at,
+    micro_batches,
+    set_lr,
+    untie_head,
+)
 from foldtrain.config import build_config
 from foldtrain.data import SequenceSampler
 
@@ -46,7 +55,9 @@ def main(argv: list[str]) -> int:
     from deepspeed.runtime.pipe.topology import ProcessTopology
 
     # (the module, not the attribute: ``deepspeed.comm.torch`` is torch itself)
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # inference-only on CPU; see the module doc
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: (
+        None
+    )  # inference-only on CPU; see the module doc
     use_cuda = torch.cuda.is_available() and t.device != "cpu"
     deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo")
     rank = int(os.environ["RANK"])

@@ -21,8 +21,18 @@ import time
 
 import torch
 
-from foldtrain.bench.anchors.common import (HALF, Metrics, adamw, autocast_for, data_and_model, loss_fn, lr_at,
-                                            micro_batches, set_lr, setup_device)
+from foldtrain.bench.anchors.common import (
+    HALF,
+    Metrics,
+    adamw,
+    autocast_for,
+    data_and_model,
+    loss_fn,
+    lr_at,
+    micro_batches,
+    set_lr,
+    setup_device,
+)
 from foldtrain.config import build_config
 from foldtrain.data import SequenceSampler
 
@@ -43,8 +53,9 @@ def main(argv: list[str]) -> int:
     micro = t.micro_batch or rows
     n_micro = rows // micro
     compression = hvd.Compression.fp16 if cfg.dp.compression == "fp16" else hvd.Compression.none
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression,
-                                   backward_passes_per_step=n_micro)
+    opt = hvd.DistributedOptimizer(
+        opt, named_parameters=model.named_parameters(), compression=compression, backward_passes_per_step=n_micro
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     half = HALF.get(cfg.precision)
     autocast = autocast_for(device, half)

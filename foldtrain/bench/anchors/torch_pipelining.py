@@ -38,8 +38,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from foldtrain.bench.anchors.common import (Metrics, adamw, autocast_for, data_and_model, loss_fn, lr_at, set_lr, setup_device,
-                                            untie_head)
+from foldtrain.bench.anchors.common import (
+    Metrics,
+    adamw,
+    autocast_for,
+    data_and_model,
+    loss_fn,
+    lr_at,
+    set_lr,
+    setup_device,
+    untie_head,
+)
 from foldtrain.config import build_config
 from foldtrain.data import SequenceSampler
 
@@ -78,8 +87,13 @@ def main(argv: list[str]) -> int:
     ns, rest = ap.parse_known_args(argv)
     cfg = build_config(rest)
     t, o, par = cfg.train, cfg.optim, cfg.parallel
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleLoopedBFS)
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleLoopedBFS,
+    )
 
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
     P, D, V = par.pp, par.dp, par.virtual
@@ -104,7 +118,9 @@ def main(argv: list[str]) -> int:
     local_segs = list(range(p, S, P))
     mods = {}
     for s in local_segs:
-        seg_parts = ([parts[0]] if s == 0 else []) + [parts[1 + i] for i in layers[s]] + ([parts[-1]] if s == S - 1 else [])
+        seg_parts = (
+            ([parts[0]] if s == 0 else []) + [parts[1 + i] for i in layers[s]] + ([parts[-1]] if s == S - 1 else [])
+        )
         mods[s] = Segment(seg_parts)
     if P > 1 and (S - 1) in mods:  # the last stage's own copy of the tied output projection
         untie_head(mods[S - 1].parts[-1])

@@ -45,5 +45,7 @@ def strategy_for(cfg, world_size: int) -> type[Strategy]:
     elif strategy == "horovod":
         from foldtrain.parallel.dp.horovod import HorovodStrategy as cls
     else:
-        raise ConfigError(f"--dp.strategy {strategy} cannot run {world_size} processes; choose ddp, allreduce, sharded-ps or ps")
+        raise ConfigError(
+            f"--dp.strategy {strategy} cannot run {world_size} processes; choose ddp, allreduce, sharded-ps or ps"
+        )
     return cls

@@ -84,7 +84,9 @@ class AllreduceStrategy(DataParallelStrategy):
         holder = [None]
         if self.rank == 0:
             sizes = [nbytes(p) for p in self.params]
-            holder = [timed_plan(self._events, sizes, len(self.params), self.first_bytes, self.fusion_bytes, self.cycle_s)]
+            holder = [
+                timed_plan(self._events, sizes, len(self.params), self.first_bytes, self.fusion_bytes, self.cycle_s)
+            ]
         with self.comm.blocked("bucket-plan broadcast"):
             dist.broadcast_object_list(holder, src=0)
         self.plan = holder[0]

@@ -177,7 +177,10 @@ class DataParallelStrategy(Strategy):
         """``clip`` for gradients spread over ranks: the squared norms of every rank's part summed
         over ``group`` (default: all ranks)."""
         size = group_size or self.world
-        sq = sum((p.grad.double().pow(2).sum() for p in params if p.grad is not None), torch.zeros((), dtype=torch.float64, device=self.device)).reshape(1)
+        sq = sum(
+            (p.grad.double().pow(2).sum() for p in params if p.grad is not None),
+            torch.zeros((), dtype=torch.float64, device=self.device),
+        ).reshape(1)
         if size > 1:
             self.comm.all_reduce(sq, size)
             with self.comm.blocked("gradient-norm all-reduce"):

@@ -18,10 +18,12 @@ order the hooks fire in. ``finish()`` launches whatever is left (parameters that
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 
-def fixed_plan(sizes: Sequence[int], order: Sequence[int], first_bytes: float, cap_bytes: float, alone_bytes: float | None = None) -> list[list[int]]:
+def fixed_plan(
+    sizes: Sequence[int], order: Sequence[int], first_bytes: float, cap_bytes: float, alone_bytes: float | None = None
+) -> list[list[int]]:
     """Buckets over ``order`` (parameter indices) with byte ``sizes``: the first closes at
     ``first_bytes``; the others never pass ``cap_bytes`` (a bucket closes before a parameter that
     would take it past the cap); a parameter of at least ``alone_bytes`` (default: the cap) is a
@@ -44,7 +46,14 @@ def fixed_plan(sizes: Sequence[int], order: Sequence[int], first_bytes: float, c
     return plan
 
 
-def timed_plan(events: Sequence[tuple[int, float]], sizes: Sequence[int], n_params: int, first_bytes: float, cap_bytes: float, cycle_s: float) -> list[list[int]]:
+def timed_plan(
+    events: Sequence[tuple[int, float]],
+    sizes: Sequence[int],
+    n_params: int,
+    first_bytes: float,
+    cap_bytes: float,
+    cycle_s: float,
+) -> list[list[int]]:
     """Buckets from observed ``(parameter index, ready time)`` events, in their order.
 
     A bucket closes when it holds ``first_bytes`` (the first) or ``cap_bytes`` (the others), or

@@ -128,4 +128,6 @@ class CommStats:
             tail = "check that rank's log" if len(dead) == 1 else "check those ranks' logs"
         else:
             who, tail = "a peer rank", "check the other ranks' logs"
-        return DistributedError(f"{who} stopped responding during {phase} at step {step} (timeout {self.timeout_s:g} s); {tail}")
+        return DistributedError(
+            f"{who} stopped responding during {phase} at step {step} (timeout {self.timeout_s:g} s); {tail}"
+        )

@@ -43,7 +43,8 @@ class HorovodStrategy(Strategy):
             raise DistributedError(
                 f"--dp.strategy horovod: Horovod's world has {hvd.size()} process(es) but {launched} were launched "
                 f"(torchrun's processes do not form a Horovod world); launch with "
-                f"`horovodrun -np {launched} -H localhost:{launched} python -m foldtrain train ...`, or use --dp.strategy allreduce under torchrun")
+                f"`horovodrun -np {launched} -H localhost:{launched} python -m foldtrain train ...`, or use --dp.strategy allreduce under torchrun"
+            )
         super().__init__(state, cfg)
         self.hvd = hvd
         self.dp_rank, self.dp_world = hvd.rank(), hvd.size()
@@ -51,7 +52,9 @@ class HorovodStrategy(Strategy):
         if self.master is None:
             micro_batch = cfg.train.micro_batch
             passes = math.ceil(rows / (micro_batch or rows))
-            state.optimizer = hvd.DistributedOptimizer(self.optimizer, named_parameters=self.named_params, backward_passes_per_step=passes)
+            state.optimizer = hvd.DistributedOptimizer(
+                self.optimizer, named_parameters=self.named_params, backward_passes_per_step=passes
+            )
             _torch_zero_grad_signature(state.optimizer)
             # DistributedOptimizer is a new optimizer over the same parameter groups: the schedule must step
             # *it*, or a checkpoint load (which replaces its groups) leaves the learning rate frozen

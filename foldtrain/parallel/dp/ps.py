@@ -58,7 +58,9 @@ class ParameterServerStrategy(DataParallelStrategy):
         self.params = [p for _, p in self.named_params]
         self.served = assign_to_servers([p.numel() for p in self.params], self.servers)
         if any(not served for served in self.served.values()):
-            raise ConfigError(f"--dp.ps_servers {k} is more than the model's {len(self.params)} parameter tensors; use fewer servers")
+            raise ConfigError(
+                f"--dp.ps_servers {k} is more than the model's {len(self.params)} parameter tensors; use fewer servers"
+            )
         if self.is_server:  # fp32 masters of the served tensors own the optimizer
             self.masters = {i: nn.Parameter(self.params[i].detach().float().clone()) for i in self.served[self.rank]}
             named = [(self.named_params[i][0], m) for i, m in self.masters.items()]
@@ -81,7 +83,13 @@ class ParameterServerStrategy(DataParallelStrategy):
 
     def grads_for(self, server: int, dtype: torch.dtype) -> torch.Tensor:
         """This worker's gradients of ``server``'s tensors, packed into one buffer."""
-        return flatten([self.params[i].grad if self.params[i].grad is not None else torch.zeros_like(self.params[i]) for i in self.served[server]], dtype)
+        return flatten(
+            [
+                self.params[i].grad if self.params[i].grad is not None else torch.zeros_like(self.params[i])
+                for i in self.served[server]
+            ],
+            dtype,
+        )
 
     def set_master_grads(self, flat: torch.Tensor) -> None:
         offset = 0
@@ -95,12 +103,16 @@ class ParameterServerStrategy(DataParallelStrategy):
         dtype = self.precision.param_dtype
         sends = []
         if self.is_worker:
-            sends = [(s, self.comm.isend(self.grads_for(s, dtype), s, GRAD_TAG)) for s in self.servers if s != self.rank]
+            sends = [
+                (s, self.comm.isend(self.grads_for(s, dtype), s, GRAD_TAG)) for s in self.servers if s != self.rank
+            ]
         if self.is_server:
             size = self.size_of(self.rank)
             bufs = {w: torch.empty(size, dtype=dtype, device=self.device) for w in self.workers if w != self.rank}
             recvs = {w: self.comm.irecv(b, w, GRAD_TAG) for w, b in bufs.items()}
-            total = self.grads_for(self.rank, torch.float32) if self.is_worker else torch.zeros(size, device=self.device)
+            total = (
+                self.grads_for(self.rank, torch.float32) if self.is_worker else torch.zeros(size, device=self.device)
+            )
             for w, work in recvs.items():
                 self.comm.wait(work, "gradient push", peer=w)
                 total += bufs[w].float()
@@ -171,7 +183,11 @@ class ParameterServerStrategy(DataParallelStrategy):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         index = {p.data_ptr(): i for i, p in enumerate(self.params)}
-        model = {k: self.masters[index[v.data_ptr()]] for k, v in get_model_state_dict(self.model).items() if index.get(v.data_ptr()) in self.masters}
+        model = {
+            k: self.masters[index[v.data_ptr()]]
+            for k, v in get_model_state_dict(self.model).items()
+            if index.get(v.data_ptr()) in self.masters
+        }
         optim = {self.named_params[i][0]: adamw_state(self.optimizer, m) for i, m in self.masters.items()}
         return {"model": model, "optim": optim}
 

@@ -39,9 +39,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from foldtrain.parallel.flat import flatten, unflatten_into
-from foldtrain.parallel.failures import CommFailure
 from foldtrain.parallel.dp.ps import GRAD_TAG, HEADER_TAG, PARAM_TAG, ParameterServerStrategy
+from foldtrain.parallel.failures import CommFailure
+from foldtrain.parallel.flat import flatten, unflatten_into
 
 
 class AsyncParameterServerStrategy(ParameterServerStrategy):
@@ -103,7 +103,10 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
                 if s == self.rank:
                     own = (self.grads_for(s, dtype), head)
                 else:
-                    sends += [(s, self.comm.isend(head, s, HEADER_TAG)), (s, self.comm.isend(self.grads_for(s, dtype), s, GRAD_TAG))]
+                    sends += [
+                        (s, self.comm.isend(head, s, HEADER_TAG)),
+                        (s, self.comm.isend(self.grads_for(s, dtype), s, GRAD_TAG)),
+                    ]
         if self.is_server:
             self.serve(own)
         if self.is_worker:
@@ -139,7 +142,10 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             self.comm.wait(work, "parameter reply", peer=w)
         self.reply_sends = []
         if self.is_worker:  # colocated: this rank's own replica gets the freshest parameters
-            unflatten_into(flatten(list(self.masters.values()), self.precision.param_dtype), [self.params[i] for i in self.served[self.rank]])
+            unflatten_into(
+                flatten(list(self.masters.values()), self.precision.param_dtype),
+                [self.params[i] for i in self.served[self.rank]],
+            )
             self.sent_at[self.rank] = min(self.clock.values())
 
     def post(self, w: int) -> None:
@@ -212,7 +218,9 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
                 self.deferred.discard(w)
                 self.sent_at[w] = slowest
                 if w != self.rank:
-                    mine = mine if mine is not None else flatten(list(self.masters.values()), self.precision.param_dtype)
+                    mine = (
+                        mine if mine is not None else flatten(list(self.masters.values()), self.precision.param_dtype)
+                    )
                     self.reply_sends.append((w, self.comm.isend(mine, w, PARAM_TAG)))
 
     def reduce_scalar(self, value: torch.Tensor) -> torch.Tensor:

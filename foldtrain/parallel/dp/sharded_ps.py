@@ -87,7 +87,9 @@ def recv_elems(world: int, width: int, a2a: bool) -> int:
     return world * width if a2a else width
 
 
-def exchange_rows(rows: torch.Tensor, a2a: bool, into: torch.Tensor | None = None) -> tuple[dist.Work, torch.Tensor, bool]:
+def exchange_rows(
+    rows: torch.Tensor, a2a: bool, into: torch.Tensor | None = None
+) -> tuple[dist.Work, torch.Tensor, bool]:
     """Start the reduce-scatter of ``rows`` (W x width): (work, buffer, summed). After ``work.wait()``
     the buffer holds this rank's summed row (``summed``) or, by all-to-all (``a2a``), the W rows to
     sum (dim 0). ``into``: a flat buffer of :func:`recv_elems` elements to receive into (else a new one)."""
@@ -131,7 +133,9 @@ class Part:
         # per slice, fixed by the layout (so computed once, not at every launch): the gradients it holds,
         # (parameter, first, last + 1) each, and where each piece goes in the slice
         self.covers = [self.covering(a, b) for a, b in self.slices]
-        self.ats = [[self.starts[idx.index(i)] + lo - a for i, lo, _ in cov] for (a, _), cov in zip(self.slices, self.covers)]
+        self.ats = [
+            [self.starts[idx.index(i)] + lo - a for i, lo, _ in cov] for (a, _), cov in zip(self.slices, self.covers)
+        ]
 
     def cols(self):
         """(a, b, col, q) per slice: stream range [a, b); each rank's piece is q = (b-a)/W long, at ``col`` of its row."""
@@ -151,13 +155,26 @@ class Part:
 
     def covering(self, a: int, b: int) -> list[tuple[int, int, int]]:
         """The parameters in stream range [a, b): (parameter index, first element, last element + 1) of each."""
-        return [(i, max(a - s, 0), min(b - s, n)) for i, s, n in zip(self.idx, self.starts, self.sizes) if s < b and s + n > a]
+        return [
+            (i, max(a - s, 0), min(b - s, n))
+            for i, s, n in zip(self.idx, self.starts, self.sizes)
+            if s < b and s + n > a
+        ]
 
 
 class Bucket:
     """One bucket's parameters (indices), split into decay / plain parts, and its place in the shards."""
 
-    def __init__(self, index: list[int], params: list[torch.Tensor], world: int, dec_off: int, plain_off: int, col_off: int, slice_elems: int):
+    def __init__(
+        self,
+        index: list[int],
+        params: list[torch.Tensor],
+        world: int,
+        dec_off: int,
+        plain_off: int,
+        col_off: int,
+        slice_elems: int,
+    ):
         self.decay = Part([i for i in index if params[i].dim() >= 2], params, world, slice_elems)
         self.plain = Part([i for i in index if params[i].dim() < 2], params, world, slice_elems)
         self.index = index
@@ -172,7 +189,9 @@ class Bucket:
 
     def rows(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """``tensors`` (aligned with the parameters) packed as this bucket's W x width rows."""
-        return torch.cat([pt.to_rows(flatten([tensors[i] for i in pt.idx], dtype, pt.padded)) for pt, _ in self.parts()], 1)
+        return torch.cat(
+            [pt.to_rows(flatten([tensors[i] for i in pt.idx], dtype, pt.padded)) for pt, _ in self.parts()], 1
+        )
 
     def unpack(self, rows: torch.Tensor, targets: list[torch.Tensor]) -> None:
         """The inverse of ``rows``: W x width rows into ``targets`` (aligned with the parameters)."""
@@ -204,7 +223,9 @@ class ShardedPSStrategy(DataParallelStrategy):
         order = list(reversed(range(len(self.params))))
         sizes = [nbytes(p) for p in self.params]
         cap = cfg.dp.shard_bucket_mb * 2**20
-        plan = fixed_plan(sizes, order, cfg.dp.first_bucket_mb * 2**20, cap, alone_bytes=cap / 2)  # big gradients: views, ramped
+        plan = fixed_plan(
+            sizes, order, cfg.dp.first_bucket_mb * 2**20, cap, alone_bytes=cap / 2
+        )  # big gradients: views, ramped
         slice_elems = max(1, int(cfg.dp.shard_slice_mb * 2**20) // max(1, self.params[0].element_size()))
         self.buckets: list[Bucket] = []
         d = pl = c = 0
@@ -225,7 +246,9 @@ class ShardedPSStrategy(DataParallelStrategy):
         self.decay_shard = nn.Parameter(self._my_part(full, "decay").reshape(1, -1))
         self.plain_shard = nn.Parameter(self._my_part(full, "plain"))
         self.shards = [self.decay_shard, self.plain_shard]
-        state.set_optimizer([("decay", self.decay_shard), ("plain", self.plain_shard)], masters=False)  # fp32 masters: the shard only
+        state.set_optimizer(
+            [("decay", self.decay_shard), ("plain", self.plain_shard)], masters=False
+        )  # fp32 masters: the shard only
         self.launcher = OrderedLauncher(plan, self._launch)
         self._gacc: torch.Tensor | None = None  # fp32 gradient shard: [decay | plain]
         self._held: dict[int, torch.Tensor] = {}  # launched gradients, until every slice over them is packed or landed
@@ -319,7 +342,9 @@ class ShardedPSStrategy(DataParallelStrategy):
         """(bytes of new buffers, send view, receive region) that issuing ``sl`` now would take."""
         view = self._view_of(sl)
         into = self._carve(sl, view)
-        fresh = (0 if view is not None else sl.b - sl.a) + (0 if into is not None else recv_elems(self.world, sl.q, self.a2a))
+        fresh = (0 if view is not None else sl.b - sl.a) + (
+            0 if into is not None else recv_elems(self.world, sl.q, self.a2a)
+        )
         return fresh * self._elem, view, into
 
     def _issue(self) -> None:
@@ -467,13 +492,19 @@ class ShardedPSStrategy(DataParallelStrategy):
     def grad_optim_bytes(self) -> tuple[int, int]:
         """(persistent, peak transient) bytes: gradient shard + fp32 shard weights + AdamW state; and
         the most full-size gradients plus bucket buffers alive at once during the step."""
-        persistent = sum(nbytes(s) for s in self.shards) + (nbytes(self._gacc) if self._gacc is not None else 4 * (self.n_decay + self.n_plain))
+        persistent = sum(nbytes(s) for s in self.shards) + (
+            nbytes(self._gacc) if self._gacc is not None else 4 * (self.n_decay + self.n_plain)
+        )
         persistent += sum(nbytes(t) for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t))
         return persistent, self.peak_transient
 
     def stats(self) -> dict[str, float]:
         persistent, transient = self.grad_optim_bytes()
-        return {**super().stats(), "grad_optim_mem_mb": (persistent + transient) / 2**20, "dp_buckets": float(len(self.buckets))}
+        return {
+            **super().stats(),
+            "grad_optim_mem_mb": (persistent + transient) / 2**20,
+            "dp_buckets": float(len(self.buckets)),
+        }
 
     def _fill_row(self, b: Bucket, dst: torch.Tensor) -> None:
         """This rank's row of bucket ``b`` (its decay then plain shard pieces) into ``dst`` (``b.width`` long)."""
@@ -508,7 +539,12 @@ class ShardedPSStrategy(DataParallelStrategy):
 
         views = self._fp32_full()
         model = {k: views.get(v.data_ptr(), v) for k, v in get_model_state_dict(self.model).items()}
-        optim = {f"shard{self.rank}of{self.world}": {"decay": adamw_state(self.optimizer, self.decay_shard), "plain": adamw_state(self.optimizer, self.plain_shard)}}
+        optim = {
+            f"shard{self.rank}of{self.world}": {
+                "decay": adamw_state(self.optimizer, self.decay_shard),
+                "plain": adamw_state(self.optimizer, self.plain_shard),
+            }
+        }
         return {"model": model, "optim": optim, "shard_layout": self._layout()}
 
     def _layout(self) -> torch.Tensor:
@@ -516,7 +552,9 @@ class ShardedPSStrategy(DataParallelStrategy):
         parameters and slices, the world size, the slice length, the number of buckets."""
         desc = [(b.decay.idx, b.decay.slices, b.plain.idx, b.plain.slices) for b in self.buckets]
         step = self.buckets[0].decay.slices[0] if self.buckets[0].decay.slices else (0, 0)
-        return torch.tensor([zlib.crc32(repr(desc).encode()), self.world, step[1] - step[0], len(self.buckets)], dtype=torch.int64)
+        return torch.tensor(
+            [zlib.crc32(repr(desc).encode()), self.world, step[1] - step[0], len(self.buckets)], dtype=torch.int64
+        )
 
     @torch.no_grad()
     def load_model_optim_state(self, sd: dict) -> None:
@@ -528,7 +566,8 @@ class ShardedPSStrategy(DataParallelStrategy):
             raise CheckpointError(
                 f"this checkpoint's sharded-ps shards (world {saved[1]}, {saved[3]} buckets, slices of {saved[2]} elements) are laid out "
                 f"unlike this run's (world {mine[1]}, {mine[3]} buckets, slices of {mine[2]}); resume with the world size, "
-                "--dp.first_bucket_mb, --dp.shard_bucket_mb and --dp.shard_slice_mb it was saved with")
+                "--dp.first_bucket_mb, --dp.shard_bucket_mb and --dp.shard_slice_mb it was saved with"
+            )
         by_ptr = {v.data_ptr(): sd["model"][k] for k, v in get_model_state_dict(self.model).items()}
         full = [by_ptr[p.data_ptr()].float() for p in self.params]
         self.decay_shard.copy_(self._my_part(full, "decay").view(1, -1))

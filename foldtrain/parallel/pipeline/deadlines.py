@@ -205,5 +205,15 @@ class DeadlineQueue:
     def record(self, b: Bucket, urgent: bool = False) -> None:
         """The bucket's flight, issue -> first seen complete, in the --profile trace."""
         end = b.t_done if b.t_done is not None else self.clock()
-        self.tl.record(f"AR c{b.segment} " + (f"b{b.index}" if b.index >= 0 else "tie"), "reduce", b.t_issue, max(end, b.t_issue), chunk=b.segment,
-                       bucket=b.index, deadline=b.deadline, deferred=not urgent, order=b.order, by_deadline=b.by_deadline)
+        self.tl.record(
+            f"AR c{b.segment} " + (f"b{b.index}" if b.index >= 0 else "tie"),
+            "reduce",
+            b.t_issue,
+            max(end, b.t_issue),
+            chunk=b.segment,
+            bucket=b.index,
+            deadline=b.deadline,
+            deferred=not urgent,
+            order=b.order,
+            by_deadline=b.by_deadline,
+        )

@@ -42,7 +42,7 @@ Transport (:mod:`.p2p`), the per-chunk reductions (:mod:`.reducer`) and the tie 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -142,11 +142,17 @@ class Executor:
         stepped = False
         queue = self.queue
         # each chunk reduction's deadline: the position of the WR that needs it (next iteration's for deferred ones)
-        deadline = {a.chunk: i + (len(actions) if a.chunk in deferred else 0) for i, a in enumerate(actions) if a.op is Op.WAIT_REDUCE}
+        deadline = {
+            a.chunk: i + (len(actions) if a.chunk in deferred else 0)
+            for i, a in enumerate(actions)
+            if a.op is Op.WAIT_REDUCE
+        }
         ties = [r for r in self.reducers.values() if r.tie is not None]
         # per-chunk sync: the head's tied copy is reduced from the last segment's last forward on
         # (the fused head's backward made it final), not from its LR after the body's backwards
-        head_fwds = n_mb if sched.dp_sync == "per-chunk" and last in self.chunks and self.reducers[last].tie is not None else -1
+        head_fwds = (
+            n_mb if sched.dp_sync == "per-chunk" and last in self.chunks and self.reducers[last].tie is not None else -1
+        )
         for r in ties:
             r.begin(xs)
         if queue is not None:
@@ -201,7 +207,10 @@ class Executor:
             elif op is Op.RECV_ACT:
                 with self._span(f"RA c{s} m{m}", "recv_wait", chunk=s, mb=m, peer=a.peer):
                     acts_in[(s, m)] = self.p2p.recv(
-                        shape(m), self.act_dtype, a.peer, self.p2p.tag(ACT, s - 1, m, self.n_seg, n_mb),
+                        shape(m),
+                        self.act_dtype,
+                        a.peer,
+                        self.p2p.tag(ACT, s - 1, m, self.n_seg, n_mb),
                         f"activations of chunk {s} microbatch {m}",
                     )
             elif op is Op.SEND_GRAD:
@@ -211,11 +220,16 @@ class Executor:
             elif op is Op.RECV_GRAD:
                 with self._span(f"RG c{s} m{m}", "recv_wait", chunk=s, mb=m, peer=a.peer):
                     grads_in[(s, m)] = self.p2p.recv(
-                        shape(m), self.act_dtype, a.peer, self.p2p.tag(GRAD, s + 1, m, self.n_seg, n_mb),
+                        shape(m),
+                        self.act_dtype,
+                        a.peer,
+                        self.p2p.tag(GRAD, s + 1, m, self.n_seg, n_mb),
                         f"gradients of chunk {s} microbatch {m}",
                     )
             elif op is Op.LAUNCH_REDUCE:
-                with self._span(f"LR c{s}", "reduce_launch", chunk=s, deadline=deadline.get(s, len(actions)), deferred=s in deferred):
+                with self._span(
+                    f"LR c{s}", "reduce_launch", chunk=s, deadline=deadline.get(s, len(actions)), deferred=s in deferred
+                ):
                     self.reducers[s].launch(deadline.get(s, len(actions)), s in deferred)
                 self.step_pending.add(s)
             elif op is Op.WAIT_REDUCE:
@@ -254,7 +268,9 @@ class Executor:
         self._handoff()
         for work, _t, a in sends:
             kind = "activations" if a.op is Op.SEND_ACT else "gradients"
-            self.p2p.wait(work, f"its receive of the {kind} of chunk {a.chunk} microbatch {a.mb} (send completion)", a.peer)
+            self.p2p.wait(
+                work, f"its receive of the {kind} of chunk {a.chunk} microbatch {a.mb} (send completion)", a.peer
+            )
         if inputs or outputs or acts_in or grads_in or in_grads:  # pragma: no cover - validated schedules
             raise RuntimeError(f"pipeline rank {self.p}: schedule left unfinished work {list(inputs)[:4]}")
         return loss_sum
@@ -304,15 +320,24 @@ class Executor:
                     inp = xs[m]
                 else:
                     peer = self._peer(s - 1)
-                    inp = self.p2p.recv((xs[m].shape[0], xs[m].shape[1], self.d_model), self.act_dtype, peer,
-                                        self.p2p.tag(EVAL_ACT, s - 1, m, self.n_seg, n_mb), f"evaluation activations of chunk {s} microbatch {m}")
+                    inp = self.p2p.recv(
+                        (xs[m].shape[0], xs[m].shape[1], self.d_model),
+                        self.act_dtype,
+                        peer,
+                        self.p2p.tag(EVAL_ACT, s - 1, m, self.n_seg, n_mb),
+                        f"evaluation activations of chunk {s} microbatch {m}",
+                    )
                 with self.precision.forward_context():
                     out = chunk(inp)
                     if s == last:
                         losses.append(self.loss_fn(out, ys[m]).float())
                         continue
                 t = out.to(self.act_dtype).contiguous()
-                sends.append((self.p2p.isend(t, self._peer(s + 1), self.p2p.tag(EVAL_ACT, s, m, self.n_seg, n_mb)), t, s, m))
+                sends.append(
+                    (self.p2p.isend(t, self._peer(s + 1), self.p2p.tag(EVAL_ACT, s, m, self.n_seg, n_mb)), t, s, m)
+                )
         for work, _t, s, m in sends:
-            self.p2p.wait(work, f"its receive of evaluation activations of chunk {s + 1} microbatch {m}", self._peer(s + 1))
+            self.p2p.wait(
+                work, f"its receive of evaluation activations of chunk {s + 1} microbatch {m}", self._peer(s + 1)
+            )
         return losses

@@ -81,12 +81,25 @@ class P2P:
 
     def wait_collective(self, work, what: str) -> None:
         """Wait for a collective of this rank's pipeline group, bounded by ``--dp.timeout_s``."""
-        bounded_wait(work, self.timeout_s, self.cpu_timeout, lambda cause: (
-            f"pipeline rank {self.p} (global rank {self.topo.rank}) waited up to {self.timeout_s:g} s for the {what}; "
-            f"another pipeline rank stalled or died ({cause}); check the other ranks' logs"), self.pump)
+        bounded_wait(
+            work,
+            self.timeout_s,
+            self.cpu_timeout,
+            lambda cause: (
+                f"pipeline rank {self.p} (global rank {self.topo.rank}) waited up to {self.timeout_s:g} s for the {what}; "
+                f"another pipeline rank stalled or died ({cause}); check the other ranks' logs"
+            ),
+            self.pump,
+        )
 
     def wait(self, work, what: str, peer_p: int) -> None:
-        bounded_wait(work, self.timeout_s, self.cpu_timeout, lambda cause: (
-            f"pipeline rank {self.p} (global rank {self.topo.rank}) waited up to {self.timeout_s:g} s for {what} "
-            f"from pipeline rank {peer_p} (global rank {self.topo.pipeline_peer(peer_p)}); that rank stalled or died "
-            f"({cause}); check its log, or raise --dp.timeout_s if it is just slow"))
+        bounded_wait(
+            work,
+            self.timeout_s,
+            self.cpu_timeout,
+            lambda cause: (
+                f"pipeline rank {self.p} (global rank {self.topo.rank}) waited up to {self.timeout_s:g} s for {what} "
+                f"from pipeline rank {peer_p} (global rank {self.topo.pipeline_peer(peer_p)}); that rank stalled or died "
+                f"({cause}); check its log, or raise --dp.timeout_s if it is just slow"
+            ),
+        )

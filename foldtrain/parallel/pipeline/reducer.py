@@ -42,8 +42,11 @@ class ChunkReducer:
         self.queue: DeadlineQueue | None = None  # set by the executor when dp > 1
         self.buckets: list[Bucket] = []
         self.deferred = False
-        self.tie = TieSide(segment != 0, topo, self._wait, _row_offset(tied),
-                           local_part(tied).detach()) if tied is not None else None
+        self.tie = (
+            TieSide(segment != 0, topo, self._wait, _row_offset(tied), local_part(tied).detach())
+            if tied is not None
+            else None
+        )
         self.pending = False  # launched, not yet waited
 
     def _grads(self, params) -> list[torch.Tensor]:
@@ -96,7 +99,9 @@ class ChunkReducer:
     def launch(self, deadline: int = 0, deferred: bool = False) -> None:
         """Start the reduction; ``deadline`` orders it against the others (the action that needs it)."""
         self.deferred = deferred and self.queue is not None and self.queue.group is not None
-        self.launch_tie(deadline)  # first (unless launched already): the other end needs it, the chunk's buckets only this rank
+        self.launch_tie(
+            deadline
+        )  # first (unless launched already): the other end needs it, the chunk's buckets only this rank
         if self.dp > 1:
             grads = self._grads(self.params)
             if self.deferred:
@@ -120,9 +125,16 @@ class ChunkReducer:
         hold the wait until every deferred bucket is issued (it did: up to 100 ms per step)."""
         queued = self.queue is not None and self.queue.group is not None and not p2p
         pump = self.queue.pump if queued else None
-        bounded_wait(work, self.timeout_s, self.cpu_timeout, lambda cause: (
-            f"global rank {self.topo.rank} waited up to {self.timeout_s:g} s for the {what} of segment {self.segment}; "
-            f"a rank of that group stalled or died ({cause}); check the other ranks' logs"), pump)
+        bounded_wait(
+            work,
+            self.timeout_s,
+            self.cpu_timeout,
+            lambda cause: (
+                f"global rank {self.topo.rank} waited up to {self.timeout_s:g} s for the {what} of segment {self.segment}; "
+                f"a rank of that group stalled or died ({cause}); check the other ranks' logs"
+            ),
+            pump,
+        )
 
     def wait(self) -> None:
         if not self.pending:

@@ -88,8 +88,10 @@ class TieSide:
             self.early_recv = (dist.irecv(buf, src=self.other, group=self.topo.tie_group), buf)
         tokens = torch.cat([x.reshape(-1) for x in xs])
         if self.tokens_per_step is not None and tokens.numel() * self.dp > self.tokens_per_step:
-            raise ValueError(f"the pipeline got {tokens.numel() * self.dp} tokens in a step, more than the "
-                             f"{self.tokens_per_step} of --train.global_batch x --train.seq_len; pass batches of that shape")
+            raise ValueError(
+                f"the pipeline got {tokens.numel() * self.dp} tokens in a step, more than the "
+                f"{self.tokens_per_step} of --train.global_batch x --train.seq_len; pass batches of that shape"
+            )
         if self.dp == 1:
             self.tokens = tokens
             return

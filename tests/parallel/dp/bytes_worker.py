@@ -32,7 +32,9 @@ def main(out: Path, strategies: list[str]) -> None:
     for strategy in strategies:
         cfg = build_config([*BASE, "--model.d_model", "64", "--dp.strategy", strategy])
         torch.manual_seed(0)
-        engine = build_engine(cfg, GPT(GPTShape.from_config(cfg.model)), env, cfg.train.global_batch // dp_workers(cfg, env.world_size))
+        engine = build_engine(
+            cfg, GPT(GPTShape.from_config(cfg.model)), env, cfg.train.global_batch // dp_workers(cfg, env.world_size)
+        )
         sampler = SyntheticSampler(cfg.model.vocab_size, cfg.train.seq_len)
         engine.train_step(*engine.batch(sampler, 0))  # connections are set up on first use
         engine.flush()  # sharded-ps: its all-gathers land in the next forward; count whole steps on both sides

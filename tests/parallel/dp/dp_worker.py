@@ -27,14 +27,35 @@ import torch.distributed as dist
 from foldtrain.checkpoint import CheckpointManager
 from foldtrain.config import build_config, dp_workers, validate
 from foldtrain.distributed import DistEnv
+from foldtrain.engine import build_engine
 from foldtrain.errors import FoldtrainError
 from foldtrain.model import GPT, GPTShape
-from foldtrain.engine import build_engine
 from tests.support import SyntheticSampler
 
 HEADS, D_MODEL = 2, 32
-MODEL = ["--model.n_layer", "2", "--model.n_head", str(HEADS), "--model.d_model", str(D_MODEL), "--model.context", "32", "--model.vocab_size", "128"]
-BASE = [*MODEL, "--train.seq_len", "16", "--train.global_batch", "12", "--optim.warmup_steps", "2", "--train.device", "cpu"]
+MODEL = [
+    "--model.n_layer",
+    "2",
+    "--model.n_head",
+    str(HEADS),
+    "--model.d_model",
+    str(D_MODEL),
+    "--model.context",
+    "32",
+    "--model.vocab_size",
+    "128",
+]
+BASE = [
+    *MODEL,
+    "--train.seq_len",
+    "16",
+    "--train.global_batch",
+    "12",
+    "--optim.warmup_steps",
+    "2",
+    "--train.device",
+    "cpu",
+]
 
 
 def make_engine(args: list[str], env: DistEnv):
@@ -53,7 +74,9 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 STEP_START = [0.0]  # when the current step began (the dead-rank case reports how long its error took)
 
 
-def train(engine, cfg, sampler, start: int, stop: int, rank: int, case: dict, ckpt: CheckpointManager | None = None) -> dict:
+def train(
+    engine, cfg, sampler, start: int, stop: int, rank: int, case: dict, ckpt: CheckpointManager | None = None
+) -> dict:
     rec = {"losses": [], "grad_norms": [], "stats": []}
     store = dist.distributed_c10d._get_default_store() if case.get("lag") else None
     for step in range(start, stop):
@@ -62,7 +85,9 @@ def train(engine, cfg, sampler, start: int, stop: int, rank: int, case: dict, ck
         if die and rank == die["rank"] and step == die["step"]:
             sys.stdout.flush()
             os._exit(1)
-        lag = case.get("lag")  # {"rank": R, "steps": S, "peers": [...]}: rank R starts step t only once its peers finished t+S-1
+        lag = case.get(
+            "lag"
+        )  # {"rank": R, "steps": S, "peers": [...]}: rank R starts step t only once its peers finished t+S-1
         if lag and rank == lag["rank"] and step + lag["steps"] - 1 < stop:
             store.wait([f"{case['name']}/done/{peer}/{step + lag['steps'] - 1}" for peer in lag["peers"]])
         x, y = engine.batch(sampler, step)
@@ -93,7 +118,9 @@ def run_case(case: dict, env: DistEnv, tmp: Path | None = None) -> dict:
     engine.flush()  # sharded-ps: the last step's all-gathers land at the next forward, or here
     out["replica"] = params_of(engine.model)
     out["params"] = params_of(engine.eval_model())  # collective for sharded / server layouts
-    out["eval_loss"] = engine.eval_loss([sampler.rank_batch(999, cfg.train.global_batch, 0, 1)])  # every rank, the same batch
+    out["eval_loss"] = engine.eval_loss(
+        [sampler.rank_batch(999, cfg.train.global_batch, 0, 1)]
+    )  # every rank, the same batch
     out["dp_rank"], out["dp_world"], out["engine"] = engine.dp_rank, engine.dp_world, type(engine.strategy).__name__
     out["batch_rows"] = int(engine.batch(sampler, 0)[0].shape[0])
     out["scale"] = engine.precision.scaler.scale
@@ -101,11 +128,23 @@ def run_case(case: dict, env: DistEnv, tmp: Path | None = None) -> dict:
     if hasattr(strat, "launch_log"):  # allreduce: its bucket plan and the order buckets were launched, per step
         out["plan"], out["launch_log"] = strat.plan, strat.launch_log
     if hasattr(strat, "grad_optim_bytes"):  # sharded-ps: what its memory figure is made of
-        out["memory"] = {"bytes": strat.grad_optim_bytes(), "shard_elems": strat.n_decay + strat.n_plain, "total": strat.total,
-                         "bucket_elems": [b.decay.n + b.plain.n for b in strat.buckets], "bucket_padded": [strat.world * b.width for b in strat.buckets],
-                         "budget": strat.budget, "slices": [len(b.decay.slices) + len(b.plain.slices) for b in strat.buckets],
-                         "slice_bytes": max((e - a) * strat.params[0].element_size() for b in strat.buckets for pt in (b.decay, b.plain) for a, e in pt.slices),
-                         "all_to_all": strat.a2a, "ramped": any(b.decay.ramp for b in strat.buckets)}
+        out["memory"] = {
+            "bytes": strat.grad_optim_bytes(),
+            "shard_elems": strat.n_decay + strat.n_plain,
+            "total": strat.total,
+            "bucket_elems": [b.decay.n + b.plain.n for b in strat.buckets],
+            "bucket_padded": [strat.world * b.width for b in strat.buckets],
+            "budget": strat.budget,
+            "slices": [len(b.decay.slices) + len(b.plain.slices) for b in strat.buckets],
+            "slice_bytes": max(
+                (e - a) * strat.params[0].element_size()
+                for b in strat.buckets
+                for pt in (b.decay, b.plain)
+                for a, e in pt.slices
+            ),
+            "all_to_all": strat.a2a,
+            "ramped": any(b.decay.ramp for b in strat.buckets),
+        }
     if ckpt is not None:
         _, again = make_engine(case["args"], env)
         state = again.state_dict()
@@ -141,7 +180,9 @@ def main() -> int:
         for case in spec:
             tmp = None
             if case.get("ckpt_at"):  # every rank must use the same directory
-                holder = [tempfile.mkdtemp(prefix=case["name"].replace("/", "_") + "_", dir=out_dir) if rank == 0 else None]
+                holder = [
+                    tempfile.mkdtemp(prefix=case["name"].replace("/", "_") + "_", dir=out_dir) if rank == 0 else None
+                ]
                 dist.broadcast_object_list(holder, src=0)
                 tmp = Path(holder[0])
             t0 = time.perf_counter()
@@ -150,7 +191,11 @@ def main() -> int:
             except FoldtrainError as e:
                 if case.get("die"):
                     print(f"foldtrain: error: {e}", file=sys.stderr, flush=True)
-                    print(f"error after {time.perf_counter() - STEP_START[0]:.3f} s of the step", file=sys.stderr, flush=True)
+                    print(
+                        f"error after {time.perf_counter() - STEP_START[0]:.3f} s of the step",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     return 2
                 results[case["name"]] = {"error": f"{type(e).__name__}: {e}"}
             except Exception as e:  # noqa: BLE001 - recorded for the test to show

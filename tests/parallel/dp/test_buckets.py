@@ -13,8 +13,18 @@ def test_fixed_plan_small_first_bucket_then_cap():
     # early; no bucket after the first passes the cap
     assert fixed_plan([10, 40, 10, 10, 10], [0, 1, 2, 3, 4], first_bytes=5, cap_bytes=30) == [[0], [1], [2, 3, 4]]
     assert fixed_plan([10, 10, 40, 10], [0, 1, 2, 3], first_bytes=5, cap_bytes=30) == [[0], [1], [2], [3]]
-    assert fixed_plan([1, 20, 20, 16, 5], [0, 1, 2, 3, 4], first_bytes=15, cap_bytes=30, alone_bytes=15) == [[0], [1], [2], [3], [4]]
-    assert fixed_plan([1, 20, 12, 12, 12, 5], [0, 1, 2, 3, 4, 5], first_bytes=15, cap_bytes=30) == [[0, 1], [2, 3], [4, 5]]
+    assert fixed_plan([1, 20, 20, 16, 5], [0, 1, 2, 3, 4], first_bytes=15, cap_bytes=30, alone_bytes=15) == [
+        [0],
+        [1],
+        [2],
+        [3],
+        [4],
+    ]
+    assert fixed_plan([1, 20, 12, 12, 12, 5], [0, 1, 2, 3, 4, 5], first_bytes=15, cap_bytes=30) == [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+    ]
 
 
 def test_timed_plan_cuts_on_size_and_on_cycle_time():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-
 from foldtrain.netem.cluster import EmulatedCluster
 from tests.netem.test_cluster import needs_root
 from tests.support import ROOT
@@ -21,12 +20,18 @@ STRATEGIES = ["allreduce", "ddp", "ps", "sharded-ps"]  # sharded-ps: reduce-scat
 @needs_root
 def test_counted_bytes_match_the_wire(tmp_path):
     with EmulatedCluster(2, "10gbit", name_prefix=f"ftb{abs(hash(str(tmp_path))) % 10000}") as c:
-        res = c.run_torchrun([str(ROOT / "tests/parallel/dp/bytes_worker.py"), str(tmp_path), ",".join(STRATEGIES)],
-                             env={"PYTHONPATH": str(ROOT)}, timeout_s=240, log_dir=tmp_path / "logs")
+        res = c.run_torchrun(
+            [str(ROOT / "tests/parallel/dp/bytes_worker.py"), str(tmp_path), ",".join(STRATEGIES)],
+            env={"PYTHONPATH": str(ROOT)},
+            timeout_s=240,
+            log_dir=tmp_path / "logs",
+        )
     assert res.ok, res.text()[-3000:]
     for rank in range(2):
         got = json.loads((tmp_path / f"bytes_rank{rank}.json").read_text())
         for strategy in STRATEGIES:
             counted, sent = got[strategy]["counted"], got[strategy]["sent"]
             assert counted > 100_000, (rank, strategy, counted)  # the gradients (~100k parameters), not just scalars
-            assert 1.0 <= sent / counted <= 1.15, f"rank {rank} {strategy}: counted {counted:.0f} B, the NIC sent {sent} B"
+            assert 1.0 <= sent / counted <= 1.15, (
+                f"rank {rank} {strategy}: counted {counted:.0f} B, the NIC sent {sent} B"
+            )

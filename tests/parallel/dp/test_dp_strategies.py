@@ -18,8 +18,8 @@ import functools
 import json
 import math
 import re
-import sys
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +32,14 @@ from tests.support import failed, torchrun, without_key_bias
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 TOL = 1e-5  # fp32: every loss and every parameter within 1e-5 relative of the single-process run
-STRATEGY_KEYS = ("--dp.strategy", "--dp.ps_servers", "--dp.fusion_mb", "--dp.compression", "--dp.ps_staleness", "--dp.shard_collective")
+STRATEGY_KEYS = (
+    "--dp.strategy",
+    "--dp.ps_servers",
+    "--dp.fusion_mb",
+    "--dp.compression",
+    "--dp.ps_staleness",
+    "--dp.shard_collective",
+)
 CLIP = ["--train.micro_batch", "2", "--optim.grad_clip", "0.05"]  # 6 micro-batches per step overall; clipping active
 HALF = ("bf16", "fp16", "bf16-master", "fp16-master")
 
@@ -42,7 +49,12 @@ def s(name: str, args: list[str], steps: int, **kw) -> dict:
 
 
 def strategies(world: int) -> dict[str, list[str]]:
-    out = {"ddp": ["--dp.strategy", "ddp"], "allreduce": ["--dp.strategy", "allreduce"], "sharded-ps": ["--dp.strategy", "sharded-ps"], "ps": ["--dp.strategy", "ps"]}
+    out = {
+        "ddp": ["--dp.strategy", "ddp"],
+        "allreduce": ["--dp.strategy", "allreduce"],
+        "sharded-ps": ["--dp.strategy", "sharded-ps"],
+        "ps": ["--dp.strategy", "ps"],
+    }
     if world == 4:
         out["ps-1server"] = ["--dp.strategy", "ps", "--dp.ps_servers", "1"]
     return out
@@ -51,42 +63,114 @@ def strategies(world: int) -> dict[str, list[str]]:
 def spec(world: int) -> list[dict]:
     cases = []
     for name, args in strategies(world).items():
-        extra = {"mismatch": ["--dp.shard_slice_mb", "0.001"]} if name == "sharded-ps" else {}  # reloaded with other slices
+        extra = (
+            {"mismatch": ["--dp.shard_slice_mb", "0.001"]} if name == "sharded-ps" else {}
+        )  # reloaded with other slices
         cases.append(s(f"fp32/{name}", args, 10, ckpt_at=5, **extra))
         micro = "2" if world == 2 or name == "ps-1server" else "1"  # per-worker rows: 6, 3 or 4
         cases.append(s(f"clip/{name}", [*args, *CLIP[:1], micro, *CLIP[2:]], 6))
     if world == 2:
-        cases.append(s("fp32/allreduce-fusion", ["--dp.strategy", "allreduce", "--dp.fusion_mb", "0.02"], 10, ckpt_at=5))
+        cases.append(
+            s("fp32/allreduce-fusion", ["--dp.strategy", "allreduce", "--dp.fusion_mb", "0.02"], 10, ckpt_at=5)
+        )
         for wire in ("fp16", "bf16"):
             cases.append(s(f"wire/{wire}", ["--dp.strategy", "allreduce", "--dp.compression", wire], 4))
         for prec in HALF:
             for name, args in strategies(2).items():
                 cases.append(s(f"{prec}/{name}", [*args, "--precision", prec], 3, **half_extras(prec)))
-        cases.append(s("async/colocated", ["--dp.strategy", "ps", "--dp.ps_staleness", "1", "--train.steps", "6"], 6, ckpt_at=3))
+        cases.append(
+            s("async/colocated", ["--dp.strategy", "ps", "--dp.ps_staleness", "1", "--train.steps", "6"], 6, ckpt_at=3)
+        )
     else:
         cases += overlap_cases()
-        cases.append(s("clip/ps-2servers", ["--dp.strategy", "ps", "--dp.ps_servers", "2", "--train.micro_batch", "2", "--optim.grad_clip", "0.05"], 6))
+        cases.append(
+            s(
+                "clip/ps-2servers",
+                [
+                    "--dp.strategy",
+                    "ps",
+                    "--dp.ps_servers",
+                    "2",
+                    "--train.micro_batch",
+                    "2",
+                    "--optim.grad_clip",
+                    "0.05",
+                ],
+                6,
+            )
+        )
         for prec in ("bf16", "fp16-master"):
             for name in ("sharded-ps", "ps-1server"):
                 cases.append(s(f"{prec}/{name}", [*strategies(4)[name], "--precision", prec], 3, **half_extras(prec)))
-        toy = ["--dp.strategy", "ps", "--dp.ps_servers", "1", "--dp.ps_staleness", "2", "--train.steps", "40", "--optim.warmup_steps", "0", "--optim.lr", "2e-2"]
+        toy = [
+            "--dp.strategy",
+            "ps",
+            "--dp.ps_servers",
+            "1",
+            "--dp.ps_staleness",
+            "2",
+            "--train.steps",
+            "40",
+            "--optim.warmup_steps",
+            "0",
+            "--optim.lr",
+            "2e-2",
+        ]
         cases.append(s("async/dedicated", toy, 40, toy=True, lag={"rank": 1, "steps": 2, "peers": [2, 3]}))
-        cases.append(s("async/2servers-bf16-master", ["--dp.strategy", "ps", "--dp.ps_servers", "2", "--dp.ps_staleness", "1", "--precision", "bf16-master", "--train.steps", "4"], 4))
+        cases.append(
+            s(
+                "async/2servers-bf16-master",
+                [
+                    "--dp.strategy",
+                    "ps",
+                    "--dp.ps_servers",
+                    "2",
+                    "--dp.ps_staleness",
+                    "1",
+                    "--precision",
+                    "bf16-master",
+                    "--train.steps",
+                    "4",
+                ],
+                4,
+            )
+        )
     return cases
 
 
 # Bucketed overlap at 4 ranks: allreduce with a cycle time so short that (nearly) every gradient
 # closes a bucket, and ZeRO-2 with buckets of a few kilobytes, with accumulation and clipping.
-CYCLE = ["--dp.strategy", "allreduce", "--dp.first_bucket_mb", "0.001", "--dp.fusion_mb", "0.02", "--dp.cycle_ms", "0.001"]
-ZERO2 = ["--dp.strategy", "sharded-ps", "--dp.first_bucket_mb", "0.002", "--dp.shard_bucket_mb", "0.02", "--dp.shard_slice_mb", "0.004"]
+CYCLE = [
+    "--dp.strategy",
+    "allreduce",
+    "--dp.first_bucket_mb",
+    "0.001",
+    "--dp.fusion_mb",
+    "0.02",
+    "--dp.cycle_ms",
+    "0.001",
+]
+ZERO2 = [
+    "--dp.strategy",
+    "sharded-ps",
+    "--dp.first_bucket_mb",
+    "0.002",
+    "--dp.shard_bucket_mb",
+    "0.02",
+    "--dp.shard_slice_mb",
+    "0.004",
+]
 
 
 def overlap_cases() -> list[dict]:
     # zero2-rs: the same with the backend's reduce-scatter (NCCL's path: a one-row receive, also into the
     # ramped embedding's reduced prefix) instead of gloo's all-to-all
     zero2 = [*ZERO2, "--train.micro_batch", "1", "--optim.grad_clip", "0.05"]
-    return [s("overlap/allreduce-cycle", CYCLE, 4), s("overlap/zero2", zero2, 4),
-            s("overlap/zero2-rs", [*zero2, "--dp.shard_collective", "reduce_scatter"], 4)]
+    return [
+        s("overlap/allreduce-cycle", CYCLE, 4),
+        s("overlap/zero2", zero2, 4),
+        s("overlap/zero2-rs", [*zero2, "--dp.shard_collective", "reduce_scatter"], 4),
+    ]
 
 
 def half_extras(prec: str) -> dict:
@@ -98,9 +182,13 @@ def half_extras(prec: str) -> dict:
     return extras
 
 
-def launch(world: int, cases: list[dict], out: Path, monitor_s: float = 0.1, timeout: float = 600) -> subprocess.CompletedProcess:
+def launch(
+    world: int, cases: list[dict], out: Path, monitor_s: float = 0.1, timeout: float = 600
+) -> subprocess.CompletedProcess:
     (out / "spec.json").write_text(json.dumps(cases))
-    return torchrun(world, str(HERE / "dp_worker.py"), str(out / "spec.json"), str(out), timeout=timeout, monitor_s=monitor_s)
+    return torchrun(
+        world, str(HERE / "dp_worker.py"), str(out / "spec.json"), str(out), timeout=timeout, monitor_s=monitor_s
+    )
 
 
 def run_world(world: int, tmp_path_factory) -> list[dict]:
@@ -135,7 +223,7 @@ def reference_args(args: list[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(args: tuple[str, ...], steps: int, poison_step: int | None = None) -> dict:
     poison = {"poison": {"rank": 0, "step": poison_step}} if poison_step is not None else {}
     return run_case({"name": "ref", "args": list(args), "steps": steps, **poison}, ONE)
@@ -143,7 +231,6 @@ def reference(args: tuple[str, ...], steps: int, poison_step: int | None = None)
 
 def reference_of(case: dict) -> dict:
     return reference(reference_args(case["args"]), case["steps"], case.get("poison", {}).get("step"))
-
 
 
 def rel(a: float, b: float) -> float:
@@ -237,7 +324,9 @@ def test_checkpoint_round_trip_continues_identically(world, request):
     # sharded-ps' shards depend on the bucket and slice sizes: a run with other slices refuses the checkpoint
     for res in results:
         err = res["fp32/sharded-ps"]["mismatch_error"]
-        assert err.startswith("CheckpointError: this checkpoint's sharded-ps shards") and "--dp.shard_slice_mb" in err, err
+        assert (
+            err.startswith("CheckpointError: this checkpoint's sharded-ps shards") and "--dp.shard_slice_mb" in err
+        ), err
 
 
 # Half precisions against single-process runs of the same precision. Partial gradients are rounded
@@ -272,7 +361,9 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(world, request):
     scale, exactly as one process does, although in sharded-ps / ps only some ranks see the inf."""
     results = request.getfixturevalue(f"world{world}")
     cases = [c for c in spec(world) if c.get("poison")]
-    assert {c["args"][1] for c in cases} >= ({"ddp", "allreduce", "sharded-ps", "ps"} if world == 2 else {"sharded-ps", "ps"})
+    assert {c["args"][1] for c in cases} >= (
+        {"ddp", "allreduce", "sharded-ps", "ps"} if world == 2 else {"sharded-ps", "ps"}
+    )
     for case in cases:
         ref = reference_of(case)
         assert ref["scale"] == 2.0**15  # one skipped step
@@ -328,7 +419,9 @@ def test_a_dead_rank_is_named(tmp_path):
     assert proc.returncode != 0
     line = re.search(r"foldtrain: error: (.*)", proc.stderr)
     assert line, proc.stderr[:3000]
-    assert re.fullmatch(r"rank 1 stopped responding during all-reduce at step 3 \(timeout 10 s\); check that rank's log", line.group(1)), line.group(1)
+    assert re.fullmatch(
+        r"rank 1 stopped responding during all-reduce at step 3 \(timeout 10 s\); check that rank's log", line.group(1)
+    ), line.group(1)
     took = float(re.search(r"error after ([0-9.]+) s of the step", proc.stderr).group(1))
     assert took < 10 + 5, took  # within the timeout (plus the naming grace), measured on the survivor's own clock
 
@@ -371,9 +464,17 @@ def test_zero2_memory_is_a_shard_plus_a_bucket(world4):
             assert m["all_to_all"] == (name == "overlap/zero2") and m["ramped"], (name, m["all_to_all"], m["ramped"])
             persistent, transient = m["bytes"]
             assert persistent == 16 * m["shard_elems"] + 2 * 4, (name, r, persistent, m["shard_elems"])
-            assert m["total"] / 4 <= m["shard_elems"] <= m["total"] / 4 + 2 * len(m["bucket_elems"])  # each part padded to a multiple of W
+            assert (
+                m["total"] / 4 <= m["shard_elems"] <= m["total"] / 4 + 2 * len(m["bucket_elems"])
+            )  # each part padded to a multiple of W
             assert m["budget"] == 4 * max(m["bucket_padded"])  # fp32: one bucket's bytes
-            assert 0 < transient <= m["budget"] + 2 * m["slice_bytes"], (name, r, transient, m["budget"], m["slice_bytes"])
+            assert 0 < transient <= m["budget"] + 2 * m["slice_bytes"], (
+                name,
+                r,
+                transient,
+                m["budget"],
+                m["slice_bytes"],
+            )
             assert len(m["bucket_elems"]) >= 4 and sum(m["slices"]) >= 3 * len(m["slices"]), m["slices"]
             mb = res[name]["stats"][-1]["grad_optim_mem_mb"]
             assert mb == pytest.approx((persistent + transient) / 2**20)
@@ -392,7 +493,9 @@ def test_bad_configs_fail_before_any_process_group(monkeypatch):
     monkeypatch.setitem(sys.modules, "horovod", None)  # as if Horovod were not installed (find_spec -> None)
     check(["--dp.strategy", "horovod"], 2, r"needs Horovod, which is not installed .* use --dp.strategy allreduce")
     check(["--dp.strategy", "ps", "--dp.ps_servers", "2"], 2, "leaves no worker")
-    check(["--dp.strategy", "ps", "--dp.ps_servers", "1"], 6, "not divisible by data-parallel workers")  # 12 rows, 5 workers
+    check(
+        ["--dp.strategy", "ps", "--dp.ps_servers", "1"], 6, "not divisible by data-parallel workers"
+    )  # 12 rows, 5 workers
     check(["--dp.strategy", "sharded-ps", "--train.micro_batch", "4"], 2, "not divisible")  # 6 rows per rank
     check(["--dp.strategy", "nope"], 2, "not valid")
     check(["--dp.strategy", "sharded-ps", "--dp.shard_slice_mb", "0"], 2, "shard_slice_mb")

@@ -30,7 +30,15 @@ import pytest
 import torch
 
 from tests.conftest import tiny_run_args
-from tests.parallel.dp.test_dp_strategies import HALF_TOL, TOL, assert_matches_single_process, param_rel, reference_of, rel, s
+from tests.parallel.dp.test_dp_strategies import (
+    HALF_TOL,
+    TOL,
+    assert_matches_single_process,
+    param_rel,
+    reference_of,
+    rel,
+    s,
+)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -55,13 +63,19 @@ pytestmark = pytest.mark.skipif(bool(MISSING), reason=MISSING)
 HVD = ["--dp.strategy", "horovod"]
 CASES = [
     s("fp32/horovod", HVD, 10, ckpt_at=5),
-    s("clip/horovod", [*HVD, "--train.micro_batch", "2", "--optim.grad_clip", "0.05"], 6),  # 6 rows per rank: 3 micro-batches
+    s(
+        "clip/horovod", [*HVD, "--train.micro_batch", "2", "--optim.grad_clip", "0.05"], 6
+    ),  # 6 rows per rank: 3 micro-batches
     s("bf16-master/horovod", [*HVD, "--precision", "bf16-master"], 3, ckpt_at=2),
 ]
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
 
 
 def horovodrun(n: int, argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -118,7 +132,9 @@ def test_checkpoint_round_trip_continues_identically(results):
             assert got["resumed_losses"] == got["losses"][case["ckpt_at"] :], case["name"]
         rank0 = results[0][case["name"]]
         worst, tensor = param_rel(rank0["resumed_params"], rank0["params"])
-        assert all(torch.equal(rank0["resumed_params"][k], v) for k, v in rank0["params"].items()), f"{case['name']}: {tensor} off by {worst:.1e}"
+        assert all(torch.equal(rank0["resumed_params"][k], v) for k, v in rank0["params"].items()), (
+            f"{case['name']}: {tensor} off by {worst:.1e}"
+        )
 
 
 def _losses(out: Path) -> list[float]:
@@ -152,11 +168,23 @@ def test_foldtrain_train_under_horovodrun(small_data, tmp_path):
 
 
 def test_torchrun_world_is_refused(small_data, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "foldtrain", "train",
-           *tiny_run_args(small_data, tmp_path / "run", "--train.steps", "2", *HVD)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "foldtrain",
+        "train",
+        *tiny_run_args(small_data, tmp_path / "run", "--train.steps", "2", *HVD),
+    ]
     proc = subprocess.run(cmd, env=env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     line = re.search(r"foldtrain: error: (.*)", proc.stderr)
     assert line, proc.stderr[-3000:]
-    assert line.group(1).startswith("--dp.strategy horovod: Horovod's world has 1 process(es) but 2 were launched"), line.group(1)
+    assert line.group(1).startswith("--dp.strategy horovod: Horovod's world has 1 process(es) but 2 were launched"), (
+        line.group(1)
+    )
     assert "horovodrun -np 2" in line.group(1)

@@ -59,7 +59,9 @@ def equivalence_cases(world: int) -> list[dict]:
             *_cases_for((1, 2, 1, 1)),
             *_cases_for((1, 2, 1, 2)),
             *_cases_for((1, 1, 2, 1), n_layer=2, m=2),  # TP (DTensor) steps are slow on CPU: shallow, 2 micro-batches
-            _one((1, 1, 2, 1), "gpipe", "after-flush", "tpclip", n_layer=2, m=2, grad_clip=0.05),  # TP clipping really clips
+            _one(
+                (1, 1, 2, 1), "gpipe", "after-flush", "tpclip", n_layer=2, m=2, grad_clip=0.05
+            ),  # TP clipping really clips
             # uneven split: 7 layers in 4 segments (2, 2, 2, 1), and explicit counts
             _one((1, 2, 1, 2), "fold", "per-chunk", "7layers", n_layer=7),
             _one((1, 2, 1, 2), "interleaved-1f1b", "after-flush", "7layers", n_layer=7),
@@ -93,15 +95,43 @@ def equivalence_cases(world: int) -> list[dict]:
 
 # checkpoint / resume cases (world 4): save at step 3 of 6, reload, continue
 CKPT_CASES = [
-    dict(id="ckpt-dp2-pp2-tp1-v2-fold-per-chunk", layout=(2, 2, 1, 2), schedule="fold", dp_sync="per-chunk", defer=False, n_layer=8),
-    dict(id="ckpt-dp2-pp2-tp1-v2-fold-per-chunk-defer", layout=(2, 2, 1, 2), schedule="fold", dp_sync="per-chunk", defer=True, n_layer=8),
+    dict(
+        id="ckpt-dp2-pp2-tp1-v2-fold-per-chunk",
+        layout=(2, 2, 1, 2),
+        schedule="fold",
+        dp_sync="per-chunk",
+        defer=False,
+        n_layer=8,
+    ),
+    dict(
+        id="ckpt-dp2-pp2-tp1-v2-fold-per-chunk-defer",
+        layout=(2, 2, 1, 2),
+        schedule="fold",
+        dp_sync="per-chunk",
+        defer=True,
+        n_layer=8,
+    ),
     # DTensor (TP-sharded) weights and optimizer states, the tied copy's state under the embedding's key
-    dict(id="ckpt-dp1-pp2-tp2-v1-1f1b-after-flush", layout=(1, 2, 2, 1), schedule="1f1b", dp_sync="after-flush", defer=False, n_layer=2),
+    dict(
+        id="ckpt-dp1-pp2-tp2-v1-1f1b-after-flush",
+        layout=(1, 2, 2, 1),
+        schedule="1f1b",
+        dp_sync="after-flush",
+        defer=False,
+        n_layer=2,
+    ),
 ]
 
 # deadline-ordered reductions (world 4): fold V=4 with deferral, profiled; also checked against one process
 DEADLINE_CASES = [
-    dict(id="deadline-dp2-pp2-tp1-v4-fold-defer", layout=(2, 2, 1, 4), schedule="fold", dp_sync="per-chunk", defer=True, n_layer=8),
+    dict(
+        id="deadline-dp2-pp2-tp1-v4-fold-defer",
+        layout=(2, 2, 1, 4),
+        schedule="fold",
+        dp_sync="per-chunk",
+        defer=True,
+        n_layer=8,
+    ),
 ]
 
 # profile cases (world 2): sleep-based blocks of fixed duration

@@ -29,8 +29,6 @@ HALF_TOL = 1e-3  # bf16 / fp16 autocast: both sides autocast, rounding differs i
 PARAM_TOL = {"fp32": FP32_TOL, "half": 1e-2}
 
 
-
-
 _RESULTS: dict[int, tuple[dict, str]] = {}
 
 
@@ -91,8 +89,8 @@ def test_checkpoint_resume_and_interchange(suite, case):
     continues exactly like the 3D run)."""
     from foldtrain.checkpoint import CheckpointManager
     from foldtrain.checkpoint.manager import load_model_weights
-    from foldtrain.model.gpt import GPT, GPTShape
     from foldtrain.engine import ReplicatedEngine as Engine
+    from foldtrain.model.gpt import GPT, GPTShape
     from tests.parallel.pipeline import worker as W
 
     r = result(suite, 4, case["id"])
@@ -189,14 +187,36 @@ def test_trainer_end_to_end_with_profile(small_data, tmp_path):
     from tests.conftest import tiny_run_args
 
     out = tmp_path / "run"
-    args = tiny_run_args(small_data, out, "--train.steps", "4", "--model.n_layer", "4", "--parallel.pp", "2",
-                         "--parallel.virtual", "2", "--parallel.schedule", "fold", "--parallel.dp_sync", "per-chunk",
-                         "--train.micro_batch", "2", "--checkpoint.every", "2", "--profile", "--train.device", "cpu")
+    args = tiny_run_args(
+        small_data,
+        out,
+        "--train.steps",
+        "4",
+        "--model.n_layer",
+        "4",
+        "--parallel.pp",
+        "2",
+        "--parallel.virtual",
+        "2",
+        "--parallel.schedule",
+        "fold",
+        "--parallel.dp_sync",
+        "per-chunk",
+        "--train.micro_batch",
+        "2",
+        "--checkpoint.every",
+        "2",
+        "--profile",
+        "--train.device",
+        "cpu",
+    )
     r = torchrun(2, "-m", "foldtrain", "train", *args, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
     rec = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rec] == [1, 2, 3, 4]
-    assert all(0.0 <= x["bubble_fraction"] < 1.0 and "all_rank_idle_fraction" in x and "exposed_dp_comm_s" in x for x in rec)
+    assert all(
+        0.0 <= x["bubble_fraction"] < 1.0 and "all_rank_idle_fraction" in x and "exposed_dp_comm_s" in x for x in rec
+    )
     assert "val_loss" in rec[-1] and all(x["loss"] > 0 for x in rec)
     assert json.loads((out / "timeline.json").read_text())["traceEvents"]
     assert (out / "gantt.png").is_file() and (out / "model.safetensors").is_file()

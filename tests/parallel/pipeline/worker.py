@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from foldtrain.config import build_config  # noqa: E402
 from foldtrain.model.gpt import GPT, GPTShape  # noqa: E402
 from tests import support  # noqa: E402
-from tests.parallel.pipeline.cases import CKPT_CASES, DEADLINE_CASES, M, MICRO, PROFILE_CASES, STEPS, equivalence_cases  # noqa: E402
+from tests.parallel.pipeline.cases import CKPT_CASES, DEADLINE_CASES, MICRO, PROFILE_CASES, STEPS, M, equivalence_cases  # noqa: E402
 
 VOCAB, SEQ, D, HEADS = 64, 8, 16, 2
 DEVICE = torch.device("cpu")
@@ -44,13 +44,30 @@ def make_cfg(c: dict, steps: int = STEPS, out: str = "", **over):
     dp, pp, tp, v = c["layout"]
     clip = c.get("clip", 0.0 if c.get("defer") else c.get("grad_clip", 1.0))
     args = {
-        "model.n_layer": c.get("n_layer", 8), "model.n_head": HEADS, "model.d_model": D, "model.context": 16,
-        "model.vocab_size": c.get("vocab", VOCAB), "train.seq_len": SEQ, "train.steps": steps, "train.global_batch": dp * c.get("m", M) * MICRO,
-        "train.micro_batch": MICRO, "optim.lr": 1e-2, "optim.min_lr": 1e-3, "optim.warmup_steps": 2,
-        "optim.grad_clip": clip, "parallel.dp": dp, "parallel.pp": pp, "parallel.tp": tp, "parallel.virtual": v,
-        "parallel.schedule": c["schedule"], "parallel.dp_sync": c.get("dp_sync", "after-flush"),
-        "fold.defer_reduce": bool(c.get("defer")), "precision": c.get("precision", "fp32"), "ac": c.get("ac", "none"),
-        "dp.timeout_s": 60, "train.device": "cpu",
+        "model.n_layer": c.get("n_layer", 8),
+        "model.n_head": HEADS,
+        "model.d_model": D,
+        "model.context": 16,
+        "model.vocab_size": c.get("vocab", VOCAB),
+        "train.seq_len": SEQ,
+        "train.steps": steps,
+        "train.global_batch": dp * c.get("m", M) * MICRO,
+        "train.micro_batch": MICRO,
+        "optim.lr": 1e-2,
+        "optim.min_lr": 1e-3,
+        "optim.warmup_steps": 2,
+        "optim.grad_clip": clip,
+        "parallel.dp": dp,
+        "parallel.pp": pp,
+        "parallel.tp": tp,
+        "parallel.virtual": v,
+        "parallel.schedule": c["schedule"],
+        "parallel.dp_sync": c.get("dp_sync", "after-flush"),
+        "fold.defer_reduce": bool(c.get("defer")),
+        "precision": c.get("precision", "fp32"),
+        "ac": c.get("ac", "none"),
+        "dp.timeout_s": 60,
+        "train.device": "cpu",
     }
     if c.get("layers_per_chunk"):
         args["parallel.layers_per_chunk"] = ",".join(map(str, c["layers_per_chunk"]))
@@ -135,9 +152,18 @@ def compare(case, cfg, losses, full, eval_loss, norms) -> dict:
     worst = max(errs, key=errs.get)
     # deferral steps chunks before the other chunks' gradients exist: no global norm is computed (logged 0)
     norm_err = None if cfg.fold.defer_reduce else max(abs(a - b) / b for a, b in zip(norms, ref_norms))
-    return {"loss_err": loss_err, "param_err": errs[worst], "worst_param": worst, "eval_err": abs(eval_loss - ref_eval) / ref_eval,
-            "losses": losses, "ref_losses": ref_losses, "norm_err": norm_err, "norms": norms, "ref_norms": ref_norms,
-            "grad_clip": cfg.optim.grad_clip}
+    return {
+        "loss_err": loss_err,
+        "param_err": errs[worst],
+        "worst_param": worst,
+        "eval_err": abs(eval_loss - ref_eval) / ref_eval,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "norm_err": norm_err,
+        "norms": norms,
+        "ref_norms": ref_norms,
+        "grad_clip": cfg.optim.grad_clip,
+    }
 
 
 def tied_copies_equal(engine) -> bool | None:
@@ -150,7 +176,10 @@ def tied_copies_equal(engine) -> bool | None:
     if lay.pp == 1 or (d, t) != (0, 0) or p not in (0, lay.pp - 1):
         return None
     if p == lay.pp - 1:
-        dist.send(local_part(engine.chunks[lay.segments - 1].head.lm_head.weight).detach().contiguous(), dst=topo.pipeline_peer(0))
+        dist.send(
+            local_part(engine.chunks[lay.segments - 1].head.lm_head.weight).detach().contiguous(),
+            dst=topo.pipeline_peer(0),
+        )
         return None
     w = local_part(engine.chunks[0].parts["0"].wte.weight).detach()
     other = torch.empty_like(w)
@@ -167,8 +196,11 @@ def equivalence_case(case: dict) -> dict | None:
     if dist.get_rank() != 0:
         return None
     tie = engine.executor.reducers[0].tie if engine.layout.pp > 1 else None
-    return {**compare(case, cfg, losses, full, ev, engine.test_grad_norms), "tie_rows": tie.last_rows if tie else None,
-            "tie_equal": tie_equal}
+    return {
+        **compare(case, cfg, losses, full, ev, engine.test_grad_norms),
+        "tie_rows": tie.last_rows if tie else None,
+        "tie_equal": tie_equal,
+    }
 
 
 def checkpoint_case(case: dict, out: Path) -> dict | None:
@@ -198,8 +230,11 @@ def checkpoint_case(case: dict, out: Path) -> dict | None:
     torch.save({k: v.detach().cpu() for k, v in full_a.state_dict().items()}, root / "params_step6.pt")
     sa, sb = full_a.state_dict(), full_b.state_dict()
     return {
-        "losses": first + rest, "resumed": resumed, "ckpt_dir": str(root / "checkpoints"),
-        "param_err": max(rel(sb[k], sa[k]) for k in sa), "loss_err": max(abs(a - b) for a, b in zip(rest, resumed)),
+        "losses": first + rest,
+        "resumed": resumed,
+        "ckpt_dir": str(root / "checkpoints"),
+        "param_err": max(rel(sb[k], sa[k]) for k in sa),
+        "loss_err": max(abs(a - b) for a, b in zip(rest, resumed)),
         "cfg": {"n_layer": cfg.model.n_layer, "global_batch": cfg.train.global_batch, "grad_clip": cfg.optim.grad_clip},
     }
 
@@ -215,17 +250,33 @@ def profile_case(case: dict, out: Path) -> dict | None:
         return None
     events = engine.profile_events()
     schedule = engine.pipeline_schedule
-    expected = [[a.op.value + f" c{a.chunk} m{a.mb}" for a in schedule.ranks[p] if a.op.value in ("F", "B")] for p in range(schedule.pp)]
+    expected = [
+        [a.op.value + f" c{a.chunk} m{a.mb}" for a in schedule.ranks[p] if a.op.value in ("F", "B")]
+        for p in range(schedule.pp)
+    ]
     steps = sorted({ev["step"] for evs in events for ev in evs if ev["kind"] == "compute"})
-    recorded = {st: [[ev["name"] for ev in sorted(evs, key=lambda e: e["start"]) if ev["kind"] == "compute" and ev["step"] == st]
-                     for evs in events] for st in steps}
+    recorded = {
+        st: [
+            [ev["name"] for ev in sorted(evs, key=lambda e: e["start"]) if ev["kind"] == "compute" and ev["step"] == st]
+            for evs in events
+        ]
+        for st in steps
+    }
     overlaps = 0
     for evs in events:
         spans = sorted((ev["start"], ev["end"]) for ev in evs if ev["kind"] in ("compute", "optim"))
         overlaps += sum(1 for (_, e0), (s1, _) in zip(spans, spans[1:]) if s1 < e0)
     mean = summarize(events)[-1]
-    return {"expected": expected, "recorded": {str(k): v for k, v in recorded.items()}, "overlaps": overlaps,
-            "bubble": mean["bubble"], "all_idle": mean["all_idle"], "stats": engine.stats(), "out": str(root), "losses": losses}
+    return {
+        "expected": expected,
+        "recorded": {str(k): v for k, v in recorded.items()},
+        "overlaps": overlaps,
+        "bubble": mean["bubble"],
+        "all_idle": mean["all_idle"],
+        "stats": engine.stats(),
+        "out": str(root),
+        "losses": losses,
+    }
 
 
 def deadline_case(case: dict, out: Path) -> dict | None:
@@ -241,15 +292,19 @@ def deadline_case(case: dict, out: Path) -> dict | None:
     if dist.get_rank() != 0:
         return None
     keep = [[e for e in evs if e["kind"] in ("reduce", "reduce_launch")] for evs in engine.profile_events()]
-    return {**compare(case, cfg, losses, full, ev, engine.test_grad_norms), "events": keep, "deferred": [engine.pipeline_schedule.deferred_chunks(p) for p in range(2)]}
+    return {
+        **compare(case, cfg, losses, full, ev, engine.test_grad_norms),
+        "events": keep,
+        "deferred": [engine.pipeline_schedule.deferred_chunks(p) for p in range(2)],
+    }
 
 
 def stall_suite(out: Path) -> None:
     """Rank 1 stops answering at step 2 (``--dp.timeout_s 5``); rank 0 must fail with a
     DistributedError naming it, shut down cleanly, and exit. Never returns (it ends the launch)."""
     from foldtrain.distributed import shutdown
-    from foldtrain.errors import DistributedError
     from foldtrain.engine.pipeline import PipelineEngine
+    from foldtrain.errors import DistributedError
 
     case = dict(layout=(1, 2, 1, 1), schedule="1f1b", n_layer=2)
     cfg = make_cfg(case, steps=6, **{"dp.timeout_s": 5})
@@ -293,8 +348,12 @@ def main() -> None:
             continue
         t0 = time.time()
         try:
-            fn = {"equiv": equivalence_case, "ckpt": lambda c: checkpoint_case(c, out), "profile": lambda c: profile_case(c, out),
-                  "deadline": lambda c: deadline_case(c, out)}[kind]
+            fn = {
+                "equiv": equivalence_case,
+                "ckpt": lambda c: checkpoint_case(c, out),
+                "profile": lambda c: profile_case(c, out),
+                "deadline": lambda c: deadline_case(c, out),
+            }[kind]
             r = fn(c)
             ok = True
         except Exception:

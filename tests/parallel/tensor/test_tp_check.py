@@ -8,8 +8,10 @@ from foldtrain.errors import ConfigError
 from foldtrain.parallel.tensor import check_tp
 
 
-@pytest.mark.parametrize("n_head,d_model,vocab,tp", [(12, 768, 50304, 1), (12, 768, 50304, 2), (12, 768, 50304, 4),
-                                                     (4, 32, 64, 2), (3, 33, 7, 1), (8, 64, 512, 8)])
+@pytest.mark.parametrize(
+    "n_head,d_model,vocab,tp",
+    [(12, 768, 50304, 1), (12, 768, 50304, 2), (12, 768, 50304, 4), (4, 32, 64, 2), (3, 33, 7, 1), (8, 64, 512, 8)],
+)
 def test_valid_shapes_pass(n_head, d_model, vocab, tp):
     assert check_tp(n_head, d_model, vocab, tp) is None
 

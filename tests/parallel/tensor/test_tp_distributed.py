@@ -109,8 +109,12 @@ def test_five_adamw_steps_match_single_process(results, prefix):
         assert max(r[prefix + "train_grad_norms"]) > 1.0
         # every parameter (full_tensor) against the single-process run; in fp32 the key biases, whose exact
         # gradient is zero, hold Adam-amplified rounding noise and are left out (see worker)
-        assert r[prefix + "train_param_rel2_max_excl_key_bias"] < TOL, r[prefix + "train_param_rel2_excl_key_bias_worst"]
-        assert r[prefix + "train_param_rel_max_excl_key_bias"] < (ELEM_TOL if not prefix else TOL), r[prefix + "train_param_rel_excl_key_bias_worst"]
+        assert r[prefix + "train_param_rel2_max_excl_key_bias"] < TOL, r[
+            prefix + "train_param_rel2_excl_key_bias_worst"
+        ]
+        assert r[prefix + "train_param_rel_max_excl_key_bias"] < (ELEM_TOL if not prefix else TOL), r[
+            prefix + "train_param_rel_excl_key_bias_worst"
+        ]
     assert results[0]["f64_train_param_rel_max"] < TOL  # float64: all entries, key biases included
 
 
@@ -156,7 +160,9 @@ def test_dcp_tp2_checkpoint_loads_into_single_process_model(tp_run):
     results, out = tp_run
     assert results[0]["dcp_model_keys_dtensor"] is True
     expected = torch.load(out / "tp_full_state.pt", weights_only=True)
-    model = GPT(GPTShape(n_layer=2, n_head=4, d_model=32, context=16, vocab_size=64, dropout=0.0), seed=123)  # other weights: all must come from the checkpoint
+    model = GPT(
+        GPTShape(n_layer=2, n_head=4, d_model=32, context=16, vocab_size=64, dropout=0.0), seed=123
+    )  # other weights: all must come from the checkpoint
     state = {"model": get_model_state_dict(model)}
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": intended
         warnings.simplefilter("ignore", UserWarning)

@@ -94,7 +94,9 @@ def check_forward(res: dict, mesh) -> None:
     res["n_params_tp"] = len(list(tp.parameters()))
     res["numel_full_equal"] = sum(p.numel() for p in ref.parameters()) == sum(p.numel() for p in tp.parameters())
     res["all_params_dtensor"] = all(isinstance(p, DTensor) for p in tp.parameters())
-    res["placements"] = {n: [str(pl) for pl in p.placements] for n, p in tp.named_parameters() if isinstance(p, DTensor)}
+    res["placements"] = {
+        n: [str(pl) for pl in p.placements] for n, p in tp.named_parameters() if isinstance(p, DTensor)
+    }
     # loss_parallel (PyTorch's own vocab-parallel CE) for comparison; its backward must run inside it
     try:
         from torch.distributed.tensor.parallel import loss_parallel
@@ -138,8 +140,9 @@ def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return lm_loss(logits, targets)
 
 
-def check_training(res: dict, mesh, out_dir: str | None, dtype: torch.dtype = torch.float32, prefix: str = "",
-                   lr: float = 1e-3) -> None:
+def check_training(
+    res: dict, mesh, out_dir: str | None, dtype: torch.dtype = torch.float32, prefix: str = "", lr: float = 1e-3
+) -> None:
     """5 AdamW steps (clip 1.0) on the same batches, TP vs single process.
 
     A key bias has a mathematically zero gradient (softmax ignores a per-row constant), so in fp32
@@ -159,14 +162,19 @@ def check_training(res: dict, mesh, out_dir: str | None, dtype: torch.dtype = to
         loss = tp_loss(tp(x), y)
         loss.backward()
         if step == 0:
-            grads_rel = {n: rel(p.grad, q.grad) for (n, p), (_, q) in zip(tp.named_parameters(), ref.named_parameters())}
+            grads_rel = {
+                n: rel(p.grad, q.grad) for (n, p), (_, q) in zip(tp.named_parameters(), ref.named_parameters())
+            }
             res["step0_grad_rel_max"] = max(grads_rel.values())
             res["step0_grad_rel_worst"] = max(grads_rel, key=grads_rel.get)
             repl = {n: p for n, p in tp.named_parameters() if all(pl.is_replicate() for pl in p.placements)}
             res["replicated_param_names"] = sorted(repl)
-            res["replicated_grads_identical_across_ranks"] = all(same_on_all_ranks(p.grad.to_local()) for p in repl.values())
+            res["replicated_grads_identical_across_ranks"] = all(
+                same_on_all_ranks(p.grad.to_local()) for p in repl.values()
+            )
             res["grad_placements_match_params"] = all(
-                isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in tp.parameters())
+                isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in tp.parameters()
+            )
             # a clip that really scales (max_norm below the norm) gives the same gradients
             ref_g = {n: p.grad.clone() for n, p in ref.named_parameters()}
             tp_g = {n: p.grad.full_tensor().clone() for n, p in tp.named_parameters()}
@@ -230,8 +238,8 @@ def check_training(res: dict, mesh, out_dir: str | None, dtype: torch.dtype = to
         return
 
     # DCP save of the TP model, as the Engine does it (model + optimizer state)
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     state = {"model": get_model_state_dict(tp), "optim": get_optimizer_state_dict(tp, opt_tp)}
     res["dcp_model_keys_dtensor"] = all(isinstance(v, DTensor) for v in state["model"].values())
@@ -346,10 +354,14 @@ def main() -> None:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     res: dict = {"world_size": dist.get_world_size(), "rank": rank, "torch": torch.__version__}
-    for name, fn in [("forward", lambda: check_forward(res, mesh)), ("tp_loss_unit", lambda: check_tp_loss_unit(res, mesh)),
-                     ("training", lambda: check_training(res, mesh, out_dir)),
-                     ("training64", lambda: check_training(res, mesh, None, torch.float64, "f64_", lr=1e-2)), ("chunks", lambda: check_chunks(res, mesh)),
-                     ("engine_compat", lambda: check_engine_compat(res, mesh))]:
+    for name, fn in [
+        ("forward", lambda: check_forward(res, mesh)),
+        ("tp_loss_unit", lambda: check_tp_loss_unit(res, mesh)),
+        ("training", lambda: check_training(res, mesh, out_dir)),
+        ("training64", lambda: check_training(res, mesh, None, torch.float64, "f64_", lr=1e-2)),
+        ("chunks", lambda: check_chunks(res, mesh)),
+        ("engine_compat", lambda: check_engine_compat(res, mesh)),
+    ]:
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - recorded and asserted by pytest

@@ -1,5 +1,7 @@
-"""What the multi-rank tests share: one torchrun launcher, synthetic batches, and the one tensor
-slice that equivalence tests leave out (the attention key biases)."""
+"""What the multi-rank tests share: one torchrun launcher and a synthetic sampler for the trainer's engines.
+
+What the equivalence tests compare with (error measures, the attention key biases they leave out, token
+batches, the single-process reference run) is in ``tests.equivalence``."""
 
 from __future__ import annotations
 
@@ -55,23 +57,3 @@ class SyntheticSampler:
         per = global_batch // world
         seq = self.global_batch(step, global_batch)[rank * per : (rank + 1) * per]
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
-
-
-def key_bias_mask(n_head: int, d_model: int) -> torch.Tensor:
-    """Entries of ``attn.qkv.bias`` that are key biases (head-major layout [head][q|k|v][head_dim]).
-
-    The loss does not depend on them (softmax is invariant to adding q·b_k to a whole row), so
-    their gradient is pure rounding noise that AdamW normalises into full-size steps of random
-    sign, different in any two summation orders. Equivalence tests compare every other entry to
-    their tolerance and check these only in float64.
-    """
-    m = torch.zeros(n_head, 3, d_model // n_head, dtype=torch.bool)
-    m[:, 1] = True
-    return m.reshape(-1)
-
-
-def without_key_bias(name: str, t: torch.Tensor, n_head: int, d_model: int) -> torch.Tensor:
-    """``t`` without its key-bias entries if ``name`` is an ``attn.qkv.bias``, else ``t``."""
-    if not name.endswith("attn.qkv.bias"):
-        return t
-    return t.reshape(-1)[~key_bias_mask(n_head, d_model).to(t.device)]

@@ -26,8 +26,9 @@ import pytest
 import torch
 
 from foldtrain.distributed import DistEnv
+from tests.equivalence import scalar_rel, worst_param
 from tests.parallel.dp.dp_worker import BASE, D_MODEL, HEADS, make_engine, run_case
-from tests.support import failed, torchrun, without_key_bias
+from tests.support import failed, torchrun
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -233,20 +234,15 @@ def reference_of(case: dict) -> dict:
     return reference(reference_args(case["args"]), case["steps"], case.get("poison", {}).get("step"))
 
 
-def rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
+rel = scalar_rel  # test_horovod.py imports the scalar measure from here under this name
 
 
 def param_rel(got: dict, ref: dict) -> tuple[float, str]:
     """Largest over tensors of the relative error |a - b| / |b| (2-norms), leaving out the
-    attention key biases (``tests.support.key_bias_mask``). (Single entries whose gradients nearly cancel carry more
-    Adam-amplified rounding noise: up to ~6e-5 of their tensor's largest entry with 3 workers,
-    whose 1/3 average is inexact; the tensors as a whole stay below 4e-6.)"""
-    worst = (0.0, "")
-    for name, b in ref.items():
-        a, b = (without_key_bias(name, t, HEADS, D_MODEL).double() for t in (got[name], b))
-        worst = max(worst, (float((a - b).norm() / b.norm().clamp_min(1e-12)), name))
-    return worst
+    attention key biases (``tests.equivalence.worst_param``), and that tensor's name. (Single entries whose
+    gradients nearly cancel carry more Adam-amplified rounding noise: up to ~6e-5 of their tensor's largest
+    entry with 3 workers, whose 1/3 average is inexact; the tensors as a whole stay below 4e-6.)"""
+    return worst_param(got, ref, HEADS, D_MODEL)
 
 
 def assert_matches_single_process(results: list[dict], name: str, case: dict) -> dict:
@@ -256,10 +252,10 @@ def assert_matches_single_process(results: list[dict], name: str, case: dict) ->
     for r, res in enumerate(results):
         got = res[name]
         assert len(got["losses"]) == case["steps"]
-        worst = max(rel(a, b) for a, b in zip(got["losses"], ref["losses"]))
+        worst = max(scalar_rel(a, b) for a, b in zip(got["losses"], ref["losses"]))
         assert worst < TOL, f"{name} rank {r}: loss off by {worst:.2e}"
     rank0 = results[0][name]
-    assert max(rel(a, b) for a, b in zip(rank0["grad_norms"], ref["grad_norms"])) < TOL, name
+    assert max(scalar_rel(a, b) for a, b in zip(rank0["grad_norms"], ref["grad_norms"])) < TOL, name
     worst, tensor = param_rel(rank0["params"], ref["params"])
     assert worst < TOL, f"{name}: {tensor} off by {worst:.2e}"
     return rank0
@@ -313,7 +309,8 @@ def test_checkpoint_round_trip_continues_identically(world, request):
             # a fresh DDP packs its buckets in parameter order for its first step and then rebuilds them
             # in gradient-ready order; a 4-rank ring sums an element in an order that depends on its
             # place in the bucket, so the first resumed step may differ in the last bit
-            assert max(rel(a, b) for a, b in zip(rank0["resumed_losses"], rank0["losses"][case["ckpt_at"] :])) < 1e-6
+            pairs = zip(rank0["resumed_losses"], rank0["losses"][case["ckpt_at"] :])
+            assert max(scalar_rel(a, b) for a, b in pairs) < 1e-6
             assert param_rel(rank0["resumed_params"], rank0["params"])[0] < 1e-6
             continue
         for r, res in enumerate(results):
@@ -347,7 +344,7 @@ def test_half_precisions_match_single_process(world, request):
         ref = reference_of(case)
         for r, res in enumerate(results):
             got = res[case["name"]]
-            worst = max(rel(a, b) for a, b in zip(got["losses"], ref["losses"]))
+            worst = max(scalar_rel(a, b) for a, b in zip(got["losses"], ref["losses"]))
             assert worst < HALF_TOL, f"{case['name']} rank {r}: loss off by {worst:.2e}"
             assert all(math.isfinite(v) for v in got["losses"])
             assert got["scale"] == ref["scale"], f"{case['name']}: loss scaler decisions differ"
@@ -375,7 +372,7 @@ def test_wire_compression_close_to_fp32(world2):
     for wire, tol in (("fp16", 1e-4), ("bf16", 1e-3)):
         got = world2[0][f"wire/{wire}"]
         ref = reference((), 4)
-        assert max(rel(a, b) for a, b in zip(got["losses"], ref["losses"])) < tol
+        assert max(scalar_rel(a, b) for a, b in zip(got["losses"], ref["losses"])) < tol
         assert got["stats"][-1]["comm_bytes_sent"] < 0.6 * world2[0]["fp32/allreduce"]["stats"][-1]["comm_bytes_sent"]
 
 
@@ -432,7 +429,7 @@ def test_overlap_cases_equal_single_process(world4):
         for r, res in enumerate(world4):
             got = res[case["name"]]
             assert "error" not in got, got.get("error")
-            worst = max(rel(a, b) for a, b in zip(got["losses"], ref["losses"]))
+            worst = max(scalar_rel(a, b) for a, b in zip(got["losses"], ref["losses"]))
             assert worst < TOL, f"{case['name']} rank {r}: loss off by {worst:.2e}"
         worst, tensor = param_rel(world4[0][case["name"]]["params"], ref["params"])
         assert worst < TOL, f"{case['name']}: {tensor} off by {worst:.2e}"

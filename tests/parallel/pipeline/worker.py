@@ -9,8 +9,9 @@ answering at step 2; it ends the launch with a non-zero status, its result in ``
 Equivalence: each case builds a ``PipelineEngine`` for its (layout, schedule, dp_sync, ...),
 trains ``STEPS`` steps on deterministic synthetic batches and compares on rank 0 every step's
 loss, the final parameters (gathered by ``eval_model``) and an evaluation loss with the
-single-process ``Engine`` on the same global batch and micro-batch size (computed here on rank 0,
-cached per setting). A failing case is recorded with its traceback and the suite goes on.
+single-process ``Engine`` on the same global batch and micro-batch size (on rank 0, cached per
+setting). The config of a case, its batches, that reference run and the comparison are in
+``tests.equivalence``. A failing case is recorded with its traceback and the suite goes on.
 """
 
 from __future__ import annotations
@@ -30,98 +31,29 @@ import torch.distributed as dist  # noqa: E402
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from foldtrain.config import build_config  # noqa: E402
-from foldtrain.model.gpt import GPT, GPTShape  # noqa: E402
-from tests import support  # noqa: E402
-from tests.parallel.pipeline.cases import CKPT_CASES, DEADLINE_CASES, MICRO, PROFILE_CASES, STEPS, M, equivalence_cases  # noqa: E402
+from tests.equivalence import (  # noqa: E402
+    DEVICE,
+    HEADS,
+    D,
+    batches,
+    build_model,
+    compare,
+    make_cfg,
+    norm_rel,
+    val_data,
+)
+from tests.equivalence import without_key_bias as _without_key_bias  # noqa: E402
+from tests.parallel.pipeline.cases import CKPT_CASES, DEADLINE_CASES, PROFILE_CASES, STEPS, equivalence_cases  # noqa: E402
 
-VOCAB, SEQ, D, HEADS = 64, 8, 16, 2
-DEVICE = torch.device("cpu")
 PROFILE_STEPS = 3  # steps (the timelines of all of them are kept)
 
-
-def make_cfg(c: dict, steps: int = STEPS, out: str = "", **over):
-    dp, pp, tp, v = c["layout"]
-    clip = c.get("clip", 0.0 if c.get("defer") else c.get("grad_clip", 1.0))
-    args = {
-        "model.n_layer": c.get("n_layer", 8),
-        "model.n_head": HEADS,
-        "model.d_model": D,
-        "model.context": 16,
-        "model.vocab_size": c.get("vocab", VOCAB),
-        "train.seq_len": SEQ,
-        "train.steps": steps,
-        "train.global_batch": dp * c.get("m", M) * MICRO,
-        "train.micro_batch": MICRO,
-        "optim.lr": 1e-2,
-        "optim.min_lr": 1e-3,
-        "optim.warmup_steps": 2,
-        "optim.grad_clip": clip,
-        "parallel.dp": dp,
-        "parallel.pp": pp,
-        "parallel.tp": tp,
-        "parallel.virtual": v,
-        "parallel.schedule": c["schedule"],
-        "parallel.dp_sync": c.get("dp_sync", "after-flush"),
-        "fold.defer_reduce": bool(c.get("defer")),
-        "precision": c.get("precision", "fp32"),
-        "ac": c.get("ac", "none"),
-        "dp.timeout_s": 60,
-        "train.device": "cpu",
-    }
-    if c.get("layers_per_chunk"):
-        args["parallel.layers_per_chunk"] = ",".join(map(str, c["layers_per_chunk"]))
-    if out:
-        args["out"] = out
-    args.update(over)
-    flat = []
-    for k, v in args.items():
-        flat += [f"--{k}", str(v).lower() if isinstance(v, bool) else str(v)]
-    return build_config(flat)
-
-
-def batches(global_batch: int, steps: int, seed: int = 0, vocab: int = VOCAB):
-    g = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, vocab, (steps, global_batch, SEQ + 1), generator=g)
-    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
-
-
-def val_data(vocab: int = VOCAB):
-    g = torch.Generator().manual_seed(99)
-    d = torch.randint(0, vocab, (2, 2 * MICRO, SEQ + 1), generator=g)
-    return [(x[:, :-1].contiguous(), x[:, 1:].contiguous()) for x in d]
-
-
-def build_model(cfg, seed: int | None = None) -> GPT:
-    torch.manual_seed(cfg.train.seed if seed is None else seed)
-    return GPT(GPTShape.from_config(cfg.model), cfg.train.seed if seed is None else seed)
-
-
-_REF: dict = {}
-
-
-def reference(cfg, steps: int = STEPS):
-    """Single-process Engine losses, final weights and eval loss (rank 0; cached per setting)."""
-    from foldtrain.engine import ReplicatedEngine as Engine
-
-    key = (cfg.model.n_layer, cfg.train.global_batch, cfg.optim.grad_clip, cfg.precision, steps, cfg.model.vocab_size)
-    if key not in _REF:
-        eng = Engine(build_model(cfg), cfg, DEVICE, MICRO)
-        losses, norms = [], []
-        for x, y in batches(cfg.train.global_batch, steps, vocab=cfg.model.vocab_size):
-            losses.append(eng.train_step(x, y))
-            norms.append(eng.last_grad_norm)
-        params = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
-        _REF[key] = (losses, params, eng.eval_loss(val_data(cfg.model.vocab_size)), norms)
-    return _REF[key]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+# test_pipeline.py reads these two through this module: the 2-norm measure, and the key-bias exclusion
+# bound to this model's heads and width
+rel = norm_rel
 
 
 def without_key_bias(name: str, t: torch.Tensor) -> torch.Tensor:
-    return support.without_key_bias(name, t, HEADS, D)
+    return _without_key_bias(name, t, HEADS, D)
 
 
 def dp_rows(engine, x, y):
@@ -131,39 +63,18 @@ def dp_rows(engine, x, y):
 
 
 def run_engine(cfg, steps_range, engine=None, seed=None):
+    """Train ``engine`` (a new one from ``cfg`` if None) on this rank's rows of the steps ``steps_range``:
+    (engine, losses, gradient norms), one of each per step."""
     from foldtrain.engine.pipeline import PipelineEngine
 
     if engine is None:
         engine = PipelineEngine(build_model(cfg, seed), cfg, DEVICE)
     data = batches(cfg.train.global_batch, cfg.train.steps, vocab=cfg.model.vocab_size)
-    losses, engine.test_grad_norms = [], []
+    losses, grad_norms = [], []
     for s in steps_range:
         losses.append(engine.train_step(*dp_rows(engine, *data[s])))
-        engine.test_grad_norms.append(engine.last_grad_norm)
-    return engine, losses
-
-
-def compare(case, cfg, losses, full, eval_loss, norms) -> dict:
-    ref_losses, ref_params, ref_eval, ref_norms = reference(cfg)
-    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-    sd = full.state_dict()
-    assert set(sd) == set(ref_params), set(sd) ^ set(ref_params)
-    errs = {k: rel(without_key_bias(k, sd[k]), without_key_bias(k, ref_params[k])) for k in ref_params}
-    worst = max(errs, key=errs.get)
-    # deferral steps chunks before the other chunks' gradients exist: no global norm is computed (logged 0)
-    norm_err = None if cfg.fold.defer_reduce else max(abs(a - b) / b for a, b in zip(norms, ref_norms))
-    return {
-        "loss_err": loss_err,
-        "param_err": errs[worst],
-        "worst_param": worst,
-        "eval_err": abs(eval_loss - ref_eval) / ref_eval,
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "norm_err": norm_err,
-        "norms": norms,
-        "ref_norms": ref_norms,
-        "grad_clip": cfg.optim.grad_clip,
-    }
+        grad_norms.append(engine.last_grad_norm)
+    return engine, losses, grad_norms
 
 
 def tied_copies_equal(engine) -> bool | None:
@@ -189,7 +100,7 @@ def tied_copies_equal(engine) -> bool | None:
 
 def equivalence_case(case: dict) -> dict | None:
     cfg = make_cfg(case)
-    engine, losses = run_engine(cfg, range(STEPS))
+    engine, losses, norms = run_engine(cfg, range(STEPS))
     ev = engine.eval_loss(val_data(cfg.model.vocab_size))
     full = engine.eval_model()
     tie_equal = tied_copies_equal(engine)
@@ -197,7 +108,7 @@ def equivalence_case(case: dict) -> dict | None:
         return None
     tie = engine.executor.reducers[0].tie if engine.layout.pp > 1 else None
     return {
-        **compare(case, cfg, losses, full, ev, engine.test_grad_norms),
+        **compare(cfg, losses, full, ev, norms),
         "tie_rows": tie.last_rows if tie else None,
         "tie_equal": tie_equal,
     }
@@ -210,10 +121,10 @@ def checkpoint_case(case: dict, out: Path) -> dict | None:
     root = out / case["id"]
     cfg = make_cfg(case, steps=6, out=str(root))
     ckpt = CheckpointManager(root / "checkpoints", keep=5)
-    engine, first = run_engine(cfg, range(3))
+    engine, first, _ = run_engine(cfg, range(3))
     ckpt.save(3, engine.state_dict(), {"step": 3})
     full3 = engine.eval_model()
-    _, rest = run_engine(cfg, range(3, 6), engine)
+    _, rest, _ = run_engine(cfg, range(3, 6), engine)
     full_a = engine.eval_model()
     ckpt.save(6, engine.state_dict(), {"step": 6})
     from foldtrain.engine.pipeline import PipelineEngine
@@ -222,7 +133,7 @@ def checkpoint_case(case: dict, out: Path) -> dict | None:
     state = engine_b.state_dict()
     ckpt.load(root / "checkpoints" / "step_00000003", state)
     engine_b.load_state_dict(state)
-    _, resumed = run_engine(cfg, range(3, 6), engine_b)
+    _, resumed, _ = run_engine(cfg, range(3, 6), engine_b)
     full_b = engine_b.eval_model()
     if dist.get_rank() != 0:
         return None
@@ -233,7 +144,7 @@ def checkpoint_case(case: dict, out: Path) -> dict | None:
         "losses": first + rest,
         "resumed": resumed,
         "ckpt_dir": str(root / "checkpoints"),
-        "param_err": max(rel(sb[k], sa[k]) for k in sa),
+        "param_err": max(norm_rel(sb[k], sa[k]) for k in sa),
         "loss_err": max(abs(a - b) for a, b in zip(rest, resumed)),
         "cfg": {"n_layer": cfg.model.n_layer, "global_batch": cfg.train.global_batch, "grad_clip": cfg.optim.grad_clip},
     }
@@ -245,7 +156,7 @@ def profile_case(case: dict, out: Path) -> dict | None:
 
     root = out / case["id"]
     cfg = make_cfg(case, steps=PROFILE_STEPS, out=str(root), profile=True)
-    engine, losses = run_engine(cfg, range(PROFILE_STEPS), PipelineEngine(build_model(cfg), cfg, DEVICE))
+    engine, losses, _ = run_engine(cfg, range(PROFILE_STEPS), PipelineEngine(build_model(cfg), cfg, DEVICE))
     if dist.get_rank() != 0:
         return None
     events = engine.profile_events()
@@ -286,14 +197,14 @@ def deadline_case(case: dict, out: Path) -> dict | None:
 
     root = out / case["id"]
     cfg = make_cfg(case, out=str(root), profile=True, **{"fold.bucket_mb": 0.001})
-    engine, losses = run_engine(cfg, range(STEPS), PipelineEngine(build_model(cfg), cfg, DEVICE))
+    engine, losses, norms = run_engine(cfg, range(STEPS), PipelineEngine(build_model(cfg), cfg, DEVICE))
     ev = engine.eval_loss(val_data(cfg.model.vocab_size))
     full = engine.eval_model()
     if dist.get_rank() != 0:
         return None
     keep = [[e for e in evs if e["kind"] in ("reduce", "reduce_launch")] for evs in engine.profile_events()]
     return {
-        **compare(case, cfg, losses, full, ev, engine.test_grad_norms),
+        **compare(cfg, losses, full, ev, norms),
         "events": keep,
         "deferred": [engine.pipeline_schedule.deferred_chunks(p) for p in range(2)],
     }
@@ -332,7 +243,7 @@ def stall_suite(out: Path) -> None:
 
 
 def main() -> None:
-    suite, out = sys.argv[1], Path(sys.argv[2])
+    out = Path(sys.argv[2])  # sys.argv[1] is the suite: ``equiv``, the only one
     dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.set_num_threads(1)

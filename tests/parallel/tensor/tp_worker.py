@@ -1,8 +1,10 @@
 """Worker for test_tp_distributed.py, run as ``torchrun --nproc-per-node 2 tp_worker.py OUT_DIR``.
 
 Every rank builds the same GPT (same seed), keeps a deep copy as the single-process reference and
-tensor-parallelises another copy over a 2-rank gloo mesh; it then records, per check, the largest
-relative difference (or a boolean) in ``OUT_DIR/result_rank{r}.json``. pytest asserts on those files.
+tensor-parallelises another copy over a 2-rank gloo mesh; it then records, per check, a relative
+difference (or a boolean) in ``OUT_DIR/result_rank{r}.json``: the worst element's (``max_rel``) for
+tensors unless a key says ``rel2`` (the 2-norm's, ``norm_rel``), ``scalar_rel`` for losses and norms
+(measures from ``tests.equivalence``). pytest asserts on those files.
 Checks that raise are recorded as ``{"error": "..."}`` so one failure does not hide the others.
 """
 
@@ -24,42 +26,15 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from foldtrain.model.gpt import GPT, GPTShape, lm_loss
 from foldtrain.parallel.tensor import apply_tensor_parallel, clip_grad_norm_, grad_norm, grads_finite, tp_loss
-from tests import support
+from tests.equivalence import full, key_bias_mask, max_rel, norm_rel, scalar_rel, token_batches
 
 SHAPE = GPTShape(n_layer=2, n_head=4, d_model=32, context=16, vocab_size=64, dropout=0.0)
 B, T, STEPS, CLIP = 2, 8, 5, 1.0
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| relative to the scale of the reference b."""
-    a, b = full(a).detach().double(), full(b).detach().double()
-    if a.shape != b.shape:
-        return float("inf")
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-
-
-def rel2(a: torch.Tensor, b: torch.Tensor) -> float:
-    """|a - b| / |b| in the 2-norm: the dp and pipeline equivalence tests' measure of a parameter tensor."""
-    a, b = full(a).detach().double(), full(b).detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
-def rel_scalar(a, b) -> float:
-    a, b = float(full(torch.as_tensor(a)).detach()), float(full(torch.as_tensor(b)).detach())
-    return abs(a - b) / max(abs(b), 1e-12)
-
-
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1234)
-    out = []
-    for _ in range(n):
-        seq = torch.randint(0, SHAPE.vocab_size, (B, T + 1), generator=g)
-        out.append((seq[:, :-1], seq[:, 1:]))
-    return out
+    """``n`` batches of B x T tokens, the same on every rank and in every launch."""
+    return token_batches(n, B, T, SHAPE.vocab_size, seed=1234)
 
 
 def optimizer(model: nn.Module, lr: float) -> torch.optim.AdamW:
@@ -86,8 +61,8 @@ def check_forward(res: dict, mesh) -> None:
     res["logits_is_dtensor"] = isinstance(logits, DTensor)
     res["logits_placements"] = [str(p) for p in logits.placements] if isinstance(logits, DTensor) else None
     res["logits_local_vocab"] = int(logits.to_local().shape[-1]) if isinstance(logits, DTensor) else None
-    res["forward_logits_rel"] = rel(logits, logits_ref)
-    res["forward_loss_rel"] = rel_scalar(tp_loss(logits, y), lm_loss(logits_ref, y))
+    res["forward_logits_rel"] = max_rel(logits, logits_ref)
+    res["forward_loss_rel"] = scalar_rel(tp_loss(logits, y), lm_loss(logits_ref, y))
     res["tied_after_tp"] = tp.head.lm_head.weight is tp.embedding.wte.weight
     res["tied_placements"] = [str(p) for p in tp.embedding.wte.weight.placements]
     res["n_params_ref"] = len(list(ref.parameters()))
@@ -103,13 +78,13 @@ def check_forward(res: dict, mesh) -> None:
 
         with loss_parallel():
             lp = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        res["loss_parallel_rel"] = rel_scalar(lp, lm_loss(logits_ref, y))
+        res["loss_parallel_rel"] = scalar_rel(lp, lm_loss(logits_ref, y))
     except Exception as e:  # noqa: BLE001 - recorded, not asserted
         res["loss_parallel_rel"] = f"error: {type(e).__name__}: {e}"
     # deepcopy (the Engine's fp32 master copy) keeps the tie and the layout
     cp = copy.deepcopy(tp)
     res["deepcopy_tied"] = cp.head.lm_head.weight is cp.embedding.wte.weight
-    res["deepcopy_forward_rel"] = rel(cp(x), logits_ref)
+    res["deepcopy_forward_rel"] = max_rel(cp(x), logits_ref)
 
 
 def check_tp_loss_unit(res: dict, mesh) -> None:
@@ -124,13 +99,9 @@ def check_tp_loss_unit(res: dict, mesh) -> None:
     d = distribute_tensor(full_logits.clone(), mesh, [Shard(-1)]).requires_grad_(True)
     loss = tp_loss(d, targets)
     loss.backward()
-    res["tp_loss_unit_loss_rel"] = rel_scalar(loss, ref_loss)
-    res["tp_loss_unit_grad_rel"] = rel(d.grad, ref_leaf.grad)
-    res["tp_loss_unit_plain_rel"] = rel_scalar(tp_loss(full_logits, targets), ref_loss)
-
-
-def key_bias_mask() -> torch.Tensor:
-    return support.key_bias_mask(SHAPE.n_head, SHAPE.d_model)
+    res["tp_loss_unit_loss_rel"] = scalar_rel(loss, ref_loss)
+    res["tp_loss_unit_grad_rel"] = max_rel(d.grad, ref_leaf.grad)
+    res["tp_loss_unit_plain_rel"] = scalar_rel(tp_loss(full_logits, targets), ref_loss)
 
 
 def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -155,7 +126,7 @@ def check_training(
     ref = GPT(SHAPE).to(dtype)
     tp = apply_tensor_parallel(copy.deepcopy(ref), mesh)
     opt_ref, opt_tp = optimizer(ref, lr), optimizer(tp, lr)
-    loss_rel, norm_rel, torch_norm_rel, norms = [], [], [], []
+    loss_rel, clip_norm_rel, torch_norm_rel, norms = [], [], [], []
     for step, (x, y) in enumerate(batches(STEPS)):
         loss_ref = loss_of(ref(x), y)
         loss_ref.backward()
@@ -163,7 +134,7 @@ def check_training(
         loss.backward()
         if step == 0:
             grads_rel = {
-                n: rel(p.grad, q.grad) for (n, p), (_, q) in zip(tp.named_parameters(), ref.named_parameters())
+                n: max_rel(p.grad, q.grad) for (n, p), (_, q) in zip(tp.named_parameters(), ref.named_parameters())
             }
             res["step0_grad_rel_max"] = max(grads_rel.values())
             res["step0_grad_rel_worst"] = max(grads_rel, key=grads_rel.get)
@@ -182,13 +153,13 @@ def check_training(
             small = 0.5 * float(n0)
             torch.nn.utils.clip_grad_norm_(ref.parameters(), small)
             clip_grad_norm_(tp.parameters(), small)
-            res["small_clip_grad_rel"] = max(rel(p.grad, q.grad) for p, q in zip(tp.parameters(), ref.parameters()))
+            res["small_clip_grad_rel"] = max(max_rel(p.grad, q.grad) for p, q in zip(tp.parameters(), ref.parameters()))
             with torch.no_grad():  # restore the unclipped gradients for the run
                 for n, p in ref.named_parameters():
                     p.grad.copy_(ref_g[n])
                 for n, p in tp.named_parameters():
                     p.grad.copy_(distribute_tensor(tp_g[n], mesh, p.placements))
-            res["restore_grad_rel"] = max(rel(p.grad, q.grad) for p, q in zip(tp.parameters(), ref.parameters()))
+            res["restore_grad_rel"] = max(max_rel(p.grad, q.grad) for p, q in zip(tp.parameters(), ref.parameters()))
         # torch's own total norm on the DTensor grads (what Engine.clip calls)
         try:
             tn = torch.nn.utils.get_total_norm([p.grad for p in tp.parameters()], foreach=True)
@@ -205,33 +176,33 @@ def check_training(
         opt_tp.step()
         opt_ref.zero_grad(set_to_none=True)
         opt_tp.zero_grad(set_to_none=True)
-        loss_rel.append(rel_scalar(loss, loss_ref))
-        norm_rel.append(rel_scalar(n_tp, n_ref))
-        torch_norm_rel.append(rel_scalar(torch_norm_val, n_ref))
+        loss_rel.append(scalar_rel(loss, loss_ref))
+        clip_norm_rel.append(scalar_rel(n_tp, n_ref))
+        torch_norm_rel.append(scalar_rel(torch_norm_val, n_ref))
         norms.append(float(n_ref))
     res["train_loss_rel"] = loss_rel
-    res["train_norm_rel"] = norm_rel
+    res["train_norm_rel"] = clip_norm_rel
     res["torch_get_total_norm_rel"] = torch_norm_rel
     res["train_grad_norms"] = norms
-    params_rel = {n: rel(p, q) for (n, p), (_, q) in zip(tp.named_parameters(), ref.named_parameters())}
+    params_rel = {n: max_rel(p, q) for (n, p), (_, q) in zip(tp.named_parameters(), ref.named_parameters())}
     res["train_param_rel_max"] = max(params_rel.values())
     res["train_param_rel_worst"] = max(params_rel, key=params_rel.get)
-    kb = key_bias_mask()
+    kb = key_bias_mask(SHAPE.n_head, SHAPE.d_model)
     excl, excl2 = {}, {}
     for (n, p), (_, q) in zip(tp.named_parameters(), ref.named_parameters()):
         if n.endswith("attn.qkv.bias"):
-            excl[n] = rel(full(p)[~kb], q[~kb])
-            excl2[n] = rel2(full(p)[~kb], q[~kb])
-            res[f"train_key_bias_rel/{n}"] = rel(full(p)[kb], q[kb])
+            excl[n] = max_rel(full(p)[~kb], q[~kb])
+            excl2[n] = norm_rel(full(p)[~kb], q[~kb])
+            res[f"train_key_bias_rel/{n}"] = max_rel(full(p)[kb], q[kb])
         else:
             excl[n] = params_rel[n]
-            excl2[n] = rel2(p, q)
+            excl2[n] = norm_rel(p, q)
     res["train_param_rel_max_excl_key_bias"] = max(excl.values())
     res["train_param_rel_excl_key_bias_worst"] = max(excl, key=excl.get)
     res["train_param_rel_all"] = excl
     res["train_param_rel2_max_excl_key_bias"] = max(excl2.values())
     res["train_param_rel2_excl_key_bias_worst"] = max(excl2, key=excl2.get)
-    res["train_params_changed"] = rel(tp.embedding.wte.weight, GPT_init_wte().to(dtype)) > 1e-3
+    res["train_params_changed"] = max_rel(tp.embedding.wte.weight, GPT_init_wte().to(dtype)) > 1e-3
     res["train_still_tied"] = tp.head.lm_head.weight is tp.embedding.wte.weight
     res["train_grad_norm_helper_none"] = float(grad_norm(tp.parameters()))  # all grads None -> 0
     if out_dir is None:
@@ -286,12 +257,12 @@ def check_chunks(res: dict, mesh) -> None:
     for p in tp_a:
         out = p(out)
     res["chunkA_logits_sharded"] = isinstance(out, DTensor) and out.placements[0] in (Shard(2), Shard(-1))
-    res["chunkA_logits_rel"] = rel(out, out_ref)
+    res["chunkA_logits_rel"] = max_rel(out, out_ref)
     l_ref, l_tp = lm_loss(out_ref, y), tp_loss(out, y)
-    res["chunkA_loss_rel"] = rel_scalar(l_tp, l_ref)
+    res["chunkA_loss_rel"] = scalar_rel(l_tp, l_ref)
     l_ref.backward()
     l_tp.backward()
-    res["chunkA_grad_rel"] = max(rel(p.grad, q.grad) for p, q in zip(tp_a.parameters(), ref_a.parameters()))
+    res["chunkA_grad_rel"] = max(max_rel(p.grad, q.grad) for p, q in zip(tp_a.parameters(), ref_a.parameters()))
     res["chunkA_lm_head_placements"] = [str(p) for p in tp_a[-1].lm_head.weight.placements]
 
     # [Embedding, Block]: output is the replicated hidden state
@@ -303,11 +274,11 @@ def check_chunks(res: dict, mesh) -> None:
     for p in tp_b:
         o = p(o)
     res["chunkB_output_plain"] = type(o) is torch.Tensor
-    res["chunkB_out_rel"] = rel(o, o_ref)
+    res["chunkB_out_rel"] = max_rel(o, o_ref)
     gout = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(5))
     (o_ref * gout).sum().backward()
     (o * gout).sum().backward()
-    res["chunkB_grad_rel"] = max(rel(p.grad, q.grad) for p, q in zip(tp_b.parameters(), ref_b.parameters()))
+    res["chunkB_grad_rel"] = max(max_rel(p.grad, q.grad) for p, q in zip(tp_b.parameters(), ref_b.parameters()))
     res["chunkB_wte_placements"] = [str(p) for p in tp_b[0].wte.weight.placements]
     res["chunkB_wpe_placements"] = [str(p) for p in tp_b[0].wpe.weight.placements]
 
@@ -326,9 +297,9 @@ def check_engine_compat(res: dict, mesh) -> None:
     try:
         params = list(tp.parameters())
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        res["engine_clip_float_norm_rel"] = rel_scalar(float(norm), ref_norm)
+        res["engine_clip_float_norm_rel"] = scalar_rel(float(norm), ref_norm)
         torch.nn.utils.clip_grads_with_norm_(params, 0.5 * float(ref_norm), norm, foreach=True)
-        res["engine_clip_grad_rel"] = max(rel(p.grad, q.grad) for p, q in zip(tp.parameters(), ref.parameters()))
+        res["engine_clip_grad_rel"] = max(max_rel(p.grad, q.grad) for p, q in zip(tp.parameters(), ref.parameters()))
     except Exception as e:  # noqa: BLE001
         res["engine_clip_grad_rel"] = f"error: {type(e).__name__}: {e}"
     # Precision.unscale_and_check (fp16 only): a plain bool tensor &= isfinite(DTensor grad).all()

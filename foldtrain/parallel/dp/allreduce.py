@@ -35,6 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from foldtrain import collectives
 from foldtrain.parallel.dp.base import DataParallelStrategy
 from foldtrain.parallel.dp.buckets import OrderedLauncher, timed_plan
 from foldtrain.parallel.dp.comm import nbytes
@@ -101,9 +102,9 @@ class AllreduceStrategy(DataParallelStrategy):
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
         buf = flatten(grads, self.wire_dtype or grads[0].dtype)
-        self.comm.all_reduce(buf)
+        self.comm.count_all_reduce(buf)
         self.comm.phase = "all-reduce"
-        self._inflight.append((dist.all_reduce(buf, async_op=True), buf, grads))
+        self._inflight.append((collectives.all_reduce(buf, async_op=True), buf, grads))
 
     def sync_grads(self) -> None:
         if self.launcher is None:

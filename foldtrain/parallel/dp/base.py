@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from foldtrain import collectives
 from foldtrain.optim import TrainState
 from foldtrain.parallel.dp.comm import CommStats
 from foldtrain.parallel.failures import is_comm_failure
@@ -168,9 +169,9 @@ class DataParallelStrategy(Strategy):
 
     def mean_over(self, value: torch.Tensor, count: int, contributes: bool) -> torch.Tensor:
         t = value.detach().float().reshape(1).clone() if contributes else torch.zeros(1, device=self.device)
-        self.comm.all_reduce(t)
+        self.comm.count_all_reduce(t)
         with self.comm.blocked("loss all-reduce"):
-            dist.all_reduce(t)
+            collectives.all_reduce(t)
         return t[0] / count
 
     def clip_by_global_norm(self, params: list[torch.Tensor], group=None, group_size: int | None = None) -> float:
@@ -182,9 +183,9 @@ class DataParallelStrategy(Strategy):
             torch.zeros((), dtype=torch.float64, device=self.device),
         ).reshape(1)
         if size > 1:
-            self.comm.all_reduce(sq, size)
+            self.comm.count_all_reduce(sq, size)
             with self.comm.blocked("gradient-norm all-reduce"):
-                dist.all_reduce(sq, group=group)
+                collectives.all_reduce(sq, group=group)
         norm = sq[0].sqrt().float()
         if self.cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.optim.grad_clip, norm, foreach=True)
@@ -193,7 +194,7 @@ class DataParallelStrategy(Strategy):
     def all_true(self, flag: bool, phase: str) -> bool:
         """Logical AND of ``flag`` over all ranks (one tiny all-reduce)."""
         t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
-        self.comm.all_reduce(t)
+        self.comm.count_all_reduce(t)
         with self.comm.blocked(phase):
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            collectives.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())

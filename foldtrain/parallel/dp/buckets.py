@@ -94,22 +94,22 @@ class OrderedLauncher:
         self.reset()
 
     def reset(self) -> None:
-        self.missing = [len(b) for b in self.plan]
-        self.next = 0
+        self.missing = [len(b) for b in self.plan]  # per bucket: gradients not ready yet
+        self.next_bucket = 0  # the first bucket not launched yet
         self.log: list[int] = []  # bucket indices in launch order, this backward
 
     def ready(self, i: int) -> None:
         k = self.bucket_of[i]
         self.missing[k] -= 1
-        while self.next < len(self.plan) and self.missing[self.next] <= 0:
-            self._go()
+        while self.next_bucket < len(self.plan) and self.missing[self.next_bucket] <= 0:
+            self._launch_next()
 
     def finish(self) -> None:
-        while self.next < len(self.plan):
-            self._go()
+        while self.next_bucket < len(self.plan):
+            self._launch_next()
 
-    def _go(self) -> None:
-        k = self.next
-        self.next += 1
+    def _launch_next(self) -> None:
+        k = self.next_bucket
+        self.next_bucket += 1
         self.log.append(k)
         self.launch(k)

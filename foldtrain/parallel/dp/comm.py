@@ -11,8 +11,12 @@ counts are *algorithmic*, independent of what the backend does internally:
 
 ``comm_wait_s`` is time spent blocked in ``Work.wait`` / blocking collectives; ``compute_s`` is
 the rest of the step. On CUDA a wait blocks the device's stream rather than the CPU, so there the
-blocked time is measured with CUDA events recorded around each wait and read at the end of the step. A communication error becomes a :class:`~foldtrain.errors.DistributedError`
-naming the rank to blame (found by :mod:`foldtrain.parallel.failures`).
+blocked time is measured with CUDA events recorded around each wait and read at the end of the
+step. A communication error becomes a :class:`~foldtrain.errors.DistributedError` naming the rank
+to blame (found by :mod:`foldtrain.parallel.failures`).
+
+The ``count_*`` methods only add to the byte counts: the strategy makes the call itself, through
+:mod:`foldtrain.collectives`. ``isend`` / ``irecv`` both start the transfer and count it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from foldtrain import collectives
 from foldtrain.errors import DistributedError
 from foldtrain.parallel.failures import GRACE_S, CommFailure, is_comm_failure, register_process, unresponsive_ranks
 
@@ -63,32 +68,37 @@ class CommStats:
             "comm_wait_s": self.wait_s,
         }
 
-    # ------------------------------------------------------------------ byte model
-    def all_reduce(self, t: torch.Tensor, world: int | None = None) -> None:
+    # ------------------------------------------------------------------ byte model: counting only, no communication
+    def count_all_reduce(self, t: torch.Tensor, world: int | None = None) -> None:
+        """Count the bytes of a ring all-reduce of ``t`` over ``world`` ranks (default: all)."""
         w = world or self.world
         moved = 2 * (w - 1) / w * nbytes(t)
         self.sent += moved
         self.recv += moved
 
-    def reduce_scatter(self, full: torch.Tensor) -> None:
+    def count_reduce_scatter(self, full: torch.Tensor) -> None:
+        """Count the bytes of a reduce-scatter whose input is ``full``."""
         moved = (self.world - 1) / self.world * nbytes(full)
         self.sent += moved
         self.recv += moved
 
-    all_gather = reduce_scatter  # same volume: (W-1)/W of the full tensor each way
+    count_all_gather = count_reduce_scatter  # same volume: (W-1)/W of the full (output) tensor each way
 
+    def count_received(self, *tensors: torch.Tensor) -> None:
+        """Count ``tensors`` as received (receives posted with ``irecv(..., count=False)``)."""
+        self.recv += sum(nbytes(t) for t in tensors)
+
+    # ------------------------------------------------------------------ point-to-point: communicate and count
     def isend(self, t: torch.Tensor, dst: int, tag: int) -> dist.Work:
         self.sent += nbytes(t)
-        return dist.isend(t, dst, tag=tag)
+        return collectives.isend(t, dst, tag=tag)
 
     def irecv(self, t: torch.Tensor, src: int, tag: int, count: bool = True) -> dist.Work:
-        """Post a receive; ``count=False`` leaves the bytes to ``received`` (for receives completing in a later step)."""
+        """Post a receive; ``count=False`` leaves the bytes to ``count_received`` (for receives completing in a
+        later step)."""
         if count:
             self.recv += nbytes(t)
-        return dist.irecv(t, src, tag=tag)
-
-    def received(self, *tensors: torch.Tensor) -> None:
-        self.recv += sum(nbytes(t) for t in tensors)
+        return collectives.irecv(t, src, tag=tag)
 
     # ------------------------------------------------------------------ waiting
     @contextlib.contextmanager

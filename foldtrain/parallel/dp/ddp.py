@@ -12,9 +12,9 @@ checkpoints carry the plain parameter names.
 import time  # no `from __future__ import annotations`: DDP checks the comm hook's return annotation object
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from foldtrain import collectives
 from foldtrain.parallel.dp.base import DataParallelStrategy
 
 
@@ -28,11 +28,11 @@ class DDPStrategy(DataParallelStrategy):
 
     def _allreduce_bucket(self, _state, bucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
-        self.comm.all_reduce(buf)
+        self.comm.count_all_reduce(buf)
         self.comm.phase = "DDP gradient all-reduce"
         self._last_launch = time.perf_counter()
         buf.div_(self.world)
-        return dist.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0])
+        return collectives.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
     def forward(self, x):
         return self.ddp(x)

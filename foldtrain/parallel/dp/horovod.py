@@ -43,7 +43,8 @@ class HorovodStrategy(Strategy):
             raise DistributedError(
                 f"--dp.strategy horovod: Horovod's world has {hvd.size()} process(es) but {launched} were launched "
                 f"(torchrun's processes do not form a Horovod world); launch with "
-                f"`horovodrun -np {launched} -H localhost:{launched} python -m foldtrain train ...`, or use --dp.strategy allreduce under torchrun"
+                f"`horovodrun -np {launched} -H localhost:{launched} python -m foldtrain train ...`, "
+                "or use --dp.strategy allreduce under torchrun"
             )
         super().__init__(state, cfg)
         self.hvd = hvd

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from foldtrain import collectives
 from foldtrain.errors import ConfigError
 from foldtrain.optim import adamw_state, load_adamw_state
 from foldtrain.parallel.dp.base import DataParallelStrategy
@@ -208,7 +209,7 @@ class ParameterServerStrategy(DataParallelStrategy):
         """Rank 0 assembles the full fp32 model from every server's masters (the others return theirs)."""
         if self.rank != 0:
             if self.is_server:
-                dist.send(flatten(list(self.masters.values()), torch.float32), 0, tag=EXPORT_TAG)
+                collectives.send(flatten(list(self.masters.values()), torch.float32), 0, tag=EXPORT_TAG)
             return self.model
         model = copy.deepcopy(self.model).float()
         params = list(model.parameters())  # same order as self.params
@@ -217,7 +218,7 @@ class ParameterServerStrategy(DataParallelStrategy):
                 buf = flatten(list(self.masters.values()), torch.float32)
             else:
                 buf = torch.empty(self.size_of(s), device=self.device)
-                dist.recv(buf, s, tag=EXPORT_TAG)
+                collectives.recv(buf, s, tag=EXPORT_TAG)
             unflatten_into(buf, [params[i] for i in self.served[s]])
         return model
 

@@ -136,7 +136,7 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             with self.comm.blocked("gradient push"):
                 w = self.next_arrival()
             grad, head = self.posted.pop(w)
-            self.comm.received(grad, head)
+            self.comm.count_received(grad, head)
             self.apply_gradient(w, grad, head)
         for w, work in self.reply_sends:
             self.comm.wait(work, "parameter reply", peer=w)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from foldtrain.parallel.dp.sharded_ps import Bucket, Part
+from foldtrain.parallel.dp.shard_layout import Part, ShardBucket, ShardLayout
 
 
 def test_slices_cover_the_padded_stream_in_multiples_of_the_world():
@@ -36,9 +36,32 @@ def test_one_big_parameter_ramps_its_slices_up():
 
 def test_bucket_rows_keep_decay_and_plain_apart():
     params = [torch.randn(6, 4), torch.randn(5), torch.randn(3, 3)]
-    b = Bucket([0, 1, 2], params, world=2, dec_off=0, plain_off=0, col_off=0, slice_elems=8)
-    assert b.decay.idx == [0, 2] and b.plain.idx == [1] and b.width == b.dp + b.pp == 17 + 3
+    b = ShardBucket([0, 1, 2], params, world=2, decay_off=0, plain_off=0, col_off=0, slice_elems=8)
+    assert b.decay.idx == [0, 2] and b.plain.idx == [1] and b.width == b.decay_width + b.plain_width == 17 + 3
     rows = b.rows(params, torch.float32)
     out = [torch.zeros_like(p) for p in params]
     b.unpack(rows, out)
+    assert all(torch.equal(x, y) for x, y in zip(out, params))
+
+
+def test_every_rank_s_shards_put_together_give_the_parameters_back():
+    """Each rank's decay and plain shards, laid out as its row by the buckets' offsets (as the all-gather
+    sends them), make the whole model again."""
+    torch.manual_seed(0)
+    params = [torch.randn(40, 8), torch.randn(8), torch.randn(300, 8), torch.randn(5), torch.randn(6, 7)]
+    world = 3
+    rows = []
+    for rank in range(world):
+        lay = ShardLayout(params, world, rank, first_bytes=100, cap_bytes=2000, slice_bytes=160)
+        decay, plain = lay.my_part(params, "decay"), lay.my_part(params, "plain")
+        assert decay.numel() == lay.n_decay and plain.numel() == lay.n_plain
+        row = torch.empty(lay.row)
+        for b in lay.buckets:
+            row[b.col_off : b.col_off + b.decay_width] = decay[b.decay_off : b.decay_off + b.decay_width]
+            row[b.col_off + b.decay_width : b.col_off + b.width] = plain[b.plain_off : b.plain_off + b.plain_width]
+        rows.append(row)
+    assert len(lay.buckets) > 2 and any(b.decay.ramp for b in lay.buckets)  # the big ones alone, ramped
+    assert sorted(i for index in lay.plan for i in index) == list(range(len(params))) and lay.total == 2775
+    out = [torch.zeros_like(p) for p in params]
+    lay.unpack(torch.stack(rows), out)
     assert all(torch.equal(x, y) for x, y in zip(out, params))

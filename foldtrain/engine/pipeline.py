@@ -35,18 +35,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from foldtrain import collectives
 from foldtrain.engine.pipeline_state import ChunkStates
+from foldtrain.engine.pipeline_steps import ChunkOptimizers
 from foldtrain.errors import ConfigError
 from foldtrain.model.gpt import GPT, GPTShape
-from foldtrain.optim import Precision, WarmupCosine, build_optimizer
+from foldtrain.optim import Precision
 from foldtrain.parallel.mesh import get_topology
 from foldtrain.parallel.pipeline.deadlines import DeadlineQueue
 from foldtrain.parallel.pipeline.executor import Executor
-from foldtrain.parallel.pipeline.p2p import P2P, local_part
+from foldtrain.parallel.pipeline.p2p import P2P
 from foldtrain.parallel.pipeline.reducer import ChunkReducer
 from foldtrain.parallel.pipeline.stage import apply_activation_checkpointing, build_chunks, materialize
 from foldtrain.profile import StepProfiler, Timeline
-from foldtrain.schedules import build_schedule
+from foldtrain.schedules import build_schedule, step_policy
 from foldtrain.schedules.layout import validate_layout
 
 
@@ -70,22 +72,9 @@ class PipelineEngine:
         # the full model's parameter names (tied weight once) before the split unties it: checkpoint param_groups
         full_params = [(n, p.dim()) for n, p in model.named_parameters()]
 
-        # ---- model chunks
-        chunks = build_chunks(model, lay.layers, lay.pp, topo.pp_rank)
-        for c in chunks:  # a model built on the meta device is materialised here, this rank's chunks only
-            materialize(c, device, model.init_seed, self.shape.n_layer)
-            c.to(device=device, dtype=self.precision.param_dtype)
-        if lay.tp > 1:
-            from foldtrain.parallel.tensor import apply_tensor_parallel
-
-            for c in chunks:
-                apply_tensor_parallel(c, topo.tp_mesh)
-        if cfg.ac == "full":
-            for c in chunks:
-                apply_activation_checkpointing(c)
-        self.chunks = {c.segment: c for c in chunks}
-        self.model = nn.ModuleList(chunks)  # this rank's parameters (names: "<i>.parts....")
-        self.named_params = [(n, p) for c in chunks for n, p in c.named_parameters()]
+        self.chunks = self._build_chunks(model)
+        self.model = nn.ModuleList(self.chunks.values())  # this rank's parameters (names: "<i>.parts....")
+        self.named_params = [(n, p) for c in self.chunks.values() for n, p in c.named_parameters()]
         self.split_tie = lay.pp > 1
         # the tied weight copy each end holds when the pipeline splits the tie
         self.tied = {}
@@ -96,146 +85,103 @@ class PipelineEngine:
             if last in self.chunks:
                 self.tied[last] = self.chunks[last].head.lm_head.weight
 
-        # ---- per-chunk optimizers and LR schedules
-        self.schedule = WarmupCosine(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.steps)
-        self.optimizers = {s: build_optimizer(list(c.named_parameters()), cfg.optim) for s, c in self.chunks.items()}
-        self.lr_schedulers = {
-            s: torch.optim.lr_scheduler.LambdaLR(o, self.schedule) for s, o in self.optimizers.items()
-        }
-        self.iteration = 0
-        self.last_grad_norm = 0.0
-        self._step_ok = True
-
-        # ---- schedule, transport, executor
+        # ---- schedule, transport, the optimizer side, executor
         self.pipeline_schedule = build_schedule(
             cfg.parallel.schedule, lay.pp, lay.virtual, lay.microbatches, cfg.parallel.dp_sync, cfg.fold.defer_reduce
         )
-        self.any_deferred = bool(self.pipeline_schedule.deferred_chunks(topo.pp_rank))
-        timeout = cfg.dp.timeout_s
-        self.p2p = P2P(topo, timeout, device)
-        reducers = {
-            s: ChunkReducer(s, list(c.parameters()), self.tied.get(s), topo, timeout, self.p2p.cpu_timeout)
-            for s, c in self.chunks.items()
-        }
-        for r in reducers.values():  # the tie's exchange: message sizes from the tokens of a global batch
-            if r.tie is not None:
-                r.tie.set_tokens(cfg.train.global_batch * cfg.train.seq_len)
-        if lay.tp > 1:
-            from foldtrain.parallel.tensor import tp_loss as loss_fn
-        else:
-            from foldtrain.model.gpt import lm_loss as loss_fn
+        self.iteration = 0
         self.timeline = Timeline(self.rank, enabled=bool(cfg.profile))
         self.profiler = StepProfiler(self.timeline)
-        sync = torch.cuda.synchronize if (cfg.profile and device.type == "cuda") else None
-        self.executor = Executor(
-            self.chunks,
-            lay.segments,
-            topo,
-            self.p2p,
-            reducers,
-            self._step_chunk,
-            self._before_steps,
-            self.precision,
-            loss_fn,
-            torch.float32,
-            self.shape.d_model,
-            self.timeline,
-            sync,
-        )
-        if lay.dp > 1:  # deadline-ordered reductions: a second dp group when any chunk is deferred
-            queue = DeadlineQueue(
-                topo, self.timeline, cfg.fold.bucket_mb * 2**20, timeout, cfg.fold.defer_reduce and lay.virtual > 1
-            )
-            queue.hold_back(cfg.optim.grad_clip == 0)
-            self.executor.attach_queue(queue)
-        # no clip, no loss scaler: a chunk steps the moment its reduction lands (executor.early_steps)
-        self.executor.early_steps = cfg.optim.grad_clip == 0 and not self.precision.scaler.enabled and lay.tp == 1
-        self.executor.chunk_norm_sq = self._chunk_norm_sq
+        self.executor = self._build_executor()
+        self.steps = self.executor.stepper
         # checkpoint keys and the full model: the single-process names, whatever the layout
         self.states = ChunkStates(
             full_params,
             self.n_parts,
             self.chunks,
-            self.optimizers,
-            self.lr_schedulers,
-            self.schedule,
+            self.steps.optimizers,
+            self.steps.lr_schedulers,
+            self.steps.schedule,
             self.precision,
             self.topo,
             self.split_tie,
             self.executor,
         )
 
-    # ------------------------------------------------------------------ optimizer side
-    def _chunk_grads_params(self, segs) -> list:
-        return [p for s in segs for p in self.chunks[s].parameters()]
+    def _build_chunks(self, model: GPT) -> dict:
+        """This pipeline rank's chunks (global segment -> chunk), materialised, tensor-parallel and
+        recomputing as configured."""
+        lay, device = self.layout, self.device
+        chunks = build_chunks(model, lay.layers, lay.pp, self.topo.pp_rank)
+        for c in chunks:  # a model built on the meta device is materialised here, this rank's chunks only
+            materialize(c, device, model.init_seed, self.shape.n_layer)
+            c.to(device=device, dtype=self.precision.param_dtype)
+        if lay.tp > 1:
+            from foldtrain.parallel.tensor import apply_tensor_parallel
 
-    def _before_steps(self) -> None:
-        """Once per iteration before the first (non-deferred) optimizer step: fp16 overflow check,
-        global gradient norm (all chunks, pipeline and TP ranks; the tied weight counted once), clip."""
-        segs = sorted(self.chunks)
-        params = self._chunk_grads_params(segs)
-        scaler = self.precision.scaler
-        if scaler.enabled:
-            finite = scaler.unscale_and_check([local_part(p.grad) for p in params if p.grad is not None])
-            flag = torch.tensor([1.0 if finite else 0.0], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            self._step_ok = bool(flag.item() > 0)
-        if self.any_deferred and self.cfg.optim.grad_clip == 0:
-            # the deferred chunks' gradients of this iteration are not reduced yet: no global norm needed
-            self.last_grad_norm = 0.0
-            return
-        if self.any_deferred:  # clipping: the norm needs every chunk's reduced gradient, deferred ones too;
-            self.executor.complete_reductions()  # their steps stay where they are (next iteration, before their forward)
-        if not self._step_ok:
-            return  # overflow: the step is skipped (as in Engine, the logged norm keeps its last value)
-        head_copy = self.tied.get(self.layout.segments - 1) if self.split_tie else None
-        norm_params = [p for p in params if p is not head_copy]
-        if self.layout.tp > 1:
-            from foldtrain.parallel.tensor import grad_norm
+            for c in chunks:
+                apply_tensor_parallel(c, self.topo.tp_mesh)
+        if self.cfg.ac == "full":
+            for c in chunks:
+                apply_activation_checkpointing(c)
+        return {c.segment: c for c in chunks}
 
-            local = grad_norm(norm_params).float()
+    def _build_executor(self) -> Executor:
+        """The deadline queue, transport, per-chunk reducers and optimizers this rank's executor drives."""
+        cfg, lay, topo, timeout = self.cfg, self.layout, self.topo, self.cfg.dp.timeout_s
+        policy = step_policy(cfg.optim.grad_clip > 0, self.precision.scaler.enabled, lay.tp)
+        queue = None
+        if lay.dp > 1:  # deadline-ordered reductions: a second dp group when any chunk is deferred
+            defer = cfg.fold.defer_reduce and lay.virtual > 1
+            queue = DeadlineQueue(topo, self.timeline, cfg.fold.bucket_mb * 2**20, timeout, defer)
+            queue.hold_back(policy.hold_deferred)
+        p2p = P2P(
+            topo, timeout, self.device, pump=queue.pump if queue is not None and queue.group is not None else None
+        )
+        reducers = {}
+        for s, c in self.chunks.items():
+            reducers[s] = ChunkReducer(s, list(c.parameters()), self.tied.get(s), topo, timeout, p2p.cpu_timeout, queue)
+            if reducers[s].tie is not None:  # the tie's exchange: message sizes from the tokens of a global batch
+                reducers[s].tie.set_tokens(cfg.train.global_batch * cfg.train.seq_len)
+        stepper = ChunkOptimizers(
+            self.chunks,
+            cfg,
+            self.precision,
+            topo,
+            self.device,
+            self.tied.get(lay.segments - 1),
+            bool(self.pipeline_schedule.deferred_chunks(topo.pp_rank)),
+            p2p.wait_collective,
+        )
+        if lay.tp > 1:
+            from foldtrain.parallel.tensor import tp_loss as loss_fn
         else:
-            grads = [p.grad for p in norm_params if p.grad is not None]
-            local = (
-                torch.nn.utils.get_total_norm(grads, foreach=True).float()
-                if grads
-                else torch.zeros((), device=self.device)
-            )
-        sq = (
-            (local**2 + sum(self.executor.partial_sq.values(), torch.zeros((), device=self.device)))
-            .reshape(1)
-            .to(self.device)
-        )
-        self.executor.partial_sq.clear()  # chunks stepped early (executor.early_steps): their norms, kept before the step
-        if self.layout.pp > 1:
-            work = dist.all_reduce(sq, group=self.topo.pp_group, async_op=True)
-            self.p2p.wait_collective(work, "all-reduce of the gradient norm over pipeline ranks")
-        norm = sq.sqrt()[0]
-        clip = self.cfg.optim.grad_clip
-        if clip > 0:
-            coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
-            with torch.no_grad():
-                for p in params:
-                    if p.grad is not None:
-                        g = local_part(p.grad)
-                        g.mul_(coef.to(g.device, g.dtype))
-        self.last_grad_norm = float(norm)
-
-    def _chunk_norm_sq(self, s: int) -> torch.Tensor:
-        """Squared gradient norm of local chunk ``s`` (the head's tied copy left out, as in the global norm)."""
-        head_copy = self.tied.get(self.layout.segments - 1) if self.split_tie else None
-        grads = [p.grad for p in self.chunks[s].parameters() if p.grad is not None and p is not head_copy]
-        return (
-            torch.nn.utils.get_total_norm(grads, foreach=True).float() ** 2
-            if grads
-            else torch.zeros((), device=self.device)
+            from foldtrain.model.gpt import lm_loss as loss_fn
+        return Executor(
+            chunks=self.chunks,
+            n_segments=lay.segments,
+            topo=topo,
+            p2p=p2p,
+            reducers=reducers,
+            stepper=stepper,
+            policy=policy,
+            queue=queue,
+            precision=self.precision,
+            loss_fn=loss_fn,
+            act_dtype=torch.float32,
+            d_model=self.shape.d_model,
+            timeline=self.timeline,
+            sync=torch.cuda.synchronize if (self.cfg.profile and self.device.type == "cuda") else None,
         )
 
-    def _step_chunk(self, s: int) -> None:
-        if self._step_ok:
-            self.optimizers[s].step()
-        self.lr_schedulers[s].step()
-        self.optimizers[s].zero_grad(set_to_none=True)
+    @property
+    def last_grad_norm(self) -> float:
+        return self.steps.last_grad_norm
+
+    @property
+    def schedule(self):
+        """The learning-rate schedule (a multiplier of ``--optim.lr`` by iteration)."""
+        return self.steps.schedule
 
     # ------------------------------------------------------------------ the step
     def batch(self, sampler, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,12 +204,12 @@ class PipelineEngine:
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         xs, ys = self._split(x, y)
-        self._step_ok = True
+        self.steps.step_ok = True
         step = self.iteration
         self.timeline.begin_step(step)
         loss_sum = self.executor.run(self.pipeline_schedule, xs, ys)
         self.timeline.end_step(step)
-        self.precision.scaler.update(self._step_ok)
+        self.precision.scaler.update(self.steps.step_ok)
         self.iteration += 1
         loss = self._global_loss(loss_sum)  # every rank has finished the iteration (its urgent reductions too)
         self.executor.end_iteration()
@@ -278,7 +224,7 @@ class PipelineEngine:
             loss_sum.detach().float() / self.layout.dp if contributes else torch.zeros((), device=self.device)
         ).reshape(1)
         t = t.to(self.device)
-        dist.all_reduce(t)
+        collectives.all_reduce(t)
         return float(t[0])
 
     def flush(self) -> None:
@@ -286,8 +232,7 @@ class PipelineEngine:
         self.executor.flush()
 
     def zero_grad(self) -> None:
-        for o in self.optimizers.values():
-            o.zero_grad(set_to_none=True)
+        self.steps.zero_grad()
 
     @torch.no_grad()
     def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:

@@ -23,6 +23,7 @@ from .actions import (
     stage_rank,
 )
 from .generators import DP_SYNC_MODES, SCHEDULE_NAMES, build_schedule, insert_comms, insert_reductions
+from .rules import RankRules, Rule, StepPolicy, rank_rules, schedule_rules, step_policy, tie_segments
 from .validate import ScheduleError, activations_peak, validate_schedule
 
 __all__ = [
@@ -33,9 +34,12 @@ __all__ = [
     "Op",
     "RECV_OPS",
     "REDUCE_OPS",
+    "RankRules",
+    "Rule",
     "SCHEDULE_NAMES",
     "SEND_OPS",
     "Schedule",
+    "StepPolicy",
     "ScheduleError",
     "activations_peak",
     "build_schedule",
@@ -45,6 +49,10 @@ __all__ = [
     "insert_reductions",
     "local_chunk",
     "message_key",
+    "rank_rules",
+    "schedule_rules",
     "stage_rank",
+    "step_policy",
+    "tie_segments",
     "validate_schedule",
 ]

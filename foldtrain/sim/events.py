@@ -1,46 +1,50 @@
 """Discrete-event engine: runs every action of every pipeline rank of a :class:`Schedule`.
 
-The executor's semantics (``foldtrain/pipeline/executor.py``), action by action, per rank:
+It interprets the same action lists as the executor (:mod:`foldtrain.parallel.pipeline.executor`)
+with the same runtime rules (:mod:`foldtrain.schedules.rules`: deadlines, what the first iteration
+skips, where the iteration's global work runs, early steps, where the tie's reduction starts), one
+handler per op, with the durations and bytes of a :class:`Costs`:
 
 * ``F`` / ``B`` occupy the rank's compute stream for ``costs.compute``; on a cluster whose ranks
   share a host's CPU cores (``costs.cpu_share()`` is not ``None``: an emulated cluster on one
   machine) a compute action is instead ``costs.compute`` core-seconds of work on the shared
   ``("cpu",)`` resource, where each busy rank gets ``min(1, cores / busy ranks)`` of a core, less
-  ``node.oversubscribed_efficiency`` when more ranks than cores are busy (the optimizer step too), and a reduction's transfer also needs ``costs.comm_cpu`` core-seconds there
-  (gloo's threads sending, receiving and summing), so communication slows compute down as on the host;
+  ``node.oversubscribed_efficiency`` when more ranks than cores are busy (the optimizer step too),
+  and a reduction's transfer also needs ``costs.comm_cpu`` core-seconds there (gloo's threads
+  sending, receiving and summing), so communication slows compute down as on the host;
 * ``SA`` / ``SG`` post a transfer (never block); it starts after the link's latency; on a
   dedicated link between two ranks of a node transfers go one after another in posting order
   (one stream per pair), on a node's network interface they share it with the transfers in
   flight there;
 * ``RA`` / ``RG`` block until the matching transfer has arrived (``recv_wait``);
 * ``LR(c)`` queues chunk ``c``'s data-parallel reduction on the rank's reduction stream (FIFO; a
-  collective with identical data-parallel peers, so it needs no other simulated rank); for the
-  first and last segment the tied embedding's dp part goes on that stream first, and once it is
-  done the end sends the other what it lacks on a second stream (``costs.tie``: ``{"dp": phases,
-  "send": phases}``); an end's tied copy is done when its dp part and the other's send are; a reduction is a list
-  of collectives (``costs.reduce_buckets``: ``(ready, phases)``), and those with a ``ready`` fraction
-  go on the stream when that fraction of the ``B`` just before the ``LR`` is done (a data-parallel
-  engine's buckets, launched while the last backward still runs), the rest at the ``LR``;
-* a deferred chunk's ``LR`` (``--fold.defer_reduce``) puts its buckets (``costs.deferred_buckets``) in
-  the rank's deadline queue instead (``parallel/pipeline/deadlines.py``): they go on a second stream
-  one at a time, only while nothing is on the first (urgent reductions never wait behind them), and
-  whatever is still held when the rank leaves the iteration's end barrier goes at once, sorted by
-  deadline (the position of the ``WR`` that needs it); with clipping (``costs.hold_deferred()``
-  false) nothing is held;
-* ``WR(c)`` blocks until both are done (``reduce_wait``); a deferred ``WR`` (before the chunk's
-  first forward) waits for the reduction launched in the previous iteration and is skipped in
-  the first one;
-* ``OS(c)`` takes ``costs.optim``; before the first non-deferred ``OS`` of an iteration the
-  ranks meet in ``costs.before_steps`` (gradient-norm all-reduce over the pipeline, fp16
-  overflow vote): a barrier of the pipeline;
+  collective with identical data-parallel peers, so it needs no other simulated rank). A reduction
+  is a list of collectives (``costs.reduce_buckets``: ``(ready, phases)``), and those with a
+  ``ready`` fraction go on the stream when that fraction of the ``B`` just before the ``LR`` is
+  done (a data-parallel engine's buckets, launched while the last backward still runs), the rest
+  at the ``LR``;
+* the tied embedding's dp part (``costs.tie``: ``{"dp": phases, "send": phases}``) goes on that
+  stream where the rules launch it (the last forward of the last segment with per-chunk sync, else
+  the ``LR``, before the chunk's own reduction); once it is done the end sends the other what it
+  lacks on a second stream; an end's tied copy is done when its dp part and the other's send are;
+* a deferred chunk's ``LR`` (``--fold.defer_reduce``) puts its buckets (``costs.deferred_buckets``)
+  in the rank's deadline queue instead (:mod:`foldtrain.parallel.pipeline.deadlines`): they go on a
+  second stream one at a time, only while nothing is on the first (urgent reductions never wait
+  behind them), and whatever is still held when the rank leaves the iteration's end barrier goes
+  at once, sorted by deadline; when the :class:`StepPolicy` clips, nothing is held;
+* ``WR(c)`` blocks until both are done (``reduce_wait``); a deferred ``WR`` waits for the reduction
+  launched in the previous iteration and is skipped in the first one; with the policy's early
+  steps a non-deferred chunk's optimizer step runs right after its ``WR``;
+* ``OS(c)`` takes ``costs.optim``; at the first non-deferred ``OS`` of an iteration the ranks meet
+  in ``costs.before_steps`` (gradient-norm all-reduce over the pipeline, fp16 overflow vote): a
+  barrier of the pipeline (after this iteration's deferred reductions, when the policy clips);
 * after its last action a rank waits for its sends to complete (the executor's end-of-iteration
   wait), ends the step, and meets the others in ``costs.end_of_iteration`` (the loss all-reduce).
 
-Links are shared fluidly: the ``k`` transfers in flight on a link each get ``bw / W`` where ``W``
-sums their weights (a weight ``w`` stands for ``w`` identical transfers of symmetric ranks that
-are not simulated). The result is a list of per-rank events in the format of
-:mod:`foldtrain.profile.timeline`, so :func:`foldtrain.profile.summarize` and the Gantt / trace
-exporters read simulated and measured runs alike.
+Transfers share links fluidly (:mod:`.links`). The result is a list of per-rank events in the
+format of :mod:`foldtrain.profile.timeline`, so :func:`foldtrain.profile.summarize` and the Gantt /
+trace exporters read simulated and measured runs alike; ``RankState.launches`` lists, per rank, the
+communication each iteration launches, in the order the executor's trace shows it.
 """
 
 from __future__ import annotations
@@ -48,148 +52,100 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
-from foldtrain.schedules import Op, Schedule, message_key
+from foldtrain.schedules import Action, Op, RankRules, Rule, Schedule, StepPolicy, message_key, rank_rules
 
-Phase = tuple  # ("delay", seconds[, core-seconds on the shared cores meanwhile]) | ("flow", link_key, weight, nbytes)
-CPU = ("cpu",)  # the host's cores, when the ranks share them
-
-
-class SharedLink:
-    """A link of bandwidth ``bw`` bytes/s shared by the flows in flight (weighted processor sharing);
-    one unit of weight never gets more than ``cap`` (a rank cannot use more than one core). ``over``
-    (the host's cores): the share of ``bw`` left when the flows' weights sum to twice ``bw`` or more,
-    linearly from 1 at ``bw`` (more runnable threads than cores switch and evict each other's caches)."""
-
-    __slots__ = ("sim", "bw", "cap", "over", "flows", "t", "ver", "_next")
-
-    def __init__(self, sim: Sim, bw: float, cap: float = float("inf"), over: float = 1.0):
-        self.sim, self.bw, self.cap, self.over = sim, bw, cap, over
-        self.flows: dict[int, list] = {}
-        self.t = 0.0
-        self.ver = 0
-        self._next = 0
-
-    def rate(self) -> float:
-        w = sum(f[1] for f in self.flows.values())
-        bw = self.bw
-        if self.over < 1.0 and w > bw:
-            bw *= 1.0 - (1.0 - self.over) * min(1.0, (w - bw) / bw)
-        return min(self.cap, bw / w)
-
-    def _advance(self, now: float) -> None:
-        if self.flows and now > self.t:
-            rate = self.rate()
-            dt = now - self.t
-            for f in self.flows.values():
-                f[0] -= rate * dt
-        self.t = now
-
-    def add(self, nbytes: float, weight: float, done: Callable[[float], None]) -> None:
-        now = self.sim.now
-        if nbytes <= 0:
-            done(now)
-            return
-        self._advance(now)
-        self._next += 1
-        self.flows[self._next] = [nbytes, weight, done]
-        self._reschedule(now)
-
-    def _reschedule(self, now: float) -> None:
-        self.ver += 1
-        if not self.flows:
-            return
-        rate = self.rate()
-        rem = min(f[0] for f in self.flows.values())
-        ver = self.ver
-        self.sim.at(now + max(rem, 0.0) / rate, lambda: self._complete(ver))
-
-    def _complete(self, ver: int) -> None:
-        if ver != self.ver:
-            return
-        now = self.sim.now
-        self._advance(now)
-        rate = self.rate()
-        eps = max(1e-6, rate * (abs(now) * 1e-12 + 1e-15))  # below the clock's resolution
-        done = [k for k, f in self.flows.items() if f[0] <= eps]
-        cbs = [self.flows.pop(k)[2] for k in done]
-        self._reschedule(now)
-        for cb in cbs:
-            cb(now)
+from .links import CPU, Phase, SharedLink, Stream
 
 
-class Stream:
-    """A FIFO of phase lists (a rank's reduction stream): one job at a time; ``after()`` once each is done."""
+class Costs(Protocol):
+    """What the engine asks of a cost model (``p``: pipeline rank, ``c``: global segment)."""
 
-    def __init__(self, sim: Sim, after: Callable[[], None] | None = None):
-        self.sim = sim
-        self.queue: list = []
-        self.busy = False
-        self.after = after
+    def compute(self, p: int, a: Action) -> float:
+        """Seconds (or core-seconds on shared cores) of an ``F`` or ``B``."""
 
-    def submit(self, ready_at: float, phases: list[Phase], done: Callable[[float, float], None]) -> None:
-        self.queue.append((ready_at, phases, done))
-        if not self.busy:
-            self._start_next()
+    def send(self, p: int, a: Action) -> tuple[tuple, float, float, float]:
+        """``(link key, weight, latency, bytes)`` of an ``SA`` / ``SG`` transfer."""
 
-    def _start_next(self) -> None:
-        if not self.queue:
-            self.busy = False
-            return
-        self.busy = True
-        ready_at, phases, done = self.queue.pop(0)
-        start = max(ready_at, self.sim.now)
+    def reduce_buckets(self, p: int, c: int) -> list[tuple[float | None, list[Phase]]]:
+        """Chunk ``c``'s reduction: ``(ready fraction of the last B, or None: at the LR; phases)`` per collective."""
 
-        def finish(t: float) -> None:
-            done(start, t)
-            self._start_next()
-            if self.after is not None:
-                self.after()
+    def deferred_buckets(self, p: int, c: int) -> list[list[Phase]] | None:
+        """A deferred chunk's reduction as the deadline queue's buckets, or ``None`` (one urgent reduction)."""
 
-        self.sim.at(start, lambda: self.sim.run_phases(list(phases), finish))
+    def tie(self, p: int, c: int) -> dict | None:
+        """The tied embedding's ``{"dp": phases, "send": phases}`` at the end holding ``c``, or ``None``."""
+
+    def optim(self, p: int, c: int) -> float:
+        """Seconds of chunk ``c``'s optimizer step."""
+
+    def before_steps(self) -> float | None:
+        """Seconds of the ranks' meeting before the first optimizer step, or ``None``: no meeting."""
+
+    def end_of_iteration(self) -> float | None:
+        """Seconds of the ranks' meeting after the iteration (the loss all-reduce), or ``None``."""
+
+    def link_bw(self, key: tuple) -> float:
+        """Bytes/s of a link."""
+
+    def cpu_share(self) -> tuple[float, float, float, float] | None:
+        """``(cores, per-rank cap, weight of a simulated rank, oversubscribed efficiency)`` when the
+        ranks share a host's cores, else ``None``."""
+
+    def comm_cpu(self, nbytes: float) -> float:
+        """Core-seconds of the shared cores a collective moving ``nbytes`` takes."""
+
+    def action_overhead(self) -> float:
+        """The executor's own host work per action, in seconds."""
+
+    def policy(self) -> StepPolicy:
+        """The run's step policy (early steps, clipping), as the engine derives it."""
 
 
 @dataclass
 class RankState:
     p: int
+    rules: RankRules
     pc: int = 0
     it: int = 0
     t: float = 0.0  # time the rank reached its current action
-    stepped: bool = False
     in_flight: int = 0  # sends posted this iteration and not delivered
     last_send: float = 0.0  # latest delivery of this iteration's sends
     waiting_sends: bool = False
+    step_closed: bool = False  # this iteration's "step" event is recorded
     events: list = field(default_factory=list)
+    launches: list = field(default_factory=list)  # (iteration, "SA c1 m0" | "RA .." | "LR c3" | "tie c3" | "clip")
+    stepped_early: set = field(default_factory=set)  # chunks whose WR stepped them this iteration
     step_start: float = 0.0
-    deferred: set = field(default_factory=set)
     debt: float = 0.0  # the executor's own host work for the actions since the last compute, not yet paid
+
+    @property
+    def deferred(self) -> frozenset[int]:
+        return self.rules.deferred
 
 
 class Sim:
     """The event loop and the pipeline ranks' interpreters."""
 
-    def __init__(self, sched: Schedule, costs: Any, iterations: int = 2, record_from: int = 0):
+    def __init__(self, sched: Schedule, costs: Costs, iterations: int = 2, record_from: int = 0):
         self.sched, self.costs, self.iterations = sched, costs, iterations
         self.record_from = record_from
-        share = getattr(costs, "cpu_share", lambda: None)()
-        self.cpu = share  # (cores, per-rank cap, weight of a simulated rank, oversubscribed efficiency) or None
-        self.overhead = getattr(costs, "action_overhead", lambda: 0.0)()  # the executor's host work per action
+        self.cpu = costs.cpu_share()  # (cores, per-rank cap, weight of a simulated rank, efficiency) or None
+        self.overhead = costs.action_overhead()  # the executor's host work per action
+        self.policy = costs.policy()
         self.now = 0.0
         self._heap: list = []
         self._seq = 0
         self.links: dict[tuple, SharedLink] = {}
         self.fifo: dict[tuple, float] = {}  # dedicated FIFO links: when they are free
         P = sched.pp
-        self.ranks = [RankState(p, deferred=set(sched.deferred_chunks(p))) for p in range(P)]
+        self.ranks = [RankState(p, rank_rules(sched, p)) for p in range(P)]
         self.dp_stream = [Stream(self, after=lambda p=p: self.pump(p)) for p in range(P)]
-        # --fold.defer_reduce: the deadline queue (parallel/pipeline/deadlines.py). Deferred buckets go on a
-        # second stream (group), one at a time and only while no urgent reduction is in flight, until the
-        # iteration's end, when the rest go at once in deadline order (the WR that needs them)
+        # the deadline queue's second stream: deferred buckets, one at a time, none while an urgent
+        # reduction is in flight, the rest at the iteration's end in deadline order
         self.defer_stream = [Stream(self, after=lambda p=p: self.pump(p)) for p in range(P)]
         self.pending: list[list] = [[] for _ in range(P)]  # (deadline, chunk, bucket, phases, done), in launch order
-        self.hold = getattr(costs, "hold_deferred", lambda: True)()
-        self.deadline = [{a.chunk: i for i, a in enumerate(acts) if a.op is Op.WAIT_REDUCE} for acts in sched.ranks]
         self.tie_stream = [Stream(self) for _ in range(P)]
         self.arrived: dict[tuple, float] = {}  # (iteration, message key) -> arrival time
         self.recv_waiters: dict[tuple, Callable[[float], None]] = {}
@@ -200,6 +156,17 @@ class Sim:
         self.barriers: dict[tuple, list] = {}
         self.iter_end: list[float] = []  # per iteration: when every rank left its end barrier
         self._ended: dict[int, list] = {}
+        self._handlers: dict[Op, Callable[[RankState, Action, Rule], bool]] = {
+            Op.FORWARD: self._compute,
+            Op.BACKWARD: self._compute,
+            Op.SEND_ACT: self._send,
+            Op.SEND_GRAD: self._send,
+            Op.RECV_ACT: self._recv,
+            Op.RECV_GRAD: self._recv,
+            Op.LAUNCH_REDUCE: self._launch_reduce,
+            Op.WAIT_REDUCE: self._wait_reduce,
+            Op.OPTIM_STEP: self._optim_step,
+        }
 
     # ---------------------------------------------------------------- loop
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -262,10 +229,6 @@ class Sim:
 
         return done
 
-    def buckets(self, p: int, c: int) -> list:
-        fn = getattr(self.costs, "reduce_buckets", None)
-        return fn(p, c) if fn is not None else [(None, self.costs.reduce_phases(p, c))]
-
     def run_phases(self, phases: list[Phase], done: Callable[[float], None]) -> None:
         if not phases:
             done(self.now)
@@ -277,7 +240,7 @@ class Sim:
             start = lambda cb: self.at(self.now + ph[1], lambda: cb(self.now))  # noqa: E731
         else:
             _, key, weight, nbytes = ph
-            cpu_s = self.costs.comm_cpu(nbytes) if hasattr(self.costs, "comm_cpu") else 0.0
+            cpu_s = self.costs.comm_cpu(nbytes)
             start = lambda cb: self.link(key).add(nbytes, weight, cb)  # noqa: E731
         if self.cpu is None or cpu_s <= 0:
             start(nxt)
@@ -315,187 +278,204 @@ class Sim:
         r.t = max(r.t, t)
         self.at(max(r.t, self.now), lambda: self.step(r))
 
-    def step(self, r: RankState) -> None:  # noqa: C901 - one branch per action kind
-        acts = self.sched.ranks[r.p]
-        costs = self.costs
-        overhead = self.overhead
-        while r.pc < len(acts):
-            a = acts[r.pc]
-            op = a.op
-            if op is Op.FORWARD or op is Op.BACKWARD:
-                t0 = r.t
-                dur = costs.compute(r.p, a) + r.debt + overhead
-                r.debt = 0.0
-
-                def computed(t: float, r=r, a=a, t0=t0) -> None:
-                    self.ev(
-                        r, f"{a.op.value} c{a.chunk} m{a.mb}", "compute", t0, t, op=a.op.value, chunk=a.chunk, mb=a.mb
-                    )
-                    r.pc += 1
-                    self.resume(r, t)
-
-                nxt = acts[r.pc + 1] if r.pc + 1 < len(acts) else None
-                if op is Op.BACKWARD and nxt is not None and nxt.op is Op.LAUNCH_REDUCE and nxt.chunk == a.chunk:
-                    early = [(f, ph) for f, ph in self.buckets(r.p, a.chunk) if f is not None]
-                    if early:  # buckets launched during this backward as their gradients complete
-                        marks = [
-                            (
-                                f,
-                                lambda t, ph=ph, r=r, a=a, k=k: self.dp_stream[r.p].submit(
-                                    t, list(ph), self.bucket_done(r, a.chunk, k)
-                                ),
-                            )
-                            for k, (f, ph) in enumerate(early)
-                        ]
-                        self.busy_marked(r, r.t, dur, marks, computed)
-                        return
-                self.busy(r, dur, computed)
+    def step(self, r: RankState) -> None:
+        """Run rank ``r``'s actions from ``r.pc`` until one blocks (its handler returns ``False`` and
+        arranges for ``step`` to be called again) or the iteration ends."""
+        rules = r.rules
+        while r.pc < len(rules.actions):
+            a, rule = rules.actions[r.pc], rules.rules[r.pc]
+            if not self._handlers[a.op](r, a, rule):
                 return
-            if op is Op.SEND_ACT or op is Op.SEND_GRAD:
-                r.debt += overhead
-                key, weight, lat, nbytes = costs.send(r.p, a)
-                r.in_flight += 1
-                msg = (r.it, message_key(a))
-                self.ev(
-                    r,
-                    f"{op.value} c{a.chunk} m{a.mb}",
-                    "send",
-                    r.t,
-                    r.t,
-                    chunk=a.chunk,
-                    mb=a.mb,
-                    peer=a.peer,
-                    instant=True,
-                )
+        self._end_iteration(r)
 
-                def delivered(t: float, r=r, msg=msg) -> None:
-                    r.in_flight -= 1
-                    r.last_send = max(r.last_send, t)
-                    self.arrived[msg] = t
-                    w = self.recv_waiters.pop(msg, None)
-                    if w:
-                        w(t)
-                    if r.waiting_sends and r.in_flight == 0:
-                        r.waiting_sends = False
-                        self.at(self.now, lambda: self.step(r))
+    def _launched(self, r: RankState, label: str) -> None:
+        r.launches.append((r.it, label))
 
-                if key[0] == "p2p":  # a dedicated pair link: one stream, transfers in posting order (NCCL)
-                    start = max(r.t + lat, self.fifo.get(key, 0.0))
-                    t_done = start + nbytes / self.costs.link_bw(key)
-                    self.fifo[key] = t_done
-                    self.at(t_done, lambda t_done=t_done, delivered=delivered: delivered(t_done))
-                else:
-                    self.at(r.t, lambda: self.run_phases([("delay", lat), ("flow", key, weight, nbytes)], delivered))
+    def _compute(self, r: RankState, a: Action, rule: Rule) -> bool:
+        t0 = r.t
+        dur = self.costs.compute(r.p, a) + r.debt + self.overhead
+        r.debt = 0.0
+
+        def computed(t: float) -> None:
+            self.ev(r, f"{a.op.value} c{a.chunk} m{a.mb}", "compute", t0, t, op=a.op.value, chunk=a.chunk, mb=a.mb)
+            if rule.launch_tie is not None:
+                self._launch_tie(r, rule.launch_tie, t)
+            r.pc += 1
+            self.resume(r, t)
+
+        acts = r.rules.actions
+        nxt = acts[r.pc + 1] if r.pc + 1 < len(acts) else None
+        if a.op is Op.BACKWARD and nxt is not None and nxt.op is Op.LAUNCH_REDUCE and nxt.chunk == a.chunk:
+            early = [(f, ph) for f, ph in self.costs.reduce_buckets(r.p, a.chunk) if f is not None]
+            if early:  # buckets launched during this backward as their gradients complete
+                marks = [(f, self._bucket_launcher(r, a.chunk, k, ph)) for k, (f, ph) in enumerate(early)]
+                self.busy_marked(r, r.t, dur, marks, computed)
+                return False
+        self.busy(r, dur, computed)
+        return False
+
+    def _bucket_launcher(self, r: RankState, c: int, k: int, phases: list) -> Callable[[float], None]:
+        return lambda t: self.dp_stream[r.p].submit(t, list(phases), self.bucket_done(r, c, k))
+
+    def _send(self, r: RankState, a: Action, rule: Rule) -> bool:
+        r.debt += self.overhead
+        key, weight, lat, nbytes = self.costs.send(r.p, a)
+        r.in_flight += 1
+        msg = (r.it, message_key(a))
+        label = f"{a.op.value} c{a.chunk} m{a.mb}"
+        self.ev(r, label, "send", r.t, r.t, chunk=a.chunk, mb=a.mb, peer=a.peer, instant=True)
+        self._launched(r, label)
+
+        def delivered(t: float) -> None:
+            r.in_flight -= 1
+            r.last_send = max(r.last_send, t)
+            self.arrived[msg] = t
+            w = self.recv_waiters.pop(msg, None)
+            if w:
+                w(t)
+            if r.waiting_sends and r.in_flight == 0:
+                r.waiting_sends = False
+                self.at(self.now, lambda: self.step(r))
+
+        if key[0] == "p2p":  # a dedicated pair link: one stream, transfers in posting order (NCCL)
+            start = max(r.t + lat, self.fifo.get(key, 0.0))
+            t_done = start + nbytes / self.costs.link_bw(key)
+            self.fifo[key] = t_done
+            self.at(t_done, lambda: delivered(t_done))
+        else:
+            self.at(r.t, lambda: self.run_phases([("delay", lat), ("flow", key, weight, nbytes)], delivered))
+        r.pc += 1
+        return True
+
+    def _recv(self, r: RankState, a: Action, rule: Rule) -> bool:
+        msg = (r.it, message_key(a))
+        label = f"{a.op.value} c{a.chunk} m{a.mb}"
+        self._launched(r, label)
+        t_arr = self.arrived.get(msg)
+        if t_arr is not None and t_arr <= r.t:
+            r.debt += self.overhead
+            r.pc += 1
+            return True
+        if t_arr is None:
+            t0 = r.t
+
+            def got(t: float) -> None:
+                r.debt += self.overhead
+                if t > t0:
+                    self.ev(r, label, "recv_wait", t0, t, chunk=a.chunk, mb=a.mb, peer=a.peer)
                 r.pc += 1
-                continue
-            if op is Op.RECV_ACT or op is Op.RECV_GRAD:
-                msg = (r.it, message_key(a))
-                t_arr = self.arrived.get(msg)
-                if t_arr is not None and t_arr <= r.t:
-                    r.debt += overhead
-                    r.pc += 1
-                    continue
-                if t_arr is None:
-                    t0 = r.t
+                self.resume(r, t)
 
-                    def got(t: float, r=r, a=a, t0=t0) -> None:
-                        r.debt += overhead
-                        if t > t0:
-                            self.ev(
-                                r,
-                                f"{a.op.value} c{a.chunk} m{a.mb}",
-                                "recv_wait",
-                                t0,
-                                t,
-                                chunk=a.chunk,
-                                mb=a.mb,
-                                peer=a.peer,
-                            )
-                        r.pc += 1
-                        self.resume(r, t)
+            self.recv_waiters[msg] = got
+            return False
+        self.ev(r, label, "recv_wait", r.t, t_arr, chunk=a.chunk, mb=a.mb, peer=a.peer)
+        r.debt += self.overhead
+        r.pc += 1
+        self.resume(r, t_arr)
+        return False
 
-                    self.recv_waiters[msg] = got
-                    return
-                self.ev(
-                    r, f"{op.value} c{a.chunk} m{a.mb}", "recv_wait", r.t, t_arr, chunk=a.chunk, mb=a.mb, peer=a.peer
-                )
-                r.debt += overhead
-                r.pc += 1
-                self.resume(r, t_arr)
-                return
-            if op is Op.LAUNCH_REDUCE:
-                r.debt += overhead
-                self.launch_reduce(r, a.chunk)
-                r.pc += 1
-                continue
-            if op is Op.WAIT_REDUCE:
-                it = r.it - 1 if a.chunk in r.deferred else r.it
-                if it < 0:
-                    r.pc += 1
-                    continue
-                need = [(r.p, a.chunk, it, "dp")]
-                if self.costs.tie(r.p, a.chunk) is not None:
-                    need.append((r.p, a.chunk, it, "tie"))
-                missing = [k for k in need if k not in self.red_done]
-                if missing:
-                    # re-check once it is done (the rank's clock stays where it blocked)
-                    self.red_waiters.setdefault(missing[0], []).append(
-                        lambda t, r=r: self.at(self.now, lambda: self.step(r))
-                    )
-                    return
-                t_done = max(self.red_done[k] for k in need)
-                r.debt += overhead
-                if t_done > r.t:
-                    self.ev(
-                        r, f"WR c{a.chunk}", "reduce_wait", r.t, t_done, chunk=a.chunk, deferred=a.chunk in r.deferred
-                    )
-                    r.pc += 1
-                    self.resume(r, t_done)
-                    return
-                r.pc += 1
-                continue
-            if op is Op.OPTIM_STEP:
-                if a.chunk in r.deferred:
-                    if r.it == 0:
-                        r.pc += 1
-                        continue
-                elif not r.stepped:
-                    cost = costs.before_steps()
-                    if cost is not None:
-                        if not self.barrier(r, ("clip", r.it), cost, "clip", "optim"):
-                            return
-                    r.stepped = True
-                dur = costs.optim(r.p, a.chunk) + r.debt + overhead
-                r.debt = 0.0
-                r.pc += 1
-                if dur > 0:
-                    t0 = r.t
+    def _launch_reduce(self, r: RankState, a: Action, rule: Rule) -> bool:
+        r.debt += self.overhead
+        if rule.launch_tie is not None:  # first: the other end waits for it, the chunk's buckets only this rank
+            self._launch_tie(r, rule.launch_tie, r.t)
+        self._launched(r, f"LR c{a.chunk}")
+        self.launch_reduce(r, a.chunk, rule.deferred)
+        r.pc += 1
+        return True
 
-                    def stepped(t: float, r=r, a=a, t0=t0) -> None:
-                        self.ev(r, f"OS c{a.chunk}", "optim", t0, t, chunk=a.chunk, deferred=a.chunk in r.deferred)
-                        self.resume(r, t)
+    def _reduced(self, r: RankState, chunks, it: int) -> float | None:
+        """When the reductions (and tied copies) of ``chunks`` launched in iteration ``it`` are all done;
+        ``None`` (and ``r`` parked until one of them is) while any is not."""
+        need = [(r.p, c, it, "dp") for c in chunks]
+        need += [(r.p, c, it, "tie") for c in chunks if self.costs.tie(r.p, c) is not None]
+        missing = [k for k in need if k not in self.red_done]
+        if missing:  # re-check once it is done (the rank's clock stays where it blocked)
+            self.red_waiters.setdefault(missing[0], []).append(lambda t: self.at(self.now, lambda: self.step(r)))
+            return None
+        return max((self.red_done[k] for k in need), default=r.t)
 
-                    self.busy(r, dur, stepped)
-                    return
-                continue
-            raise ValueError(f"unknown action {a}")
-        # end of the iteration: pay the executor's remaining host work, wait for this rank's sends, end the
-        # step, meet in the loss all-reduce
+    def _wait_reduce(self, r: RankState, a: Action, rule: Rule) -> bool:
+        it = r.it - 1 if rule.deferred else r.it
+        if it < 0:  # a deferred WR in the first iteration: nothing was launched before it
+            r.pc += 1
+            return True
+        t_done = self._reduced(r, [a.chunk], it)
+        if t_done is None:
+            return False
+        r.debt += self.overhead
+        if t_done > r.t:
+            self.ev(r, f"WR c{a.chunk}", "reduce_wait", r.t, t_done, chunk=a.chunk, deferred=rule.deferred)
+        r.pc += 1
+        if rule.step_early and self.policy.early_steps:
+            r.stepped_early.add(a.chunk)
+            r.t = max(r.t, t_done)
+            return self._optim(r, a.chunk, early=True)
+        if t_done > r.t:
+            self.resume(r, t_done)
+            return False
+        return True
+
+    def _optim_step(self, r: RankState, a: Action, rule: Rule) -> bool:
+        if rule.deferred and r.it == 0:  # nothing was launched before it
+            r.pc += 1
+            return True
+        if rule.before_steps and not self._before_steps(r):
+            return False
+        r.pc += 1
+        if a.chunk in r.stepped_early:
+            r.debt += self.overhead
+            return True
+        return self._optim(r, a.chunk, deferred=rule.deferred)
+
+    def _before_steps(self, r: RankState) -> bool:
+        """The iteration's global work before its first step: a barrier of the pipeline (after this
+        iteration's deferred reductions when the norm needs them); ``False`` while ``r`` is parked."""
+        if self.policy.clip and r.deferred:
+            t_done = self._reduced(r, sorted(r.deferred), r.it)
+            if t_done is None:
+                return False
+            if t_done > r.t:
+                self.ev(r, "WR for norm", "reduce_wait", r.t, t_done, for_norm=True)
+                r.t = t_done
+        cost = self.costs.before_steps()
+        if cost is None:
+            return True
+        if not any(q is r for q in self.barriers.get(("clip", r.it), [None, []])[1]):
+            self._launched(r, "clip")
+        return self.barrier(r, ("clip", r.it), cost, "clip", "optim")
+
+    def _optim(self, r: RankState, c: int, **args) -> bool:
+        """Chunk ``c``'s optimizer step from ``r.t`` (with the executor's host work still owed)."""
+        dur = self.costs.optim(r.p, c) + r.debt + self.overhead
+        r.debt = 0.0
+        if dur <= 0:
+            return True
+        t0 = r.t
+
+        def stepped(t: float) -> None:
+            self.ev(r, f"OS c{c}", "optim", t0, t, chunk=c, **args)
+            self.resume(r, t)
+
+        self.busy(r, dur, stepped)
+        return False
+
+    def _end_iteration(self, r: RankState) -> None:
+        """Pay the executor's remaining host work, wait for this rank's sends, end the step, meet in
+        the loss all-reduce."""
         if r.debt > 0:
             debt, r.debt = r.debt, 0.0
-            self.busy(r, debt, lambda t, r=r: self.resume(r, t))
+            self.busy(r, debt, lambda t: self.resume(r, t))
             return
         if r.in_flight:
             r.waiting_sends = True
             return
-        t_sent = r.last_send
-        if t_sent > r.t:
-            self.ev(r, "send wait", "send", r.t, t_sent)
-            r.t = t_sent
-        if not getattr(r, "_step_closed", False):
+        if r.last_send > r.t:
+            self.ev(r, "send wait", "send", r.t, r.last_send)
+            r.t = r.last_send
+        if not r.step_closed:
             self.ev(r, f"step {r.it}", "step", r.step_start, r.t)
-            r._step_closed = True  # type: ignore[attr-defined]
-        cost = costs.end_of_iteration()
+            r.step_closed = True
+        cost = self.costs.end_of_iteration()
         if cost is not None and not self.barrier(r, ("loss", r.it), cost, None, None):
             return
         self.iter_end_mark(r)
@@ -509,8 +489,8 @@ class Sim:
         r.it += 1
         r.pc = 0
         r.last_send = 0.0
-        r.stepped = False
-        r._step_closed = False  # type: ignore[attr-defined]
+        r.step_closed = False
+        r.stepped_early.clear()
         r.step_start = r.t
         if r.it < self.iterations:
             self.resume(r, r.t)
@@ -537,12 +517,12 @@ class Sim:
         return False
 
     # ---------------------------------------------------------------- reductions
-    def launch_reduce(self, r: RankState, c: int) -> None:
-        it = r.it
-        self.ev(r, f"LR c{c}", "reduce_launch", r.t, r.t, chunk=c, instant=True)
+    def _reduction_done(self, r: RankState, c: int, it: int) -> Callable:
+        """``done(kind, start, end, record=True)`` of chunk ``c``'s reduction (``kind`` "dp" or "tie")."""
 
-        def done(kind: str, start: float, t: float, r=r, record: bool = True) -> None:
+        def done(kind: str, start: float, t: float, record: bool = True) -> None:
             if kind == "dp" and record and it >= self.record_from:
+                args = {"chunk": c}
                 r.events.append(
                     {
                         "name": f"reduce c{c}",
@@ -551,7 +531,7 @@ class Sim:
                         "start": start,
                         "end": t,
                         "step": it,
-                        "args": {"chunk": c},
+                        "args": args,
                     }
                 )
             key = (r.p, c, it, kind)
@@ -559,16 +539,26 @@ class Sim:
             for w in self.red_waiters.pop(key, []):
                 w(t)
 
-        tie = self.costs.tie(r.p, c)
-        if tie is not None:  # its dp part goes first on the stream, the pair's sum once both ends' are done
-            side = 0 if c == 0 else 1
-            self.dp_stream[r.p].submit(r.t, list(tie["dp"]), lambda s, t, side=side: self._tie_dp_done(it, side, t))
-        deferred = getattr(self.costs, "deferred_buckets", lambda p, c: None)(r.p, c) if c in r.deferred else None
-        if deferred:
-            self.queue_deferred(r, c, deferred, done)
+        return done
+
+    def launch_reduce(self, r: RankState, c: int, deferred: bool) -> None:
+        self.ev(r, f"LR c{c}", "reduce_launch", r.t, r.t, chunk=c, instant=True)
+        done = self._reduction_done(r, c, r.it)
+        buckets = self.costs.deferred_buckets(r.p, c) if deferred else None
+        if buckets:
+            self.queue_deferred(r, c, buckets, done)
             return
-        at_lr = [ph for f, phases in self.buckets(r.p, c) if f is None for ph in phases]  # the others went during the B
+        at_lr = [ph for f, phases in self.costs.reduce_buckets(r.p, c) if f is None for ph in phases]
         self.dp_stream[r.p].submit(r.t, at_lr, lambda s, t: done("dp", s, t))
+
+    def _launch_tie(self, r: RankState, c: int, t: float) -> None:
+        """The tied copy's dp part on the reduction stream; the exchange with the other end once it is done."""
+        tie = self.costs.tie(r.p, c)
+        if tie is None:
+            return
+        self._launched(r, f"tie c{c}")
+        it, side = r.it, 0 if c == 0 else 1
+        self.dp_stream[r.p].submit(t, list(tie["dp"]), lambda s, t2: self._tie_dp_done(it, side, t2))
 
     def queue_deferred(self, r: RankState, c: int, buckets: list, done: Callable) -> None:
         """Chunk ``c``'s deferred buckets into the deadline queue; ``done("dp", start, end)`` after the last."""
@@ -592,7 +582,7 @@ class Sim:
             if left[0] == 0:
                 done("dp", first[0], t, record=False)  # the buckets are its events
 
-        deadline = self.deadline[r.p].get(c, len(self.sched.ranks[r.p]))
+        deadline = r.rules.deadline_of(c)
         for k, phases in enumerate(buckets):
             self.pending[r.p].append((deadline, c, k, list(phases), lambda s, t, k=k: bucket_done(s, t, k)))
         self.pump(r.p)
@@ -603,7 +593,7 @@ class Sim:
         q = self.pending[p]
         if not q:
             return
-        if not self.hold:
+        if not self.policy.hold_deferred:
             self.release_deferred(p, self.now, sort=False)
         elif not self.dp_stream[p].busy and not self.defer_stream[p].busy:
             job = q.pop(0)
@@ -645,6 +635,6 @@ class Sim:
             w(t)
 
 
-def run_schedule(sched: Schedule, costs: Any, iterations: int = 2, record_from: int = 0) -> Sim:
+def run_schedule(sched: Schedule, costs: Costs, iterations: int = 2, record_from: int = 0) -> Sim:
     """Simulate ``iterations`` iterations of ``sched``; returns the finished :class:`Sim`."""
     return Sim(sched, costs, iterations, record_from).run()

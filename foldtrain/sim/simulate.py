@@ -28,7 +28,7 @@ from typing import Any
 
 from foldtrain.errors import ConfigError
 from foldtrain.profile.analysis import summarize
-from foldtrain.schedules import Op, build_schedule
+from foldtrain.schedules import Op, StepPolicy, build_schedule, step_policy
 
 from .cluster import Cluster
 from .costs import CostModel, Placement, model_params, segment_params
@@ -38,6 +38,8 @@ from .setup import Setup, resolve_setup
 
 
 class RunCosts:
+    """The :class:`~foldtrain.sim.events.Costs` of a :class:`Setup` on a :class:`Cluster`."""
+
     def __init__(self, s: Setup, c: Cluster):
         self.s, self.c = s, c
         self.cm = CostModel(s, c)
@@ -176,10 +178,12 @@ class RunCosts:
             ("flow", key, weight, 2 * (n - 1) / n * nbytes * self.s.wire_factor),
         ]
 
-    def hold_deferred(self) -> bool:
-        """Whether deferred buckets wait for the urgent reductions and the end of the iteration (the
-        deadline queue's window); with clipping every reduction lands within its iteration: no."""
-        return not self.s.clip
+    def policy(self) -> StepPolicy:
+        """The pipeline engine's step policy (:func:`foldtrain.schedules.step_policy`); the data-parallel
+        engines step after everything, as without early steps."""
+        s = self.s
+        pol = step_policy(s.clip, s.fp16_scaler, s.tp)
+        return pol if s.mode == "3d" else StepPolicy(early_steps=False, clip=pol.clip)
 
     def bucket_sizes(self, seg: int, g: float) -> list[float]:
         """The bytes of each collective a data-parallel engine issues for ``g`` gradient bytes per step,

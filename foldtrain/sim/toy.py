@@ -1,4 +1,4 @@
-"""Unit-cost runs of a schedule through the event engine (what ``simulate_order`` used to be).
+"""Unit-cost runs of a schedule through the event engine.
 
 Every forward costs ``t_f``, every backward ``t_b``, a cross-rank transfer ``t_comm`` of latency
 and nothing else, each chunk's data-parallel reduction ``t_reduce`` on the rank's reduction
@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from foldtrain.schedules import Op, Schedule
+from foldtrain.schedules import Op, Schedule, StepPolicy
 
 from .events import run_schedule
 
 
 class UnitCosts:
+    """A :class:`~foldtrain.sim.events.Costs` of fixed durations and free links (see the module docstring)."""
+
     def __init__(
         self, t_f: float = 1.0, t_b: float = 2.0, t_comm: float = 0.0, t_reduce: float = 0.0, t_optim: float = 0.0
     ):
@@ -27,8 +29,11 @@ class UnitCosts:
     def send(self, p: int, a):
         return ("free",), 1.0, self.t_comm, 0.0
 
-    def reduce_phases(self, p: int, c: int) -> list:
-        return [("delay", self.t_reduce)]
+    def reduce_buckets(self, p: int, c: int) -> list:
+        return [(None, [("delay", self.t_reduce)])]
+
+    def deferred_buckets(self, p: int, c: int):
+        return None
 
     def tie(self, p: int, c: int):
         return None
@@ -44,6 +49,18 @@ class UnitCosts:
 
     def link_bw(self, key) -> float:
         return float("inf")
+
+    def cpu_share(self):
+        return None
+
+    def comm_cpu(self, nbytes: float) -> float:
+        return 0.0
+
+    def action_overhead(self) -> float:
+        return 0.0
+
+    def policy(self) -> StepPolicy:
+        return StepPolicy()
 
 
 def simulate_order(sched: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_comm: float = 0.0) -> dict:

@@ -74,7 +74,7 @@ def test_deferred_buckets_never_delay_an_urgent_reduction():
             assert not [b for b in held if u["start"] - 1e-9 <= b["start"] < u["end"] - 1e-9], (u, held)
         late = sorted((b for b in buckets if b["start"] > end + 1e-9), key=lambda b: b["start"])
         assert len({b["args"]["chunk"] for b in late}) >= 2  # the backlog of two chunks was still held at the end
-        order = [sim.deadline[r.p][b["args"]["chunk"]] for b in late]
+        order = [r.rules.deadline[b["args"]["chunk"]] for b in late]
         assert order == sorted(order)  # released at the end in deadline order
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from foldtrain import collectives
 from foldtrain.parallel.flat import flatten, unflatten_into
 
 _GROUPS: dict = {}
@@ -63,7 +64,7 @@ def deferred_group(topo, timeout_s: float | None):
     return _GROUPS[key]
 
 
-class Bucket:
+class ReductionBucket:
     """A piece of one chunk's gradients: packed, averaged over dp, all-reduced asynchronously."""
 
     def __init__(self, segment: int, index: int, grads: list[torch.Tensor], deadline: int, dp: int):
@@ -74,7 +75,7 @@ class Bucket:
 
     def issue(self, group, clock) -> None:
         self.flat = flatten(self.grads, self.grads[0].dtype).div_(self.dp)
-        self.work = dist.all_reduce(self.flat, group=group, async_op=True)
+        self.work = collectives.all_reduce(self.flat, group=group, async_op=True)
         self.t_issue = clock()
 
     def done(self, clock) -> bool:
@@ -110,9 +111,9 @@ class DeadlineQueue:
         self.device = None
         self.tl = timeline
         self.bucket_bytes = bucket_bytes
-        self.queued: list[Bucket] = []  # deferred, not issued yet, in issue order
-        self.current: Bucket | None = None  # the deferred bucket in flight
-        self.urgent: list[Bucket] = []  # in-flight urgent reductions
+        self.queued: list[ReductionBucket] = []  # deferred, not issued yet, in issue order
+        self.current: ReductionBucket | None = None  # the deferred bucket in flight
+        self.urgent: list[ReductionBucket] = []  # in-flight urgent reductions
         self.issued = 0  # deferred buckets issued since the last agreement
         self.order = 0  # issue counter (for the trace)
         self.window = True  # one deferred bucket in flight, none while an urgent one is
@@ -121,15 +122,18 @@ class DeadlineQueue:
         return self.tl.clock()
 
     # ------------------------------------------------------------------ submitting
-    def submit_deferred(self, segment: int, grads: list[torch.Tensor], deadline: int, dp: int) -> list[Bucket]:
+    def submit_deferred(self, segment: int, grads: list[torch.Tensor], deadline: int, dp: int) -> list[ReductionBucket]:
         self.device = grads[0].device
-        buckets = [Bucket(segment, k, gs, deadline, dp) for k, gs in enumerate(split_buckets(grads, self.bucket_bytes))]
+        buckets = [
+            ReductionBucket(segment, k, gs, deadline, dp)
+            for k, gs in enumerate(split_buckets(grads, self.bucket_bytes))
+        ]
         self.queued += buckets
         self.pump()
         return buckets
 
-    def launch_urgent(self, segment: int, grads: list[torch.Tensor], deadline: int, dp: int, group) -> Bucket:
-        b = Bucket(segment, 0, grads, deadline, dp)
+    def launch_urgent(self, segment: int, grads: list[torch.Tensor], deadline: int, dp: int, group) -> ReductionBucket:
+        b = ReductionBucket(segment, 0, grads, deadline, dp)
         b.issue(group, self.clock)
         b.order = self.order
         self.order += 1
@@ -139,7 +143,7 @@ class DeadlineQueue:
     def track_urgent(self, segment: int, work, deadline: int) -> None:
         """A collective issued elsewhere that is just as urgent (the tied embedding's dp reduction,
         :mod:`.tie`): deferred buckets wait while it is in flight, and the trace shows it as ``AR cX tie``."""
-        b = Bucket(segment, -1, [], deadline, 1)
+        b = ReductionBucket(segment, -1, [], deadline, 1)
         b.work, b.t_issue, b.order = work, self.clock(), self.order
         self.order += 1
         self.urgent.append(b)
@@ -160,7 +164,7 @@ class DeadlineQueue:
             self._issue(self.queued.pop(0))
         return bool(self.queued)
 
-    def _issue(self, b: Bucket) -> None:
+    def _issue(self, b: ReductionBucket) -> None:
         b.issue(self.group, self.clock)
         b.order = self.order
         self.order += 1
@@ -184,7 +188,7 @@ class DeadlineQueue:
         if self.group is None or (not self.queued and self.issued == 0):
             return
         n = torch.tensor([self.issued], dtype=torch.int64, device=self.device)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.dp_group)
+        collectives.all_reduce(n, op=dist.ReduceOp.MAX, group=self.dp_group)
         for _ in range(int(n.item()) - self.issued):
             self._issue(self.queued.pop(0))
         self.queued.sort(key=lambda b: (b.deadline, b.segment, b.index))
@@ -202,7 +206,7 @@ class DeadlineQueue:
     def drop(self, segment: int) -> None:
         self.queued = [b for b in self.queued if b.segment != segment]
 
-    def record(self, b: Bucket, urgent: bool = False) -> None:
+    def record(self, b: ReductionBucket, urgent: bool = False) -> None:
         """The bucket's flight, issue -> first seen complete, in the --profile trace."""
         end = b.t_done if b.t_done is not None else self.clock()
         self.tl.record(

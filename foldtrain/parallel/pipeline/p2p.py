@@ -20,8 +20,8 @@ import time
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
+from foldtrain import collectives
 from foldtrain.errors import DistributedError
 
 
@@ -59,23 +59,23 @@ def bounded_wait(work, timeout_s: float, bounded: bool, problem, pump=None) -> N
 class P2P:
     """Point-to-point transfers of one pipeline (see the module docstring)."""
 
-    def __init__(self, topo, timeout_s: float, device: torch.device):
+    def __init__(self, topo, timeout_s: float, device: torch.device, pump=None):
         self.topo = topo
         self.timeout_s = float(timeout_s)
         self.device = device
         self.p = topo.pp_rank
         self.cpu_timeout = device.type != "cuda"
-        self.pump = None  # set by the executor: deferred reductions progress during collective waits
+        self.pump = pump  # DeadlineQueue.pump: deferred reductions progress during collective waits
 
     def tag(self, kind: int, seg: int, mb: int, n_seg: int, n_mb: int) -> int:
         return (kind * n_seg + seg) * n_mb + mb
 
     def isend(self, t: torch.Tensor, dst_p: int, tag: int):
-        return dist.isend(t, group=self.topo.p2p_group(self.p, dst_p), group_dst=dst_p, tag=tag)
+        return collectives.isend(t, group=self.topo.p2p_group(self.p, dst_p), group_dst=dst_p, tag=tag)
 
     def recv(self, shape, dtype, src_p: int, tag: int, what: str) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        work = dist.irecv(buf, group=self.topo.p2p_group(src_p, self.p), group_src=src_p, tag=tag)
+        work = collectives.irecv(buf, group=self.topo.p2p_group(src_p, self.p), group_src=src_p, tag=tag)
         self.wait(work, what, src_p)
         return buf
 

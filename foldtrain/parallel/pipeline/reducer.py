@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from foldtrain.parallel.pipeline.deadlines import Bucket, DeadlineQueue
+from foldtrain.parallel.pipeline.deadlines import DeadlineQueue, ReductionBucket
 from foldtrain.parallel.pipeline.p2p import bounded_wait, local_part
 from foldtrain.parallel.pipeline.tie import TieSide
 
@@ -31,7 +31,16 @@ class ChunkReducer:
     then summed with the other end's copy.
     """
 
-    def __init__(self, segment: int, params: list, tied, topo, timeout_s: float, cpu_timeout: bool):
+    def __init__(
+        self,
+        segment: int,
+        params: list,
+        tied,
+        topo,
+        timeout_s: float,
+        cpu_timeout: bool,
+        queue: DeadlineQueue | None = None,  # dp > 1: the rank's deadline-ordered reductions
+    ):
         self.segment = segment
         self.params = [p for p in params if p is not tied]
         self.tied = tied
@@ -39,8 +48,8 @@ class ChunkReducer:
         self.dp = topo.dp
         self.timeout_s = timeout_s
         self.cpu_timeout = cpu_timeout
-        self.queue: DeadlineQueue | None = None  # set by the executor when dp > 1
-        self.buckets: list[Bucket] = []
+        self.queue = queue
+        self.buckets: list[ReductionBucket] = []
         self.deferred = False
         self.tie = (
             TieSide(segment != 0, topo, self._wait, _row_offset(tied), local_part(tied).detach())
@@ -87,21 +96,18 @@ class ChunkReducer:
             self.tie.reset()
 
     def launch_tie(self, deadline: int = 0) -> None:
-        """Start the tied copy's reduction alone (once per iteration): the head's copy is final after the
-        last segment's last forward (its fused head ran its backward there), before the body's backwards."""
+        """Start the tied copy's reduction (once per iteration; where: :mod:`foldtrain.schedules.rules`)."""
         if self.tie is None or self.tie.state != "idle":
             return
         (g,) = self._grads([self.tied])
         self.tie.launch(g)
-        if self.queue is not None and self.tie.dp_work is not None:  # urgent: the other end waits for it this iteration
+        if self.queue is not None and self.tie.dp_work is not None:  # urgent: the other end waits for it
             self.queue.track_urgent(self.segment, self.tie.dp_work, deadline)
 
     def launch(self, deadline: int = 0, deferred: bool = False) -> None:
-        """Start the reduction; ``deadline`` orders it against the others (the action that needs it)."""
+        """Start the reduction of the chunk's own gradients (the tied copy's is :meth:`launch_tie`);
+        ``deadline`` orders it against the others (the action that needs it)."""
         self.deferred = deferred and self.queue is not None and self.queue.group is not None
-        self.launch_tie(
-            deadline
-        )  # first (unless launched already): the other end needs it, the chunk's buckets only this rank
         if self.dp > 1:
             grads = self._grads(self.params)
             if self.deferred:
@@ -109,7 +115,7 @@ class ChunkReducer:
             elif self.queue is not None:
                 self.buckets = [self.queue.launch_urgent(self.segment, grads, deadline, self.dp, self.topo.dp_group)]
             else:
-                b = Bucket(self.segment, 0, grads, deadline, self.dp)
+                b = ReductionBucket(self.segment, 0, grads, deadline, self.dp)
                 b.issue(self.topo.dp_group, lambda: 0.0)
                 self.buckets = [b]
         self.pending = True
@@ -122,7 +128,7 @@ class ChunkReducer:
     def _wait(self, work, what: str, p2p: bool = False) -> None:
         """Bounded wait; a collective's wait keeps issuing deferred buckets. Not a point-to-point one's:
         a gloo send or receive reports ``is_completed()`` only after ``wait()``, so polling it would
-        hold the wait until every deferred bucket is issued (it did: up to 100 ms per step)."""
+        hold the wait until every deferred bucket is issued (up to 100 ms per step)."""
         queued = self.queue is not None and self.queue.group is not None and not p2p
         pump = self.queue.pump if queued else None
         bounded_wait(

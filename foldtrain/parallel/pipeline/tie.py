@@ -35,7 +35,8 @@ NCCL's one stream per pair (operations in posting order) matches them.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from foldtrain import collectives
 
 
 class TieSide:
@@ -85,7 +86,7 @@ class TieSide:
             # gloo delivers a send only into a posted receive: posted now, the head's dense copy crosses
             # while this rank still computes, not after its own rows have landed
             buf = torch.empty_like(self.like)
-            self.early_recv = (dist.irecv(buf, src=self.other, group=self.topo.tie_group), buf)
+            self.early_recv = (collectives.irecv(buf, src=self.other, group=self.topo.tie_group), buf)
         tokens = torch.cat([x.reshape(-1) for x in xs])
         if self.tokens_per_step is not None and tokens.numel() * self.dp > self.tokens_per_step:
             raise ValueError(
@@ -96,7 +97,7 @@ class TieSide:
             self.tokens = tokens
             return
         self.tokens = [torch.empty_like(tokens) for _ in range(self.dp)]
-        self.tok_work = dist.all_gather(self.tokens, tokens, group=self.topo.dp_group, async_op=True)
+        self.tok_work = collectives.all_gather(self.tokens, tokens, group=self.topo.dp_group, async_op=True)
 
     def _union_rows(self, n_rows: int) -> torch.Tensor:
         if self.tok_work is not None:
@@ -116,7 +117,7 @@ class TieSide:
         group = self.topo.dp_group
         if self.head:
             if self.dp > 1:
-                self.dp_work = dist.all_reduce(g.div_(self.dp), group=group, async_op=True)
+                self.dp_work = collectives.all_reduce(g.div_(self.dp), group=group, async_op=True)
             return
         rows = self._union_rows(g.shape[0])
         if 2 * rows.numel() <= g.shape[0]:
@@ -126,7 +127,7 @@ class TieSide:
             self.rows, self.packed, self.last_rows = None, None, None
             payload = g.div_(self.dp)
         if self.dp > 1:
-            self.dp_work = dist.all_reduce(payload, group=group, async_op=True)
+            self.dp_work = collectives.all_reduce(payload, group=group, async_op=True)
 
     def progress(self) -> None:
         """Hand over as soon as this end's dp reduction landed (polled after every action; never blocks)."""
@@ -147,9 +148,9 @@ class TieSide:
             idx = torch.full((T + 1,), -1, dtype=torch.int64, device=g.device)
             vals = torch.zeros((T, *g.shape[1:]), dtype=g.dtype, device=g.device)
         if self.head:  # send the dense copy, then receive the rows (or the dense copy)
-            self.works = [dist.isend(g, dst=peer, group=group)]
+            self.works = [collectives.isend(g, dst=peer, group=group)]
             self.bufs = [idx, vals] if self.sparse(n_rows) else [torch.empty_like(g)]
-            self.works += [dist.irecv(b, src=peer, group=group) for b in self.bufs]
+            self.works += [collectives.irecv(b, src=peer, group=group) for b in self.bufs]
         else:  # receive the head's dense copy, then send the rows (or the dense copy)
             (work, dense), self.early_recv = self.early_recv, None  # posted by begin
             self.works = [work]
@@ -166,7 +167,7 @@ class TieSide:
                     g.index_copy_(0, self.rows, self.packed)
                     self.rows = self.packed = None
                 out = [g.clone()]  # g itself gets the head's copy added before this send may be done
-            self.works += [dist.isend(t, dst=peer, group=group) for t in out]
+            self.works += [collectives.isend(t, dst=peer, group=group) for t in out]
             self.bufs = [dense] + out
         self.state = "handed"
 

@@ -149,3 +149,20 @@ def all_ids(world: int) -> list[str]:
     if world == 2:
         ids += [c["id"] for c in PROFILE_CASES]
     return ids
+
+
+# launch order (worlds 2 and 4): each rank's communication, in the order the executor launches it, against the
+# simulator's on the same schedule (the tie and deferral included; three profiled steps)
+ORDER_CASES = {
+    2: [
+        _one((1, 2, 1, 2), "fold", "per-chunk", "order"),
+        _one((1, 2, 1, 2), "fold", "after-flush", "order"),
+        _one((1, 2, 1, 2), "interleaved-1f1b", "per-chunk", "order-noclip", clip=0.0),
+        _one((1, 2, 1, 1), "1f1b", "after-flush", "order"),
+    ],
+    4: [
+        _one((2, 2, 1, 2), "fold", "per-chunk", "order", defer=True),
+        _one((2, 2, 1, 2), "fold", "per-chunk", "order-clip", defer=True, clip=1.0),
+        _one((1, 4, 1, 1), "gpipe", "per-chunk", "order"),
+    ],
+}

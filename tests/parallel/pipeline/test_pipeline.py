@@ -13,7 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.parallel.pipeline.cases import CKPT_CASES, DEADLINE_CASES, MICRO, PROFILE_CASES, equivalence_cases
+from foldtrain.schedules import build_schedule, step_policy, tie_segments
+from foldtrain.sim import UnitCosts
+from foldtrain.sim.events import run_schedule
+from tests.equivalence import HEADS, D, batches, make_cfg, norm_rel, without_key_bias
+from tests.parallel.pipeline.cases import (
+    CKPT_CASES,
+    DEADLINE_CASES,
+    MICRO,
+    ORDER_CASES,
+    PROFILE_CASES,
+    equivalence_cases,
+)
 from tests.support import torchrun
 
 HERE = Path(__file__).resolve().parent
@@ -91,14 +102,13 @@ def test_checkpoint_resume_and_interchange(suite, case):
     from foldtrain.checkpoint.manager import load_model_weights
     from foldtrain.engine import ReplicatedEngine as Engine
     from foldtrain.model.gpt import GPT, GPTShape
-    from tests.parallel.pipeline import worker as W
 
     r = result(suite, 4, case["id"])
     assert r["loss_err"] == 0.0 and r["param_err"] == 0.0, r
     ckpt_dir = Path(r["ckpt_dir"])
     root = ckpt_dir.parent
     # the weights alone, into a plain GPT (what `foldtrain eval` / `generate` do)
-    cfg = W.make_cfg(case, steps=6)
+    cfg = make_cfg(case, steps=6)
     model = GPT(GPTShape.from_config(cfg.model))
     load_model_weights(model, ckpt_dir / "step_00000003")
     want = torch.load(root / "params_step3.pt")
@@ -109,12 +119,12 @@ def test_checkpoint_resume_and_interchange(suite, case):
     state = eng.state_dict()
     CheckpointManager(ckpt_dir).load(ckpt_dir / "step_00000003", state)
     eng.load_state_dict(state)
-    data = W.batches(cfg.train.global_batch, 6)
+    data = batches(cfg.train.global_batch, 6)
     losses = [eng.train_step(*data[s]) for s in range(3, 6)]
     assert max(abs(a - b) / b for a, b in zip(losses, r["losses"][3:])) <= FP32_TOL, (losses, r["losses"][3:])
     final = torch.load(root / "params_step6.pt")
     sd = eng.model.state_dict()
-    errs = {k: W.rel(W.without_key_bias(k, sd[k]), W.without_key_bias(k, final[k])) for k in final}
+    errs = {k: norm_rel(without_key_bias(k, sd[k], HEADS, D), without_key_bias(k, final[k], HEADS, D)) for k in final}
     assert max(errs.values()) <= FP32_TOL, max(errs.items(), key=lambda kv: kv[1])
 
 
@@ -212,7 +222,7 @@ def test_trainer_end_to_end_with_profile(small_data, tmp_path):
     )
     r = torchrun(2, "-m", "foldtrain", "train", *args, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
-    rec = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rec = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rec] == [1, 2, 3, 4]
     assert all(
         0.0 <= x["bubble_fraction"] < 1.0 and "all_rank_idle_fraction" in x and "exposed_dp_comm_s" in x for x in rec
@@ -222,3 +232,54 @@ def test_trainer_end_to_end_with_profile(small_data, tmp_path):
     assert (out / "gantt.png").is_file() and (out / "model.safetensors").is_file()
     assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == "step_00000004"
     assert main(["eval", "--out", str(out)]) == 0
+
+
+class _TiedCosts(UnitCosts):
+    """Unit costs with the tied embedding's reduction at its two ends and deferred chunks in buckets: the
+    launch order does not depend on durations, only on what is launched."""
+
+    def __init__(self, sched, clip: bool):
+        super().__init__(1.0, 2.0, 0.1, 0.5, 0.1)
+        self.ties, self.clip = set(tie_segments(sched)), clip
+
+    def tie(self, p, c):
+        return {"dp": [("delay", 0.2)], "send": [("delay", 0.1)]} if c in self.ties else None
+
+    def deferred_buckets(self, p, c):
+        return [[("delay", 0.3)], [("delay", 0.3)]]
+
+    def before_steps(self):
+        return 0.1
+
+    def policy(self):
+        return step_policy(self.clip, False, 1)
+
+
+ORDER = [(w, c) for w, cs in ORDER_CASES.items() for c in cs]
+
+
+@pytest.mark.parametrize("world,case", ORDER, ids=[f"w{w}-{c['id']}" for w, c in ORDER])
+def test_executor_and_simulator_launch_in_the_same_order(suite, world, case):
+    """The executor (on gloo, its launches read from its trace) and the simulator, on the same schedule,
+    launch each pipeline rank's communication (sends, receives, the tie's and the chunks' reductions, the
+    norm) in the same order in every iteration, the first (deferred WRs skipped) included."""
+    r = result(suite, world, case["id"])
+    cfg = make_cfg(case)
+    dp, pp, tp, v = case["layout"]
+    sched = build_schedule(
+        cfg.parallel.schedule, pp, v, cfg.train.global_batch // dp // MICRO, cfg.parallel.dp_sync, cfg.fold.defer_reduce
+    )
+    sim = run_schedule(sched, _TiedCosts(sched, cfg.optim.grad_clip > 0), iterations=len(r["steps"]))
+    for p in range(pp):
+        for i, step in enumerate(r["steps"]):
+            measured = r["launches"][p * tp][i]  # replica 0, TP rank 0 of pipeline rank p
+            simulated = [label for it, label in sim.ranks[p].launches if it == step]
+            first = next((k for k, (m, s) in enumerate(zip(measured, simulated)) if m != s), None)
+            assert measured == simulated, (
+                f"pipeline rank {p}, step {step}: first difference at launch #{first}: "
+                f"executor {measured[first or 0 :][:4]} simulator {simulated[first or 0 :][:4]} "
+                f"({len(measured)} vs {len(simulated)} launches)"
+            )
+            assert any(lb.startswith("LR") for lb in measured)
+        if pp > 1 and p in (0, pp - 1):
+            assert any(lb.startswith("tie") for lb in r["launches"][p * tp][0])

@@ -33,8 +33,6 @@ sys.path.insert(0, str(ROOT))
 
 from tests.equivalence import (  # noqa: E402
     DEVICE,
-    HEADS,
-    D,
     batches,
     build_model,
     compare,
@@ -42,18 +40,16 @@ from tests.equivalence import (  # noqa: E402
     norm_rel,
     val_data,
 )
-from tests.equivalence import without_key_bias as _without_key_bias  # noqa: E402
-from tests.parallel.pipeline.cases import CKPT_CASES, DEADLINE_CASES, PROFILE_CASES, STEPS, equivalence_cases  # noqa: E402
+from tests.parallel.pipeline.cases import (  # noqa: E402
+    CKPT_CASES,
+    DEADLINE_CASES,
+    ORDER_CASES,
+    PROFILE_CASES,
+    STEPS,
+    equivalence_cases,
+)
 
 PROFILE_STEPS = 3  # steps (the timelines of all of them are kept)
-
-# test_pipeline.py reads these two through this module: the 2-norm measure, and the key-bias exclusion
-# bound to this model's heads and width
-rel = norm_rel
-
-
-def without_key_bias(name: str, t: torch.Tensor) -> torch.Tensor:
-    return _without_key_bias(name, t, HEADS, D)
 
 
 def dp_rows(engine, x, y):
@@ -210,6 +206,30 @@ def deadline_case(case: dict, out: Path) -> dict | None:
     }
 
 
+ORDER_STEPS = 3
+LAUNCH_KINDS = ("send", "recv_wait", "reduce_launch")
+
+
+def launch_labels(events: list[dict], step: int) -> list[str]:
+    """A rank's communication launches in ``step``, in the order it started them: its sends and receives,
+    the tie's and the chunks' reductions, and the iteration's norm (``clip``)."""
+    mine = [e for e in events if e["step"] == step]
+    launches = [e for e in mine if e["kind"] in LAUNCH_KINDS or e["name"] == "clip"]
+    return [e["name"] for e in sorted(launches, key=lambda e: e["start"])]
+
+
+def order_case(case: dict, out: Path) -> dict | None:
+    """Train ORDER_STEPS profiled steps; on rank 0 every global rank's launch order per step."""
+    root = out / case["id"]
+    cfg = make_cfg(case, steps=ORDER_STEPS, out=str(root), profile=True)
+    engine, _, _ = run_engine(cfg, range(ORDER_STEPS))
+    if dist.get_rank() != 0:
+        return None
+    events = engine.profile_events()
+    steps = sorted({e["step"] for evs in events for e in evs})
+    return {"steps": steps, "launches": [[launch_labels(evs, st) for st in steps] for evs in events]}
+
+
 def stall_suite(out: Path) -> None:
     """Rank 1 stops answering at step 2 (``--dp.timeout_s 5``); rank 0 must fail with a
     DistributedError naming it, shut down cleanly, and exit. Never returns (it ends the launch)."""
@@ -253,6 +273,7 @@ def main() -> None:
         jobs += [("ckpt", c) for c in CKPT_CASES] + [("deadline", c) for c in DEADLINE_CASES]
     if world == 2:
         jobs += [("profile", c) for c in PROFILE_CASES]
+    jobs += [("order", c) for c in ORDER_CASES.get(world, [])]
     results = {}
     for kind, c in jobs:
         if only and only not in c["id"]:
@@ -264,6 +285,7 @@ def main() -> None:
                 "ckpt": lambda c: checkpoint_case(c, out),
                 "profile": lambda c: profile_case(c, out),
                 "deadline": lambda c: deadline_case(c, out),
+                "order": lambda c: order_case(c, out),
             }[kind]
             r = fn(c)
             ok = True

@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from foldtrain import collectives
 from foldtrain.errors import ConfigError, DistributedError
 
 
@@ -106,7 +107,7 @@ def gather_floats(value: float) -> list[float]:
         return [float(value)]
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     out = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, torch.tensor([float(value)], dtype=torch.float64, device=device))
+    collectives.all_gather(out, torch.tensor([float(value)], dtype=torch.float64, device=device))
     return [float(x) for x in out]
 
 
@@ -129,8 +130,8 @@ def _init_from_horovod(device_request: str, timeout_s: float) -> DistEnv:
         import horovod.torch as hvd
     except ImportError as e:
         raise DistributedError(
-            f"horovodrun started this process but this Python cannot import horovod.torch ({e}); install Horovod for it "
-            "(bash scripts/install-horovod.sh) or launch with torchrun"
+            f"horovodrun started this process but this Python cannot import horovod.torch ({e}); "
+            "install Horovod for it (bash scripts/install-horovod.sh) or launch with torchrun"
         ) from None
     hvd.init()
     rank, world, local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
@@ -186,7 +187,8 @@ def check_same_data(fingerprint: str) -> None:
         desc = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranges(rs)}: {i}" for i, rs in groups.items())
         raise DistributedError(
             f"the ranks train on different data (dataset fingerprints from meta.json checksums: {desc}); "
-            "prepare identical data on every node (same --data.path contents, tokenizer, vocab size, seed) or give every node one prepared directory"
+            "prepare identical data on every node (same --data.path contents, tokenizer, vocab size, seed) "
+            "or give every node one prepared directory"
         )
 
 

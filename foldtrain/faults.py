@@ -13,15 +13,18 @@ rank ``RANK`` arms the fault when training step ``STEP`` (1-based) begins, and k
 ``step``   immediately (the start of the step)
 ``forward`` forward call of any module (a global forward pre-hook)
 ``reduce`` collective of a reduction (``all_reduce``, reduce-scatter, all-gather, ``all_to_all_single``)
-``p2p``    point-to-point transfer (``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``)
+``p2p``    point-to-point transfer (``send``, ``recv``, ``isend``, ``irecv``)
 ``save``   checkpoint save, after this rank's files are written and before the checkpoint is complete
 ``export`` final export, after the weights are written to a temporary file and before the rename
 =========  ==========================================================================
 
-Because the fault is tied to a restart attempt, a job under ``torchrun --max-restarts N`` is killed
-once per listed attempt and then runs to the end, which is what the fault-injection tests check.
-``install()`` must run before the modules that bind ``torch.distributed`` functions at import time
-are imported; the CLI calls it first thing.
+The ``reduce`` and ``p2p`` points are the calls to :func:`point` at the top of every wrapper in
+:mod:`foldtrain.collectives`, through which all of foldtrain's communication goes; ``save`` and
+``export`` are calls in the checkpoint code; ``forward`` is a global module forward pre-hook, which
+``install()`` registers only when a ``forward`` fault is configured. Nothing in ``torch.distributed``
+is replaced, so ``install()`` may run at any time before training starts (the CLI calls it first
+thing). Because the fault is tied to a restart attempt, a job under ``torchrun --max-restarts N`` is
+killed once per listed attempt and then runs to the end, which is what the fault-injection tests check.
 """
 
 from __future__ import annotations
@@ -32,15 +35,6 @@ from dataclasses import dataclass
 
 ENV = "FOLDTRAIN_FAULT"
 POINTS = ("step", "forward", "reduce", "p2p", "save", "export")
-_REDUCE = (
-    "all_reduce",
-    "reduce_scatter_tensor",
-    "all_gather_into_tensor",
-    "reduce_scatter_single",
-    "all_gather_single",
-    "all_to_all_single",
-)
-_P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
 @dataclass(frozen=True)
@@ -73,7 +67,7 @@ def _kill() -> None:
 
 
 def install() -> None:
-    """Read ``FOLDTRAIN_FAULT`` and install the hooks this process needs; a no-op when unset."""
+    """Read ``FOLDTRAIN_FAULT`` and keep this process's faults (this attempt, this rank); a no-op when unset."""
     global _installed
     spec = os.environ.get(ENV)
     if not spec or _installed:
@@ -82,28 +76,10 @@ def install() -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = int(os.environ.get("RANK", "0"))
     _mine[:] = [f for f in parse(spec) if f.attempt == attempt and f.rank == rank]
-    points = {f.point for f in _mine}
-    if "forward" in points:
+    if any(f.point == "forward" for f in _mine):
         import torch.nn.modules.module as module
 
         module.register_module_forward_pre_hook(lambda *_: point("forward"))
-    if points & {"reduce", "p2p"}:
-        import torch.distributed as dist
-
-        for names, name in ((_REDUCE, "reduce"), (_P2P, "p2p")):
-            if name in points:
-                for fn in names:
-                    if hasattr(dist, fn):
-                        setattr(dist, fn, _wrap(getattr(dist, fn), name))
-
-
-def _wrap(fn, name: str):
-    def wrapped(*args, **kwargs):
-        point(name)
-        return fn(*args, **kwargs)
-
-    wrapped.__wrapped__ = fn
-    return wrapped
 
 
 def step(n: int) -> None:
@@ -117,6 +93,8 @@ def step(n: int) -> None:
 
 
 def point(name: str) -> None:
-    """A place where a fault may strike; kills the process if a fault of this kind is armed."""
+    """A place where a fault may strike; kills the process if a fault of this kind is armed.
+
+    Every collective calls it, so it is one lookup in a set that stays empty unless a fault is armed."""
     if name in _armed:
         _kill()

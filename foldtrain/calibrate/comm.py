@@ -17,6 +17,8 @@ def _comm_probe() -> None:
     import torch
     import torch.distributed as dist
 
+    from foldtrain import collectives
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     r, w = dist.get_rank(), dist.get_world_size()
@@ -26,23 +28,23 @@ def _comm_probe() -> None:
         dist.barrier() if i == 0 else None
         t0 = time.perf_counter()
         if r == 0:
-            dist.send(one, 1)
-            dist.recv(one, 1)
+            collectives.send(one, 1)
+            collectives.recv(one, 1)
         elif r == 1:
-            dist.recv(one, 0)
-            dist.send(one, 0)
+            collectives.recv(one, 0)
+            collectives.send(one, 0)
         lat.append((time.perf_counter() - t0) / 2)
     big = torch.zeros(4 * 2**20)  # 16 MB
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(3):
         if r == 0:
-            dist.send(big, 1)
+            collectives.send(big, 1)
         elif r == 1:
-            dist.recv(big, 0)
+            collectives.recv(big, 0)
     dist.barrier()
     p2p = 3 * big.numel() * 4 / (time.perf_counter() - t0)
-    dist.all_reduce(big)
+    collectives.all_reduce(big)
     dist.barrier()
     import resource
 
@@ -52,7 +54,7 @@ def _comm_probe() -> None:
 
     c0, t0 = cpu(), time.perf_counter()
     for _ in range(3):
-        dist.all_reduce(big)
+        collectives.all_reduce(big)
     ar_t = (time.perf_counter() - t0) / 3
     sent = 2 * (w - 1) / w * big.numel() * 4
     cpu_per_byte = (cpu() - c0) / (3 * sent)
@@ -69,27 +71,22 @@ def _comm_probe() -> None:
     c0 = cpu()
     for _ in range(40):
         t0 = time.perf_counter()
-        dist.all_reduce(small)
+        collectives.all_reduce(small)
         steps.append((time.perf_counter() - t0) / (2 * (w - 1)))
     step_cpu = (cpu() - c0) / (40 * 2 * (w - 1))
     steps.sort()
     if r == 0:
         lat.sort()
-        print(
-            "CALIBRATE "
-            + json.dumps(
-                {
-                    "latency_s": lat[len(lat) // 2],
-                    "p2p_bw": p2p,
-                    "allreduce_bw": ar_bw,
-                    "world": w,
-                    "cpu_per_byte": cpu_per_byte,
-                    "collective_latency_s": steps[len(steps) // 2],
-                    "collective_cpu_s": step_cpu,
-                }
-            ),
-            flush=True,
-        )
+        result = {
+            "latency_s": lat[len(lat) // 2],
+            "p2p_bw": p2p,
+            "allreduce_bw": ar_bw,
+            "world": w,
+            "cpu_per_byte": cpu_per_byte,
+            "collective_latency_s": steps[len(steps) // 2],
+            "collective_cpu_s": step_cpu,
+        }
+        print("CALIBRATE " + json.dumps(result), flush=True)
     dist.destroy_process_group()
 
 

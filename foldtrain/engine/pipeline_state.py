@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from foldtrain import collectives
 from foldtrain.model.gpt import GPT, GPTShape
 from foldtrain.optim import restore_lr
 from foldtrain.parallel.pipeline.stage import Chunk, part_ranges
@@ -122,7 +123,7 @@ class ChunkStates:
         if topo.rank != 0:
             if topo.dp_rank == 0 and topo.tp_rank == 0:
                 for _, v in mine:
-                    dist.send(v.detach().float().to(device).contiguous(), dst=0)
+                    collectives.send(v.detach().float().to(device).contiguous(), dst=0)
             dist.barrier()
             return None
         with torch.device("meta"):
@@ -140,7 +141,7 @@ class ChunkStates:
                     if self.split_tie and k == self.head_fqn:
                         continue
                     buf = torch.empty(target[k].shape, dtype=torch.float32, device=device)
-                    dist.recv(buf, src=src)
+                    collectives.recv(buf, src=src)
                     target[k].copy_(buf)
         dist.barrier()
         return full.to(device)

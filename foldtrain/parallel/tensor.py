@@ -191,6 +191,8 @@ def grad_norm(params: Iterable, norm_type: float = 2.0):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
+    from foldtrain import collectives
+
     p = float(norm_type)
     is_inf = math.isinf(p)
     grads = [q.grad for q in params if q.grad is not None]
@@ -224,7 +226,7 @@ def grad_norm(params: Iterable, norm_type: float = 2.0):
             replicated = combine(replicated, local_stat(g.full_tensor()).to(device))
     total = replicated
     for mesh, acc in per_mesh.values():
-        dist.all_reduce(acc, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=mesh.get_group())
+        collectives.all_reduce(acc, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=mesh.get_group())
         total = combine(total, acc)
     return total if is_inf else total ** (1.0 / p)
 
@@ -255,6 +257,8 @@ def grads_finite(grads: Iterable) -> bool:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from foldtrain import collectives
+
     flag, meshes = None, {}
     for g in grads:
         if g is None:
@@ -269,5 +273,5 @@ def grads_finite(grads: Iterable) -> bool:
     flag = flag.to(torch.int32)
     for mesh in meshes.values():
         for dim in range(mesh.ndim):
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=mesh.get_group(dim))
+            collectives.all_reduce(flag, op=dist.ReduceOp.MIN, group=mesh.get_group(dim))
     return bool(flag)

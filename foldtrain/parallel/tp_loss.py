@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from foldtrain import collectives
+
 IGNORE_INDEX = -100
 
 
@@ -28,17 +30,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group) -> torch.Tensor:  # type: ignore[override]
         n_local = logits.shape[-1]
         row_max = logits.max(dim=-1).values
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        collectives.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - row_max.unsqueeze(-1)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
+        collectives.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
 
         local_t = targets - vocab_start
         outside = (local_t < 0) | (local_t >= n_local)  # also true for ignore_index rows
         local_t = local_t.masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        dist.all_reduce(target_logit, op=dist.ReduceOp.SUM, group=group)
+        collectives.all_reduce(target_logit, op=dist.ReduceOp.SUM, group=group)
 
         loss = sum_exp.log() - target_logit
         exp.div_(sum_exp.unsqueeze(-1))  # softmax of the local slice

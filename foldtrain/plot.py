@@ -26,7 +26,8 @@ def read_metrics(run: str | Path) -> list[dict[str, Any]]:
         raise ConfigError(f"run {p} does not exist; pass the --out directory of a `foldtrain train` run")
     if not f.is_file() or f.name != "metrics.jsonl":
         raise ConfigError(
-            f"{p} holds no metrics.jsonl, so it is not a training run; pass the --out directory of a `foldtrain train` run"
+            f"{p} holds no metrics.jsonl, so it is not a training run; "
+            "pass the --out directory of a `foldtrain train` run"
         )
     records = []
     lines = f.read_text(encoding="utf-8").splitlines()

@@ -16,7 +16,7 @@ from tests.conftest import tiny_run_args
 
 def err_line(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
-    lines = [l for l in err if l.startswith("foldtrain: error:")]
+    lines = [line for line in err if line.startswith("foldtrain: error:")]
     assert len(lines) == 1, err
     return lines[0]
 

@@ -46,7 +46,10 @@ def test_ranks_with_different_data_fail_on_every_rank(small_corpus, small_data, 
     r = torchrun(2, str(wrapper), f"{small_data},{other}", "train", *args, timeout=300)
     assert r.returncode != 0
     a, b = TokenData.open(small_data).fingerprint, TokenData.open(other).fingerprint
-    line = f"foldtrain: error: the ranks train on different data (dataset fingerprints from meta.json checksums: rank 0: {a}; rank 1: {b})"
+    line = (
+        "foldtrain: error: the ranks train on different data "
+        f"(dataset fingerprints from meta.json checksums: rank 0: {a}; rank 1: {b})"
+    )
     assert r.stderr.count(line) == 2, r.stderr[-4000:]  # raised on both ranks: neither waits for the other
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 

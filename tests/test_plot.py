@@ -35,7 +35,7 @@ def test_plot_several_runs(tmp_path):
     assert plot_runs([str(a)]) == a / "plot.png" and (a / "plot.png").read_bytes()[:8] == PNG  # default: beside the run
     assert wall_times(read_metrics(b))[-1] == pytest.approx(12 * 0.5)  # the resumed session continues the clock
     old = [{"step": 1, "loss": 1.0, "step_time_s": 0.25}, {"step": 2, "loss": 1.0, "step_time_s": 0.5}]
-    assert wall_times(old) == [0.25, 0.75]  # runs from before time_s: summed step times
+    assert wall_times(old) == [0.25, 0.75]  # records without time_s: summed step times
     assert run_names([str(a), str(tmp_path / "x" / "ddp")]) == [str(a), str(tmp_path / "x" / "ddp")]
 
 

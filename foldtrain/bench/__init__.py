@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd not in BENCHMARKS:
         print(
-            f"foldtrain bench: unknown benchmark '{cmd}'; choose one of {', '.join(BENCHMARKS)} (see `foldtrain bench --help`)",
+            f"foldtrain bench: unknown benchmark '{cmd}'; choose one of {', '.join(BENCHMARKS)} "
+            "(see `foldtrain bench --help`)",
             file=sys.stderr,
         )
         return 2

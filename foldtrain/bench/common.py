@@ -109,7 +109,8 @@ def add_common(p: argparse.ArgumentParser, defaults: dict) -> None:
         "--networks",
         "--network",
         default=defaults["networks"],
-        help=f"comma list: {LOOPBACK} and/or tc rates of the emulated network, e.g. 1gbit,100mbit (default %(default)s)",
+        help=f"comma list: {LOOPBACK} and/or tc rates of the emulated network, e.g. 1gbit,100mbit "
+        "(default %(default)s)",
     )
     g.add_argument(
         "--delay_ms", type=float, default=0.0, help="one-way latency added between emulated nodes (needs sch_netem)"
@@ -237,7 +238,7 @@ def module_available(name: str, timeout_s: float = 120.0) -> tuple[bool, str]:
         return False, "import timed out"
     if p.returncode == 0:
         return True, ""
-    lines = [l for l in (p.stderr or "").splitlines() if l.strip()]
+    lines = [line for line in (p.stderr or "").splitlines() if line.strip()]
     return False, lines[-1] if lines else f"exit {p.returncode}"
 
 
@@ -354,8 +355,9 @@ def execute(jobs_by_network: dict[str, list], a, ws: Workspace, max_nodes: dict[
         res = run_job(job, ws.run_dir(name), a.warmup, a.steps, a.timeout, cluster=cluster, log=log, gpus=gpus)
         if res.ok:
             tok = res.metrics.get("tokens_per_s")
+            step_ms = 1e3 * res.metrics.get("step_time_s", 0)
             log(
-                f"        {tok:,.0f} tokens/s, {1e3 * res.metrics.get('step_time_s', 0):.1f} ms/step ({res.info['wall_s']} s)"
+                f"        {tok:,.0f} tokens/s, {step_ms:.1f} ms/step ({res.info['wall_s']} s)"
                 if tok
                 else f"        done ({res.info['wall_s']} s)"
             )
@@ -381,8 +383,8 @@ def execute(jobs_by_network: dict[str, list], a, ws: Workspace, max_nodes: dict[
                     )
                     if bps < 0.5 * cluster.rate_bits / 8:
                         log(
-                            f"warning: the {net} links deliver under half their rate to one Python stream; the machine may be "
-                            "too busy for this rate to be the bottleneck"
+                            f"warning: the {net} links deliver under half their rate to one Python stream; "
+                            "the machine may be too busy for this rate to be the bottleneck"
                         )
                 for rep in range(repeat):
                     for job in jobs:
@@ -404,16 +406,19 @@ def print_dry_run(jobs_by_network: dict[str, list], ws: Workspace, log=print) ->
                 log(f"{job.describe()}:\n  {env} {' '.join(cmd)}")
             elif getattr(job, "horovod", False):
                 log(
-                    f"{job.describe()}: {job.nnodes} node(s) x {job.nproc_per_node} process(es) on the emulated {net} network, "
+                    f"{job.describe()}: {job.nnodes} node(s) x {job.nproc_per_node} process(es) "
+                    f"on the emulated {net} network, "
                     f"Horovod's rendezvous server in node 0:\n  per process: ip netns exec <prefix>-n<k> env "
-                    f"GLOO_SOCKET_IFNAME=<prefix>-v<k> HOROVOD_RANK=r HOROVOD_SIZE={job.nnodes * job.nproc_per_node} ... {env} "
-                    f"{sys.executable} {' '.join([*job.script, *job.args])} --out {out}"
+                    f"GLOO_SOCKET_IFNAME=<prefix>-v<k> HOROVOD_RANK=r HOROVOD_SIZE={job.nnodes * job.nproc_per_node} "
+                    f"... {env} {sys.executable} {' '.join([*job.script, *job.args])} --out {out}"
                 )
             else:
                 log(
-                    f"{job.describe()}: {job.nnodes} node(s) x {job.nproc_per_node} process(es) on the emulated {net} network:\n"
+                    f"{job.describe()}: {job.nnodes} node(s) x {job.nproc_per_node} process(es) "
+                    f"on the emulated {net} network:\n"
                     f"  per node k: ip netns exec <prefix>-n<k> env GLOO_SOCKET_IFNAME=<prefix>-v<k> {env} "
-                    f"{sys.executable} -m torch.distributed.run --nnodes {job.nnodes} --node_rank k --nproc_per_node {job.nproc_per_node} "
+                    f"{sys.executable} -m torch.distributed.run --nnodes {job.nnodes} --node_rank k "
+                    f"--nproc_per_node {job.nproc_per_node} "
                     f"--master_addr 198.18.0.1 --master_port PORT {' '.join([*job.script, *job.args])} --out {out}"
                 )
 

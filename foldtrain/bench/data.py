@@ -143,7 +143,8 @@ def measure(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, float]:
             if time.perf_counter() - last > 60:
                 last = time.perf_counter()
                 print(
-                    f"  ... {last - t0:.0f}s: peak PSS {peak['pss'] / 1024:.0f} MB, peak RSS {peak['rss'] / 1024:.0f} MB so far",
+                    f"  ... {last - t0:.0f}s: peak PSS {peak['pss'] / 1024:.0f} MB, "
+                    f"peak RSS {peak['rss'] / 1024:.0f} MB so far",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -171,7 +172,7 @@ def measure(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, float]:
     return {"wall_s": wall, "cpu_s": cpu, "peak_pss_mb": peak["pss"] / 1024, "peak_rss_mb": peak["rss"] / 1024}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="foldtrain bench data", description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=2.1)
     ap.add_argument("--workers", type=int, default=2)
@@ -183,92 +184,115 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard_mb", type=float, default=256.0)
     ap.add_argument("--scratch", default="/tmp/foldtrain-databench")
     ap.add_argument("--keep", action="store_true", help="keep the generated corpus and outputs")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def ensure_inputs(a: argparse.Namespace, scratch: Path, corpus: Path, tok: Path) -> tuple[int, int, int]:
+    """The corpus (generated unless a complete one is there), its subset and the shared tokenizer:
+    ``(corpus bytes, corpus files, subset bytes)``."""
+    if not (corpus / "COMPLETE").is_file():
+        shutil.rmtree(corpus, ignore_errors=True)
+        t = time.perf_counter()
+        size = generate(corpus, a.gb)
+        print(f"generated {size / 1e9:.2f} GB in {time.perf_counter() - t:.0f}s", file=sys.stderr, flush=True)
+    size = sum(f.stat().st_size for f in corpus.rglob("*.txt"))
+    n_files = sum(1 for _ in corpus.rglob("*.txt"))
+    sub_size = subset(corpus, scratch / "subset", a.subset_mb)
+    if not tok.is_file():
+        from foldtrain.data.plan import make_plan, tokenizer_sample  # noqa: PLC0415
+        from foldtrain.data.tokenizer import train_tokenizer  # noqa: PLC0415
+
+        plan = make_plan(corpus, "text", 1 << 40, scratch / "plan.jsonl")
+        train_tokenizer(tokenizer_sample(plan, "text", 20_000_000, 0), 8192).save(str(tok))
+    return size, n_files, sub_size
+
+
+def side_command(name: str, src: Path, a: argparse.Namespace, scratch: Path, tok: Path) -> list[str]:
+    """The command line of one side (``plain`` or ``foldtrain``) tokenizing ``src``."""
+    if name == "plain":
+        return [sys.executable, "-c", PLAIN, str(src), str(tok), str(scratch / "plain.bin")]
+    return [
+        sys.executable,
+        "-m",
+        "foldtrain",
+        "prepare",
+        "--data.path",
+        str(src),
+        "--data.out",
+        str(scratch / "ds"),
+        "--data.tokenizer",
+        str(tok),
+        "--data.workers",
+        str(a.workers),
+        "--data.shard_mb",
+        str(a.shard_mb),
+    ]
+
+
+def run_side(
+    name: str, src: Path, nbytes: int, label: str, a: argparse.Namespace, scratch: Path, tok: Path
+) -> dict[str, float]:
+    """One side tokenizing ``src`` (``nbytes`` of input) from a clean output: its measurements and MB/s."""
+    shutil.rmtree(scratch / "ds", ignore_errors=True)
+    shutil.rmtree(scratch / "ds.partial", ignore_errors=True)
+    (scratch / "plain.bin").unlink(missing_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log_path = scratch / f"{label.replace(' ', '_')}_{name}.log"
+    res = measure(side_command(name, src, a, scratch, tok), env, log_path)
+    res["mb_per_s"] = nbytes / 1e6 / res["wall_s"]
+    res["mb_per_cpu_s"] = nbytes / 1e6 / res["cpu_s"]
+    print(
+        f"{label} {name}: {nbytes / 1e6:.0f} MB in {res['wall_s']:.0f}s: {res['mb_per_s']:.2f} MB/s, "
+        f"{res['mb_per_cpu_s']:.2f} MB per CPU-second, "
+        f"peak PSS {res['peak_pss_mb']:.0f} MB, peak RSS {res['peak_rss_mb']:.0f} MB",
+        file=sys.stderr,
+        flush=True,
+    )
+    return res
+
+
+def summary_of(
+    a: argparse.Namespace, size: int, n_files: int, sub_size: int, ab: dict[str, list[dict]], full: dict[str, dict]
+) -> dict:
+    """The printed result: the A/B rounds' throughput by side and their ratios, and the full-size runs."""
+
+    def total(side: str, key: str) -> float:
+        return sum(x[key] for x in ab[side])
+
+    return {
+        "input_gb": round(size / 1e9, 3),
+        "files": n_files,
+        "subset_mb": round(sub_size / 1e6, 1),
+        "cores": os.cpu_count() or 1,
+        "workers": a.workers,
+        "rounds": a.rounds,
+        "subset_mb_per_s": {k: round(sub_size * len(v) / 1e6 / total(k, "wall_s"), 3) for k, v in ab.items()},
+        "subset_mb_per_cpu_s": {k: round(sub_size * len(v) / 1e6 / total(k, "cpu_s"), 3) for k, v in ab.items()},
+        "ratio_wall": round(total("plain", "wall_s") / total("foldtrain", "wall_s"), 3),
+        "ratio_per_cpu_s": round(total("plain", "cpu_s") / total("foldtrain", "cpu_s"), 3),
+        "full": {k: {m: round(x, 2) for m, x in v.items()} for k, v in full.items()},
+        "subset_runs": ab,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     scratch = Path(a.scratch)
     corpus, tok = scratch / "corpus", scratch / "tokenizer.json"
-    cores = os.cpu_count() or 1
     try:
-        if not (corpus / "COMPLETE").is_file():
-            shutil.rmtree(corpus, ignore_errors=True)
-            t = time.perf_counter()
-            size = generate(corpus, a.gb)
-            print(f"generated {size / 1e9:.2f} GB in {time.perf_counter() - t:.0f}s", file=sys.stderr, flush=True)
-        size = sum(f.stat().st_size for f in corpus.rglob("*.txt"))
-        n_files = sum(1 for _ in corpus.rglob("*.txt"))
-        sub_size = subset(corpus, scratch / "subset", a.subset_mb)
-        if not tok.is_file():
-            from foldtrain.data.plan import make_plan, tokenizer_sample  # noqa: PLC0415
-            from foldtrain.data.tokenizer import train_tokenizer  # noqa: PLC0415
-
-            plan = make_plan(corpus, "text", 1 << 40, scratch / "plan.jsonl")
-            train_tokenizer(tokenizer_sample(plan, "text", 20_000_000, 0), 8192).save(str(tok))
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-        def cmd(name: str, src: Path) -> list[str]:
-            if name == "plain":
-                return [sys.executable, "-c", PLAIN, str(src), str(tok), str(scratch / "plain.bin")]
-            return [
-                sys.executable,
-                "-m",
-                "foldtrain",
-                "prepare",
-                "--data.path",
-                str(src),
-                "--data.out",
-                str(scratch / "ds"),
-                "--data.tokenizer",
-                str(tok),
-                "--data.workers",
-                str(a.workers),
-                "--data.shard_mb",
-                str(a.shard_mb),
-            ]
-
-        def run(name: str, src: Path, nbytes: int, label: str) -> dict[str, float]:
-            shutil.rmtree(scratch / "ds", ignore_errors=True)
-            shutil.rmtree(scratch / "ds.partial", ignore_errors=True)
-            (scratch / "plain.bin").unlink(missing_ok=True)
-            res = measure(cmd(name, src), env, scratch / f"{label.replace(' ', '_')}_{name}.log")
-            res["mb_per_s"] = nbytes / 1e6 / res["wall_s"]
-            res["mb_per_cpu_s"] = nbytes / 1e6 / res["cpu_s"]
-            print(
-                f"{label} {name}: {nbytes / 1e6:.0f} MB in {res['wall_s']:.0f}s: {res['mb_per_s']:.2f} MB/s, {res['mb_per_cpu_s']:.2f} MB per CPU-second, "
-                f"peak PSS {res['peak_pss_mb']:.0f} MB, peak RSS {res['peak_rss_mb']:.0f} MB",
-                file=sys.stderr,
-                flush=True,
-            )
-            return res
-
+        size, n_files, sub_size = ensure_inputs(a, scratch, corpus, tok)
         ab: dict[str, list[dict[str, float]]] = {"plain": [], "foldtrain": []}
         for r in range(a.rounds):
             for name in ["plain", "foldtrain"] if r % 2 == 0 else ["foldtrain", "plain"]:
-                ab[name].append(run(name, scratch / "subset", sub_size, f"subset round {r}"))
-        full = {"foldtrain": run("foldtrain", corpus, size, "full")}
+                ab[name].append(run_side(name, scratch / "subset", sub_size, f"subset round {r}", a, scratch, tok))
+        full = {"foldtrain": run_side("foldtrain", corpus, size, "full", a, scratch, tok)}
         if (scratch / "ds" / "meta.json").is_file():
             meta = json.loads((scratch / "ds" / "meta.json").read_text())
             full["foldtrain"]["tokens"] = meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"]
             full["foldtrain"]["shards"] = len(meta["shards"])
         if a.full_plain:
-            full["plain"] = run("plain", corpus, size, "full")
-
-        def total(side: str, key: str) -> float:
-            return sum(x[key] for x in ab[side])
-
-        summary = {
-            "input_gb": round(size / 1e9, 3),
-            "files": n_files,
-            "subset_mb": round(sub_size / 1e6, 1),
-            "cores": cores,
-            "workers": a.workers,
-            "rounds": a.rounds,
-            "subset_mb_per_s": {k: round(sub_size * len(v) / 1e6 / total(k, "wall_s"), 3) for k, v in ab.items()},
-            "subset_mb_per_cpu_s": {k: round(sub_size * len(v) / 1e6 / total(k, "cpu_s"), 3) for k, v in ab.items()},
-            "ratio_wall": round(total("plain", "wall_s") / total("foldtrain", "wall_s"), 3),
-            "ratio_per_cpu_s": round(total("plain", "cpu_s") / total("foldtrain", "cpu_s"), 3),
-            "full": {k: {m: round(x, 2) for m, x in v.items()} for k, v in full.items()},
-            "subset_runs": ab,
-        }
-        print(json.dumps(summary, indent=2))
+            full["plain"] = run_side("plain", corpus, size, "full", a, scratch, tok)
+        print(json.dumps(summary_of(a, size, n_files, sub_size, ab, full), indent=2))
     finally:
         if not a.keep:
             shutil.rmtree(scratch, ignore_errors=True)

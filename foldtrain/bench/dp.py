@@ -53,7 +53,8 @@ def parser() -> argparse.ArgumentParser:
         prog="foldtrain bench dp",
         description="Data-parallel strategies x precisions x ranks on loopback and an emulated slow network, "
         "against a plain-PyTorch DDP loop (and Horovod when installed).",
-        epilog="Example: foldtrain bench dp --strategies none,allreduce,ddp --precisions fp32 --ranks 1,2 --networks loopback,100mbit",
+        epilog="Example: foldtrain bench dp --strategies none,allreduce,ddp --precisions fp32 --ranks 1,2 "
+        "--networks loopback,100mbit",
     )
     g = p.add_argument_group("what to compare")
     g.add_argument(
@@ -89,11 +90,8 @@ def csv_floats(text: str) -> list[float]:
     return vals
 
 
-def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = None) -> dict[str, list]:
-    """The jobs of this invocation, grouped by network (loopback first). Pure: no processes.
-    Combinations that cannot run are left out with a line in ``notes``."""
-    notes = notes if notes is not None else []
-    from foldtrain.bench.runner import Job
+def _choices(a) -> tuple[list[str], list[str], list[str]]:
+    """The strategies, precisions and anchors asked for; an error naming any unknown one."""
     from foldtrain.config import PRECISIONS
 
     strategies = common.csv(a.strategies)
@@ -107,18 +105,25 @@ def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = 
             f"bench dp: unknown value(s) {', '.join(bad)}; strategies: {', '.join(STRATEGIES)}; "
             f"precisions: {', '.join(PRECISIONS)}; anchors: {', '.join(ANCHORS)}"
         )
-    networks = common.csv(a.networks)
-    base = common.train_args(a, data_path)
-    if a.micro_batch:
-        base += ["--train.micro_batch", str(a.micro_batch)]
-    jobs: dict[str, list] = {common.LOOPBACK: []}
-    for net in networks:
-        jobs.setdefault(net, [])
-    if "horovod" in strategies and not horovod_ok:
-        notes.append("horovod strategy skipped: Horovod is not installed (bash scripts/install-horovod.sh)")
-    cycles = getattr(a, "horovod_cycle_ms", [HOROVOD_CYCLE_MS])
+    return strategies, precisions, anchors
+
+
+class _Jobs:
+    """The jobs by network (loopback first), and how one run becomes a job there: one node of ``n``
+    processes on loopback, ``n`` emulated nodes of one process elsewhere; a Horovod run once per
+    ``--horovod_cycle_ms``."""
+
+    def __init__(self, a, base: list[str], networks: list[str]):
+        from foldtrain.bench.runner import Job
+
+        self.Job, self.a, self.base = Job, a, base
+        self.cycles = getattr(a, "horovod_cycle_ms", [HOROVOD_CYCLE_MS])
+        self.by_network: dict[str, list] = {common.LOOPBACK: []}
+        for net in networks:
+            self.by_network.setdefault(net, [])
 
     def add(
+        self,
         net: str,
         impl: str,
         variant: str,
@@ -128,27 +133,26 @@ def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = 
         extra: list[str],
         workers: int,
         horovod: bool = False,
-        note: str = "",
-    ):
-        threads = common.threads_for(a, n)
+    ) -> None:
+        threads = common.threads_for(self.a, n)
         loop = net == common.LOOPBACK
-        for c in cycles if horovod else [None]:
-            info = {"note": note} if note else {}
+        for c in self.cycles if horovod else [None]:
+            info = {}
             env = {}
             if c is not None:
                 env = {
                     "HOROVOD_CYCLE_TIME": f"{c:g}",
                     "HOROVOD_FUSION_THRESHOLD": str(int(DPConfig().fusion_mb * 2**20)),
                 }
-                if len(cycles) > 1:  # a sweep: rows told apart by the note, runs by their directory
+                if len(self.cycles) > 1:  # a sweep: rows told apart by the note, runs by their directory
                     info.update(note=f"cycle {c:g} ms", cycle_ms=f"{c:g}")
             res = RunResult("dp", impl, variant, prec, n, net, workers, info=info)
             launcher = horovodrun_command(n) if horovod and loop else None
-            jobs[net].append(
-                Job(
+            self.by_network[net].append(
+                self.Job(
                     res,
                     script,
-                    [*base, "--precision", prec, *extra],
+                    [*self.base, "--precision", prec, *extra],
                     nnodes=1 if loop else n,
                     nproc_per_node=n if loop else 1,
                     threads=threads,
@@ -158,21 +162,45 @@ def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = 
                 )
             )
 
+
+def _strategy_layout(a, s: str, n: int, notes: list[str]) -> tuple[list[str], int] | None:
+    """Strategy ``s`` at ``n`` ranks: its extra arguments and data-parallel workers, or None (with a
+    line in ``notes``) when it cannot run: no worker left by the servers, or a batch that does not split."""
+    extra, workers = ["--dp.strategy", s], n
+    if s == "ps" and a.ps_servers:
+        if a.ps_servers >= n:
+            notes.append(f"ps at {n} ranks skipped: --ps_servers {a.ps_servers} leaves no worker")
+            return None
+        extra += ["--dp.ps_servers", str(a.ps_servers)]
+        workers = n - a.ps_servers
+    if a.global_batch % workers:
+        msg = f"{s} at {n} ranks skipped: global batch {a.global_batch} does not split over {workers} workers"
+        if msg not in notes:
+            notes.append(msg)
+        return None
+    return extra, workers
+
+
+def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = None) -> dict[str, list]:
+    """The jobs of this invocation, grouped by network (loopback first). Pure: no processes.
+    Combinations that cannot run are left out with a line in ``notes``."""
+    notes = notes if notes is not None else []
+    strategies, precisions, anchors = _choices(a)
+    networks = common.csv(a.networks)
+    base = common.train_args(a, data_path)
+    if a.micro_batch:
+        base += ["--train.micro_batch", str(a.micro_batch)]
+    jobs = _Jobs(a, base, networks)
+    if "horovod" in strategies and not horovod_ok:
+        notes.append("horovod strategy skipped: Horovod is not installed (bash scripts/install-horovod.sh)")
+    train, ddp_plain = ["-m", "foldtrain", "train"], ["-m", "foldtrain.bench.anchors.ddp_plain"]
+
     for prec in precisions:
         # the single-process reference (speed-up 1.0): always on loopback, network does not matter
         if "none" in strategies:
-            add(
-                common.LOOPBACK,
-                "foldtrain",
-                "none",
-                prec,
-                1,
-                ["-m", "foldtrain", "train"],
-                ["--dp.strategy", "none"],
-                1,
-            )
+            jobs.add(common.LOOPBACK, "foldtrain", "none", prec, 1, train, ["--dp.strategy", "none"], 1)
         if "ddp_plain" in anchors and 1 in a.ranks:
-            add(common.LOOPBACK, "ddp_plain", "", prec, 1, ["-m", "foldtrain.bench.anchors.ddp_plain"], [], 1)
+            jobs.add(common.LOOPBACK, "ddp_plain", "", prec, 1, ddp_plain, [], 1)
     for net in networks:
         for prec in precisions:
             for n in a.ranks:
@@ -181,46 +209,18 @@ def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = 
                 for s in strategies:
                     if s == "none" or (s == "horovod" and not horovod_ok):
                         continue
-                    extra, workers = ["--dp.strategy", s], n
-                    if s == "ps" and a.ps_servers:
-                        if a.ps_servers >= n:
-                            notes.append(f"ps at {n} ranks skipped: --ps_servers {a.ps_servers} leaves no worker")
-                            continue
-                        extra += ["--dp.ps_servers", str(a.ps_servers)]
-                        workers = n - a.ps_servers
-                    if a.global_batch % workers:
-                        msg = f"{s} at {n} ranks skipped: global batch {a.global_batch} does not split over {workers} workers"
-                        if msg not in notes:
-                            notes.append(msg)
+                    layout = _strategy_layout(a, s, n, notes)
+                    if layout is None:
                         continue
-                    add(
-                        net,
-                        "foldtrain",
-                        s,
-                        prec,
-                        n,
-                        ["-m", "foldtrain", "train"],
-                        extra,
-                        workers,
-                        horovod=s == "horovod",
-                    )
+                    jobs.add(net, "foldtrain", s, prec, n, train, *layout, horovod=s == "horovod")
                     if s == "ps" and a.ps_servers:
-                        jobs[net][-1].result.info["ps_servers"] = a.ps_servers
+                        jobs.by_network[net][-1].result.info["ps_servers"] = a.ps_servers
                 if "ddp_plain" in anchors and a.global_batch % n == 0:  # (the strategies' note covers n)
-                    add(net, "ddp_plain", "", prec, n, ["-m", "foldtrain.bench.anchors.ddp_plain"], [], n)
+                    jobs.add(net, "ddp_plain", "", prec, n, ddp_plain, [], n)
                 if "horovod_plain" in anchors and horovod_ok and a.global_batch % n == 0:
-                    add(
-                        net,
-                        "horovod_plain",
-                        "",
-                        prec,
-                        n,
-                        ["-m", "foldtrain.bench.anchors.horovod_plain"],
-                        [],
-                        n,
-                        horovod=True,
-                    )
-    return jobs
+                    script = ["-m", "foldtrain.bench.anchors.horovod_plain"]
+                    jobs.add(net, "horovod_plain", "", prec, n, script, [], n, horovod=True)
+    return jobs.by_network
 
 
 @common.signals_as_exceptions()
@@ -233,8 +233,9 @@ def main(argv: list[str]) -> int:
     if "horovod_plain" in anchors or "horovod" in common.csv(a.strategies):
         horovod_ok = common.optional_anchor("horovod", "horovod.torch", log, notes)
     if horovod_ok:
+        cycle_ms = ", ".join(f"{c:g}" for c in a.horovod_cycle_ms)
         notes.append(
-            f"horovod, horovod_plain: HOROVOD_CYCLE_TIME {', '.join(f'{c:g}' for c in a.horovod_cycle_ms)} ms (--horovod_cycle_ms), "
+            f"horovod, horovod_plain: HOROVOD_CYCLE_TIME {cycle_ms} ms (--horovod_cycle_ms), "
             f"HOROVOD_FUSION_THRESHOLD {DPConfig().fusion_mb:g} MB; horovodrun on loopback, "
             "its gloo launch by hand (foldtrain.bench.horovod_launch) on the emulated network"
         )
@@ -259,9 +260,11 @@ def main(argv: list[str]) -> int:
         notes += common.run_notes(a, load_before)
         notes += [
             "medians over the steps after warm-up; tokens/s = global batch x seq_len / step time",
-            "speed-up: over foldtrain `none` (1 process) at the same precision; efficiency = speed-up / data-parallel workers",
-            "MB/step/worker and server: the strategy's own byte counters logged by rank 0 (for ps rank 0 is the server), "
-            "else (starred *) the emulated links' counters; wire MB/step: link bytes (sent + received, with TCP/IP overhead) of node 0 / "
+            "speed-up: over foldtrain `none` (1 process) at the same precision; "
+            "efficiency = speed-up / data-parallel workers",
+            "MB/step/worker and server: the strategy's own byte counters logged by rank 0 "
+            "(for ps rank 0 is the server), else (starred *) the emulated links' counters; "
+            "wire MB/step: link bytes (sent + received, with TCP/IP overhead) of node 0 / "
             "mean of the other nodes, sampled over the measured steps",
         ]
         common.print_results("foldtrain bench dp", DP_HEADERS, rows, ratios, notes, results, a, ws)

@@ -1,9 +1,9 @@
-"""Cost of checkpoint checksums next to the save itself (issue 11).
+"""Cost of checkpoint checksums next to the save itself.
 
 For each model shape: build the model and an AdamW state (one step), then per repetition
 time (a) the save as foldtrain does it without checksums — DCP save of model + optimizer into a
 fresh directory plus the per-rank file — and (b) hashing every file of that directory with xxh3-128
-(what the save now adds, and what a load verifies), sha256, crc32 and blake2b, on the same files in
+(what the save adds, and what a load verifies), sha256, crc32 and blake2b, on the same files in
 the same invocation. Prints per-repetition times and the median ratios hash / save.
 
     OMP_NUM_THREADS=1 foldtrain bench hashing --reps 3
@@ -96,14 +96,16 @@ def main(argv: list[str] | None = None) -> int:
             size = sum(p.stat().st_size for p in d.iterdir())
             rows.append((t_save, t_xxh, t_sha, t_crc, t_b2))
             print(
-                f"{name} rep {rep}: {size / 2**20:8.1f} MiB  save {t_save:7.3f} s  xxh3_128 {t_xxh:6.3f} s  sha256 {t_sha:6.3f} s  crc32 {t_crc:6.3f} s  blake2b {t_b2:6.3f} s",
+                f"{name} rep {rep}: {size / 2**20:8.1f} MiB  save {t_save:7.3f} s  xxh3_128 {t_xxh:6.3f} s  "
+                f"sha256 {t_sha:6.3f} s  crc32 {t_crc:6.3f} s  blake2b {t_b2:6.3f} s",
                 flush=True,
             )
             shutil.rmtree(d)
         med = [statistics.median(c) for c in zip(*rows)]
         print(
             f"{name}: median save {med[0]:.3f} s; xxh3_128 {med[1]:.3f} s = {med[1] / med[0]:.1%} of the save "
-            f"({size / 2**30 / med[1]:.2f} GiB/s); sha256 {med[2] / med[0]:.1%}; crc32 {med[3] / med[0]:.1%}; blake2b {med[4] / med[0]:.1%}",
+            f"({size / 2**30 / med[1]:.2f} GiB/s); sha256 {med[2] / med[0]:.1%}; crc32 {med[3] / med[0]:.1%}; "
+            f"blake2b {med[4] / med[0]:.1%}",
             flush=True,
         )
     shutil.rmtree(root, ignore_errors=True)

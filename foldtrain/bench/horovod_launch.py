@@ -119,7 +119,10 @@ def run_horovod(
 
 
 def serve(hosts: str, nproc_per_node: int) -> int:
-    """Horovod's rendezvous server for ``hosts`` (comma list) x ``nproc_per_node``: prints its port, serves until killed."""
+    """Horovod's rendezvous server for ``hosts`` (comma list) x ``nproc_per_node``.
+
+    Prints its port, then serves until killed.
+    """
     from horovod.runner.http.http_server import RendezvousServer
 
     server = RendezvousServer()

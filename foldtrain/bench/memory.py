@@ -121,9 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         state = params[p] * BYTES_PER_PARAM / 2**20
         ratio = full[p] / (1.25 * state + baseline[p])
         worst = max(worst, ratio)
-        print(
-            f"{p:>4} {params[p]:>12,} {state:>9.0f} {baseline[p]:>9.0f} {full[p]:>9.0f} {full[p] / (state + baseline[p]):>6.2f}"
-        )
+        measured_over_state = full[p] / (state + baseline[p])
+        print(f"{p:>4} {params[p]:>12,} {state:>9.0f} {baseline[p]:>9.0f} {full[p]:>9.0f} {measured_over_state:>6.2f}")
     print(f"largest measured / (1.25 x state + baseline) = {worst:.2f} (target <= 1)")
     whole = sum(params) * BYTES_PER_PARAM / 2**20
     print(f"(the whole model's state would be {whole:.0f} MB on every rank if each built it all)")

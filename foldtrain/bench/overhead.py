@@ -121,15 +121,14 @@ def main(argv: list[str] | None = None) -> int:
             f = foldtrain_loop(args, args.steps, root / f"rep{rep}")[args.warmup :]
             plain += p
             ft += f
-            print(
-                f"rep {rep}: plain {tokens / statistics.median(p):8.0f} tok/s   foldtrain {tokens / statistics.median(f):8.0f} tok/s",
-                flush=True,
-            )
+            plain_tps, foldtrain_tps = tokens / statistics.median(p), tokens / statistics.median(f)
+            print(f"rep {rep}: plain {plain_tps:8.0f} tok/s   foldtrain {foldtrain_tps:8.0f} tok/s", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     tp, tf = tokens / statistics.median(plain), tokens / statistics.median(ft)
     print(
-        f"\nmodel {args.preset}, batch {args.batch}x{args.seq_len}, {args.reps} reps x {args.steps} steps (first {args.warmup} dropped), torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"\nmodel {args.preset}, batch {args.batch}x{args.seq_len}, {args.reps} reps x {args.steps} steps "
+        f"(first {args.warmup} dropped), torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
     print(f"plain PyTorch loop : {tp:9.0f} tokens/s")
     print(f"foldtrain trainer  : {tf:9.0f} tokens/s")

@@ -49,7 +49,8 @@ def parser() -> argparse.ArgumentParser:
         description="Pipeline schedules with data parallelism across two emulated nodes: foldtrain's gpipe, 1f1b, "
         "interleaved-1f1b (after-flush all-reduce) and fold (per-chunk all-reduce) against "
         "torch.distributed.pipelining (+ DDP-style all-reduce) and DeepSpeed when installed.",
-        epilog="Schedules take an optional ':DP_SYNC', e.g. --schedules fold,fold:after-flush,interleaved-1f1b:per-chunk.",
+        epilog="Schedules take an optional ':DP_SYNC', "
+        "e.g. --schedules fold,fold:after-flush,interleaved-1f1b:per-chunk.",
     )
     g = p.add_argument_group("what to compare")
     g.add_argument(
@@ -136,12 +137,14 @@ def plan(a, data_path: str, deepspeed_ok: bool = False) -> dict[str, list]:
         threads = common.threads_for(a, world)
         js = jobs.setdefault(net, [])
 
+        # add is called only inside this iteration, so the loop variables it reads are the current ones
         def add(impl, variant, v, sync, script, extra, note="", **more):
             info = {"virtual": v, "dp_sync": sync, **more}
             if note:
                 info["note"] = note
-            res = RunResult("pipeline", impl, variant, a.precision, world, net, a.dp, info=info)
-            js.append(common_job(Job, res, script, [*base, "--parallel.virtual", str(v), *extra], loop, a, threads))
+            res = RunResult("pipeline", impl, variant, a.precision, world, net, a.dp, info=info)  # noqa: B023
+            args = [*base, "--parallel.virtual", str(v), *extra]
+            js.append(common_job(Job, res, script, args, loop, a, threads))  # noqa: B023
 
         for name, v, sync, defer in specs:
             extra = ["--parallel.schedule", name, "--parallel.dp_sync", sync] + (
@@ -200,10 +203,8 @@ def main(argv: list[str]) -> int:
             for r in results:
                 g = Path(r.info.get("profiled_out", r.out_dir)) / "gantt.png"
                 if r.impl == "foldtrain" and g.is_file():
-                    dst = (
-                        ws.root
-                        / f"gantt_{common.slug(r.variant, r.info.get('dp_sync', ''), 'defer' if r.info.get('defer') else '', r.network)}.png"
-                    )
+                    defer = "defer" if r.info.get("defer") else ""
+                    dst = ws.root / f"gantt_{common.slug(r.variant, r.info.get('dp_sync', ''), defer, r.network)}.png"
                     shutil.copy(g, dst)
                     r.info["gantt"] = str(dst)
         rows = pipeline_rows(results)
@@ -212,10 +213,12 @@ def main(argv: list[str]) -> int:
         notes += [
             f"world {a.dp * a.pp}: dp={a.dp} across emulated nodes x pp={a.pp} inside each; micro-batches per dp rank: "
             f"{a.microbatches or a.global_batch // a.dp}",
-            "medians over the steps after warm-up; tokens/s and time/step of foldtrain rows come from runs without --profile; "
-            "all-rank idle / bubble / exposed DP comm from a separate --profile run of the same configuration (the anchors do not log them)",
-            "torch anchors: torch.distributed.pipelining schedules + a flat all-reduce of each stage's gradients over the "
-            "dp group after the schedule (DDP-style, after the flush)",
+            "medians over the steps after warm-up; "
+            "tokens/s and time/step of foldtrain rows come from runs without --profile; "
+            "all-rank idle / bubble / exposed DP comm from a separate --profile run of the same configuration "
+            "(the anchors do not log them)",
+            "torch anchors: torch.distributed.pipelining schedules + a flat all-reduce of each stage's gradients "
+            "over the dp group after the schedule (DDP-style, after the flush)",
         ]
         if deepspeed_ok:
             notes.append(

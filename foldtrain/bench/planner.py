@@ -4,8 +4,9 @@
 
 Plans the ``tiny`` model (global batch 16 x 128) on 4 ranks of this machine with the cluster
 calibrated by ``foldtrain bench simulator`` (as its runs: compute calibrated with a core per
-process, the cores shared among the 4 ranks; gloo on loopback), launches the plan's top 4 distinct layouts for a few steps each, ``--repeat`` times in rounds, and
-writes the result as the last section of ``docs/simulator.md`` (replacing the previous check).
+process, the cores shared among the 4 ranks; gloo on loopback), launches the plan's top 4
+distinct layouts for a few steps each, ``--repeat`` times in rounds, and writes the result as
+the last section of ``docs/simulator.md`` (replacing the previous check).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository (docs/ lives there)
-
 from foldtrain.bench.simulator import cluster_of, load_calibration
 from foldtrain.config import to_toml
 from foldtrain.sim.plan import plan
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository (docs/ lives there)
 
 BASE = ["--model.preset", "tiny", "--train.global_batch", "16", "--train.seq_len", "128"]
 RUN = [
@@ -124,14 +125,16 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "## Planner check (`foldtrain bench planner`)",
         "",
-        "The plan's top 4 distinct layouts for `tiny` (global batch 16 × 128) on 4 ranks of this machine, each launched "
-        f"for {a.steps} steps (median tokens/s after step 3), {a.repeat} time(s) in rounds (measured: the median of the rounds):",
+        "The plan's top 4 distinct layouts for `tiny` (global batch 16 × 128) on 4 ranks of this machine, "
+        f"each launched for {a.steps} steps (median tokens/s after step 3), {a.repeat} time(s) in rounds "
+        "(measured: the median of the rounds):",
         "",
         "| plan rank | layout | predicted tokens/s | measured tokens/s | each round |",
         "|---|---|---|---|---|",
     ]
     L += [
-        f"| {i + 1} | {cand.label()} | {cand.result.tokens_per_s:,.0f} | {t:,.0f} | {', '.join(f'{x:,.0f}' for x in r)} |"
+        f"| {i + 1} | {cand.label()} | {cand.result.tokens_per_s:,.0f} | {t:,.0f} | "
+        f"{', '.join(f'{x:,.0f}' for x in r)} |"
         for i, (cand, t, r) in enumerate(rows)
     ]
     L += [

@@ -138,15 +138,18 @@ _ERR_PATTERNS = [
     re.compile(r"^\s*(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception|Interrupt)\b:?.*$"),
 ]
 _NOISE = re.compile(
-    r"torch\.distributed\.elastic|ChildFailedError|^\s*(?:=+|-+|\[.*\]:?|Root Cause|Failures:|<NO_OTHER_FAILURES>|traceback : .*|error_file: .*|exitcode\s*:.*|host\s*:.*|rank\s*:.*|time\s*:.*|local_rank\s*:.*)\s*$"
+    r"torch\.distributed\.elastic|ChildFailedError|^\s*(?:=+|-+|\[.*\]:?|Root Cause|Failures:|<NO_OTHER_FAILURES>"
+    r"|traceback : .*|error_file: .*|exitcode\s*:.*|host\s*:.*|rank\s*:.*|time\s*:.*|local_rank\s*:.*)\s*$"
 )
 
 
-# what launchers put before a child's output lines: torch >= 2.5 "[rank1]:", horovodrun "[1]<stderr>:" / "[1,0]<stdout>:"
+# what launchers put before a child's output lines:
+# torch >= 2.5 "[rank1]:", horovodrun "[1]<stderr>:" / "[1,0]<stdout>:"
 _CHILD_PREFIX = re.compile(r"^\s*(?:\[(?:rank)?\d+(?:,\d+)?\](?:<std(?:out|err)>)?:[ \t]?)+")
 # the launcher's own summary of a child's failure, never the cause
 _LAUNCHER_NOISE = re.compile(
-    r"Horovod detected that one or more processes exited|^Process \d+ exit with status code|^Terminating remaining workers after failure"
+    r"Horovod detected that one or more processes exited|^Process \d+ exit with status code"
+    r"|^Terminating remaining workers after failure"
 )
 
 
@@ -154,14 +157,14 @@ def error_line(text: str, limit: int = 200) -> str:
     """The most telling line of a failed run's output: a ``foldtrain: error:`` line if any, else the
     last ``...Error: ...`` line that is not the launcher's own failure report (torchrun's, horovodrun's),
     else the last line. Launchers' per-rank prefixes (``[rank1]:``, ``[1]<stderr>:``) are removed."""
-    lines = [_CHILD_PREFIX.sub("", l).rstrip() for l in text.splitlines()]
-    lines = [l for l in lines if l.strip() and not _LAUNCHER_NOISE.search(l.strip())]
+    lines = [_CHILD_PREFIX.sub("", line).rstrip() for line in text.splitlines()]
+    lines = [line for line in lines if line.strip() and not _LAUNCHER_NOISE.search(line.strip())]
     for pat in _ERR_PATTERNS:
-        hits = [l.strip() for l in lines if pat.search(l) and not _NOISE.search(l)]
+        hits = [line.strip() for line in lines if pat.search(line) and not _NOISE.search(line)]
         hits = [h for h in hits if not h.startswith("torch.distributed.elastic.multiprocessing.errors")]
         if hits:
             return _clip(hits[-1], limit)
-    useful = [l.strip() for l in lines if not _NOISE.search(l)]
+    useful = [line.strip() for line in lines if not _NOISE.search(line)]
     return _clip(useful[-1] if useful else (lines[-1].strip() if lines else "failed without output"), limit)
 
 

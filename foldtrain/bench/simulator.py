@@ -3,7 +3,8 @@
     foldtrain bench simulator [--out DIR] [--steps N] [--repeat K]
 
 One invocation: (1) calibrates this machine in the conditions of the runs (compute with 1, 2 and
-4 concurrent processes, and how much of the cores' work is lost when 4 ranks share 2 cores; gloo on loopback, gloo across two emulated nodes at 1 Gbit/s);
+4 concurrent processes, and how much of the cores' work is lost when 4 ranks share 2 cores; gloo
+on loopback, gloo across two emulated nodes at 1 Gbit/s);
 (2) runs ``foldtrain bench dp`` (ps, sharded-ps, allreduce, ddp at 2 and 4 ranks, loopback and
 1 Gbit/s) and ``foldtrain bench pipeline`` (every schedule x dp_sync, fold with and without
 deferral, two emulated nodes at 1 Gbit/s); (3) simulates every run with the calibrated cluster;
@@ -23,8 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository (docs/ lives there)
-
 from foldtrain.calibrate import (
     links,
     measure_action_overhead,
@@ -39,6 +38,7 @@ from foldtrain.sim.cluster import Cluster
 from foldtrain.sim.report import write_profile
 from foldtrain.sim.simulate import simulate
 
+ROOT = Path(__file__).resolve().parents[2]  # the repository (docs/ lives there)
 CMD = "foldtrain bench simulator"
 PIPE_MODEL = [
     "--model.preset",
@@ -70,11 +70,11 @@ def cluster_of(
     shared by every rank (the simulator slows ranks down when more of them compute than there are cores).
     ``busy``: the loopback probe with the run's number of processes, when ``loop`` has fewer: its
     collective step (latency and CPU)."""
-    comp = comps[min(comps, key=lambda k: abs(k - min(ranks, cores)))]  # that concurrency, or the nearest calibrated
+    # that concurrency, or the nearest calibrated
+    comp = comps[min(comps, key=lambda k: abs(k - min(ranks, cores)))]
     busy = busy or loop
-    intra, inter = links(
-        loop, net, busy.get("collective_latency_s", 0.0)
-    )  # a collective's step with the run's processes
+    # a collective's step with the run's processes
+    intra, inter = links(loop, net, busy.get("collective_latency_s", 0.0))
     return Cluster(
         name=name,
         gpus_per_node=per_node,
@@ -104,15 +104,15 @@ def cluster_of(
 
 def least_disturbed(calibrations) -> dict:
     """Of several compute calibrations in the same conditions, the one whose blocks and heads ran fastest:
-    on a shared machine a disturbance only ever slows a probe down. With one probe per concurrency, the
-    2026-12-01 18:08 calibration predicted the 1-rank run at 6,698 tokens/s where the one before it
-    predicted 8,685, with the run measured at 8,309 and 8,527."""
+    on a shared machine a disturbance only ever slows a probe down, so a single probe per concurrency
+    can be far off (one disturbed probe put the 1-rank run at 6,698 tokens/s against 8,309-8,527
+    measured; an undisturbed one at 8,685)."""
     return min(calibrations, key=lambda c: sum(f + b for f, b in c["blocks"]) + sum(c["heads"]))
 
 
 def overhead_at(measured: float | dict, ranks: int) -> float:
     """The executor's host work per action measured with the number of processes nearest ``ranks``
-    (a number: one measurement, from a calibration before it was measured per process count)."""
+    (a number: a single measurement that holds for every process count)."""
     if not isinstance(measured, dict):
         return float(measured)
     return float(measured[min(measured, key=lambda k: abs(int(k) - ranks))])
@@ -158,7 +158,7 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1)) if n > 2 else float("nan")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="/tmp/ft-simval")
     ap.add_argument("--steps", type=int, default=8)
@@ -174,229 +174,297 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="do not calibrate or run: simulate again the calibration and runs an earlier invocation left in --out",
     )
-    a = ap.parse_args(argv)
-    out, docs = Path(a.out), Path(a.docs)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    load0 = os.getloadavg()
-    if a.reuse:
-        comp, loop, net, cores, load0 = load_calibration(out / "calibration.json")
-        read = lambda d: json.loads((out / d / "results.json").read_text())  # noqa: E731
-        dp_runs, pp_runs = read("dp"), read("pp") + [dict(r, defer=True) for r in read("ppdefer")]
-    else:
-        print("calibrating ...", flush=True)
-        cores = os.cpu_count() or 1
-        comp = {n: least_disturbed(measure_compute(n) for _ in range(2)) for n in (1, 2, 4)}
-        loss_buffers = measure_loss_buffers()  # a property of the allocator, not of the concurrency
-        over = measure_oversubscription(4, cores)[0]  # the 4-rank runs on this machine's cores
-        for v in comp.values():
-            v["loss_buffers"], v["oversubscribed"] = loss_buffers, over
-        loop = {n: measure_loopback(n) for n in (2, 4)}
-        # the executor's host work per action, with as many processes as the runs have: 2, and 4 (the pipeline rows)
-        overhead = {
-            str(n): measure_action_overhead(
-                cluster_of(comp, n, cores, loop[n], None, n, f"this machine, {n} ranks"), dp=n // 2
-            )[0]
-            for n in (2, 4)
-        }
-        for v in comp.values():
-            v["action_overhead"] = overhead
-        net = measure_network("1gbit", 2)
-        steps = ["--steps", str(a.steps), "--warmup", "3", "--repeat", str(a.repeat)]
-        print("bench dp ...", flush=True)
-        dp_runs = bench(
-            "dp",
-            [
-                "--strategies",
-                "none,ps,sharded-ps,allreduce,ddp",
-                "--precisions",
-                "fp32",
-                "--ranks",
-                "1,2,4",
-                "--networks",
-                "loopback,1gbit",
-                "--anchors",
-                "none",
-                *steps,
-            ],
-            out / "dp",
-        )
-        print("bench pipeline ...", flush=True)
-        pp_runs = bench(
-            "pipeline",
-            [
-                "--schedules",
-                "gpipe,1f1b,interleaved-1f1b,interleaved-1f1b:per-chunk,fold:after-flush,fold",
-                "--anchors",
-                "none",
-                "--networks",
-                "1gbit",
-                *steps,
-            ],
-            out / "pp",
-        )
-        pp_runs += [
-            dict(r, defer=True)
-            for r in bench(
-                "pipeline",
-                [
-                    "--schedules",
-                    "fold",
-                    "--anchors",
-                    "none",
-                    "--networks",
-                    "1gbit",
-                    "--set",
-                    "fold.defer_reduce=true",
-                    "--set",
-                    "optim.grad_clip=0",
-                    *steps,
-                ],
-                out / "ppdefer",
-            )
-        ]
-        (out / "calibration.json").write_text(
-            json.dumps(
-                {
-                    "compute": {str(k): v for k, v in comp.items()},
-                    "loopback": loop,
-                    "net": net,
-                    "cores": cores,
-                    "load": [load0[0], os.getloadavg()[0]],
-                },
-                default=str,
-            )
-        )
-        load0 = (load0[0], os.getloadavg()[0])
+    return ap.parse_args(argv)
+
+
+def calibrate(cores: int) -> tuple[dict, dict, dict]:
+    """Compute by concurrency (1, 2, 4 processes), loopback by process count (2, 4) and the 1 Gbit/s
+    network between two emulated nodes, measured in the conditions of the runs."""
+    comp = {n: least_disturbed(measure_compute(n) for _ in range(2)) for n in (1, 2, 4)}
+    loss_buffers = measure_loss_buffers()  # a property of the allocator, not of the concurrency
+    over = measure_oversubscription(4, cores)[0]  # the 4-rank runs on this machine's cores
+    for v in comp.values():
+        v["loss_buffers"], v["oversubscribed"] = loss_buffers, over
+    loop = {n: measure_loopback(n) for n in (2, 4)}
+    # the executor's host work per action, with as many processes as the runs have: 2, and 4 (the pipeline rows)
+    overhead = {
+        str(n): measure_action_overhead(
+            cluster_of(comp, n, cores, loop[n], None, n, f"this machine, {n} ranks"), dp=n // 2
+        )[0]
+        for n in (2, 4)
+    }
+    for v in comp.values():
+        v["action_overhead"] = overhead
+    net = measure_network("1gbit", 2)
+    return comp, loop, net
+
+
+def run_benches(a: argparse.Namespace, out: Path) -> tuple[list[dict], list[dict]]:
+    """The dp runs and the pipeline runs (those with deferred reduction marked ``defer``)."""
+    steps = ["--steps", str(a.steps), "--warmup", "3", "--repeat", str(a.repeat)]
+    print("bench dp ...", flush=True)
+    dp_args = [
+        "--strategies",
+        "none,ps,sharded-ps,allreduce,ddp",
+        "--precisions",
+        "fp32",
+        "--ranks",
+        "1,2,4",
+        "--networks",
+        "loopback,1gbit",
+        "--anchors",
+        "none",
+        *steps,
+    ]
+    dp_runs = bench("dp", dp_args, out / "dp")
+    print("bench pipeline ...", flush=True)
+    pp_args = [
+        "--schedules",
+        "gpipe,1f1b,interleaved-1f1b,interleaved-1f1b:per-chunk,fold:after-flush,fold",
+        "--anchors",
+        "none",
+        "--networks",
+        "1gbit",
+        *steps,
+    ]
+    pp_runs = bench("pipeline", pp_args, out / "pp")
+    defer_args = [
+        "--schedules",
+        "fold",
+        "--anchors",
+        "none",
+        "--networks",
+        "1gbit",
+        "--set",
+        "fold.defer_reduce=true",
+        "--set",
+        "optim.grad_clip=0",
+        *steps,
+    ]
+    pp_runs += [dict(r, defer=True) for r in bench("pipeline", defer_args, out / "ppdefer")]
+    return dp_runs, pp_runs
+
+
+def calibrate_and_run(a: argparse.Namespace, out: Path, load0: tuple) -> tuple:
+    """Calibrate, run the benchmarks and save the calibration for ``--reuse``:
+    ``(comp, loop, net, cores, load, dp_runs, pp_runs)``, ``load`` the load averages at the start and end."""
+    print("calibrating ...", flush=True)
+    cores = os.cpu_count() or 1
+    comp, loop, net = calibrate(cores)
+    dp_runs, pp_runs = run_benches(a, out)
+    saved = {
+        "compute": {str(k): v for k, v in comp.items()},
+        "loopback": loop,
+        "net": net,
+        "cores": cores,
+        "load": [load0[0], os.getloadavg()[0]],
+    }
+    (out / "calibration.json").write_text(json.dumps(saved, default=str))
+    load = (load0[0], os.getloadavg()[0])
+    return comp, loop, net, cores, load, dp_runs, pp_runs
+
+
+def reuse_runs(out: Path) -> tuple:
+    """What :func:`calibrate_and_run` returns, read back from an earlier invocation's ``out``."""
+    comp, loop, net, cores, load = load_calibration(out / "calibration.json")
+
+    def read(d: str) -> list[dict]:
+        return json.loads((out / d / "results.json").read_text())
+
+    dp_runs, pp_runs = read("dp"), read("pp") + [dict(r, defer=True) for r in read("ppdefer")]
+    return comp, loop, net, cores, load, dp_runs, pp_runs
+
+
+def dp_setup(r: dict, comp: dict, loop: dict, net: dict, cores: int) -> tuple[list[str], Cluster, str]:
+    """The configuration arguments, the cluster and the table label of one ``bench dp`` run."""
+    n = r["ranks"]
+    args = DP_MODEL + (
+        ["--dp.strategy", r["variant"], "--parallel.dp", str(r["workers"])] if r["variant"] != "none" else []
+    )
+    c = cluster_of(
+        comp,
+        n,
+        cores,
+        loop[max(n, 2)],
+        net if r["network"] != "loopback" else None,
+        n if r["network"] == "loopback" else 1,
+        f"this machine, {n} ranks, {r['network']}",
+    )
+    return args, c, f"dp {r['variant']} x{n} {r['network']}"
+
+
+def pipeline_setup(r: dict, comp: dict, loop: dict, net: dict, cores: int) -> tuple[list[str], Cluster, str]:
+    """The configuration arguments, the cluster and the table label of one ``bench pipeline`` run
+    (2 nodes x 2 ranks)."""
+    v, sync = r["info"]["virtual"], r["info"]["dp_sync"]
+    args = PIPE_MODEL + [
+        "--parallel.dp",
+        "2",
+        "--parallel.pp",
+        "2",
+        "--parallel.microbatches",
+        "4",
+        "--parallel.virtual",
+        str(v),
+        "--parallel.schedule",
+        r["variant"],
+        "--parallel.dp_sync",
+        sync,
+    ]
+    if r.get("defer"):
+        args += ["--fold.defer_reduce", "--optim.grad_clip", "0"]
+    # 4 processes on the machine
+    c = cluster_of(comp, 4, cores, loop[2], net, 2, "this machine, 2 nodes x 2 ranks, 1gbit", busy=loop[4])
+    return args, c, f"pp {r['variant']} V{v} {sync}" + (" defer" if r.get("defer") else "")
+
+
+def simulate_runs(runs: list[dict], comp: dict, loop: dict, net: dict, cores: int) -> tuple[list[tuple], tuple | None]:
+    """Every run simulated with the calibrated cluster: ``(run, simulation or None if the run failed, label)``
+    rows, and the (run, simulation) of the fold per-chunk run without deferral whose charts the page shows."""
     rows = []
     gantt_pair = None
-    for r in dp_runs + pp_runs:
+    for r in runs:
         if r.get("error") or "tokens_per_s" not in r.get("metrics", {}):
             rows.append((r, None, None))
             continue
-        n = r["ranks"]
-        if r["bench"] == "dp":
-            args = DP_MODEL + (
-                ["--dp.strategy", r["variant"], "--parallel.dp", str(r["workers"])] if r["variant"] != "none" else []
-            )
-            c = cluster_of(
-                comp,
-                n,
-                cores,
-                loop[max(n, 2)],
-                net if r["network"] != "loopback" else None,
-                n if r["network"] == "loopback" else 1,
-                f"this machine, {n} ranks, {r['network']}",
-            )
-            label = f"dp {r['variant']} x{n} {r['network']}"
-        else:
-            v, sync = r["info"]["virtual"], r["info"]["dp_sync"]
-            args = PIPE_MODEL + [
-                "--parallel.dp",
-                "2",
-                "--parallel.pp",
-                "2",
-                "--parallel.microbatches",
-                "4",
-                "--parallel.virtual",
-                str(v),
-                "--parallel.schedule",
-                r["variant"],
-                "--parallel.dp_sync",
-                sync,
-            ]
-            if r.get("defer"):
-                args += ["--fold.defer_reduce", "--optim.grad_clip", "0"]
-            c = cluster_of(
-                comp, 4, cores, loop[2], net, 2, "this machine, 2 nodes x 2 ranks, 1gbit", busy=loop[4]
-            )  # 4 processes on the machine
-            label = f"pp {r['variant']} V{v} {sync}" + (" defer" if r.get("defer") else "")
+        setup = dp_setup if r["bench"] == "dp" else pipeline_setup
+        args, c, label = setup(r, comp, loop, net, cores)
         sim = simulate(build_config(args), c, keep_events=True)
         rows.append((r, sim, label))
-        if r["bench"] == "pipeline" and r["variant"] == "fold" and sync == "per-chunk" and not r.get("defer"):
+        fold_per_chunk = r["bench"] == "pipeline" and r["variant"] == "fold" and r["info"]["dp_sync"] == "per-chunk"
+        if fold_per_chunk and not r.get("defer"):
             gantt_pair = (r, sim)
-    good = [(r, s, lab) for r, s, lab in rows if s is not None]
-    meas = [r["metrics"]["tokens_per_s"] for r, _, _ in good]
-    pred = [s.tokens_per_s for _, s, _ in good]
-    errs = [p / m - 1 for p, m in zip(pred, meas)]
-    # the runs log rank 0's peak resident size: compare with rank 0's prediction
-    mem_errs = [
-        s.memory[0]["total"] / (r["metrics"]["peak_mem_mb"] * 2**20) - 1
-        for r, s, _ in good
-        if r["metrics"].get("peak_mem_mb")
-    ]
-    img = docs / "img"
-    img.mkdir(parents=True, exist_ok=True)
-    if gantt_pair:
-        r, s = gantt_pair
-        g = (
-            Path(r.get("info", {}).get("profiled_out", r["out_dir"])) / "gantt.png"
-        )  # tokens/s come from the unprofiled run
-        if g.is_file():
-            shutil.copy(g, img / "simval_measured_fold.png")
-        tmp = out / "simprof"
-        write_profile(s, tmp)
-        shutil.copy(tmp / "gantt.png", img / "simval_simulated_fold.png")
-    L = [
+    return rows, gantt_pair
+
+
+def copy_gantts(gantt_pair: tuple, img: Path, out: Path) -> None:
+    """The measured and the simulated Gantt chart of one run into the docs' images."""
+    r, s = gantt_pair
+    # tokens/s come from the unprofiled run; the chart from its profiled twin
+    g = Path(r.get("info", {}).get("profiled_out", r["out_dir"])) / "gantt.png"
+    if g.is_file():
+        shutil.copy(g, img / "simval_measured_fold.png")
+    tmp = out / "simprof"
+    write_profile(s, tmp)
+    shutil.copy(tmp / "gantt.png", img / "simval_simulated_fold.png")
+
+
+def intro_lines(a: argparse.Namespace, cores: int, load: tuple, minutes: int) -> list[str]:
+    repeat = f" --repeat {a.repeat}" if a.repeat > 1 else ""
+    return [
         "# Simulator validation: predicted against measured on this machine",
         "",
-        f"Regenerate with `{CMD}{f' --repeat {a.repeat}' if a.repeat > 1 else ''}` (needs root and iproute2; about {max(1, round((time.time() - t0) / 60))} minutes). "
-        "It calibrates this machine (`foldtrain.calibrate`: compute with 1, 2 and 4 concurrent processes and the cores' efficiency with 4 ranks on them, gloo on loopback "
+        f"Regenerate with `{CMD}{repeat}` (needs root and iproute2; about {minutes} minutes). "
+        "It calibrates this machine (`foldtrain.calibrate`: compute with 1, 2 and 4 concurrent processes "
+        "and the cores' efficiency with 4 ranks on them, gloo on loopback "
         "and across two emulated nodes at 1 Gbit/s), runs `foldtrain bench dp` and `foldtrain bench pipeline`, and "
         "simulates every run with the calibrated numbers.",
         "",
-        f"Conditions: {cores} CPU cores (load average {load0[0]:.1f} at the start, "
-        f"{load0[1]:.1f} at the end of the runs); calibration and runs were made in the same invocation, minutes apart, "
+        f"Conditions: {cores} CPU cores (load average {load[0]:.1f} at the start, "
+        f"{load[1]:.1f} at the end of the runs); "
+        "calibration and runs were made in the same invocation, minutes apart, "
         "so both see similar contention, but contention changes from run to run.",
         "",
-        "| configuration | measured tokens/s | predicted tokens/s | error | measured peak MB (rank 0) | predicted (rank 0) | error |",
+    ]
+
+
+def comparison_table(rows: list[tuple]) -> list[str]:
+    """One row per run: measured and predicted tokens/s and rank 0's peak memory, with the errors."""
+    L = [
+        "| configuration | measured tokens/s | predicted tokens/s | error "
+        "| measured peak MB (rank 0) | predicted (rank 0) | error |",
         "|---|---|---|---|---|---|---|",
     ]
     for r, s, lab in rows:
         if s is None:
             L.append(
-                f"| {r['bench']} {r['variant']} x{r['ranks']} {r['network']} | failed: {r.get('error', '')[:80]} | | | | | |"
+                f"| {r['bench']} {r['variant']} x{r['ranks']} {r['network']} "
+                f"| failed: {r.get('error', '')[:80]} | | | | | |"
             )
             continue
         m = r["metrics"]
         mm = m.get("peak_mem_mb", float("nan"))
+        speed_err = s.tokens_per_s / m["tokens_per_s"] - 1
+        mem_err = s.memory[0]["total"] / (mm * 2**20) - 1
         L.append(
-            f"| {lab} | {m['tokens_per_s']:,.0f} | {s.tokens_per_s:,.0f} | {s.tokens_per_s / m['tokens_per_s'] - 1:+.1%} | "
-            f"{mm:.0f} | {s.memory[0]['total'] / 2**20:.0f} | {s.memory[0]['total'] / (mm * 2**20) - 1:+.1%} |"
+            f"| {lab} | {m['tokens_per_s']:,.0f} | {s.tokens_per_s:,.0f} | {speed_err:+.1%} | "
+            f"{mm:.0f} | {s.memory[0]['total'] / 2**20:.0f} | {mem_err:+.1%} |"
         )
-    if errs:
-        L += [
-            "",
-            "| metric | value | target |",
-            "|---|---|---|",
-            f"| configurations | {len(errs)} | >= 12 |",
-            f"| median absolute error, tokens/s | {statistics.median(abs(e) for e in errs):.1%} | <= 10% |",
-            f"| max absolute error | {max(abs(e) for e in errs):.1%} | <= 20% |",
-            f"| Spearman rank correlation | {spearman(meas, pred):.2f} | >= 0.9 |",
-            f"| peak memory, median / max absolute error | {statistics.median(abs(e) for e in mem_errs):.1%} / "
-            f"{max(abs(e) for e in mem_errs):.1%} | within 15% |"
-            if mem_errs
-            else "| peak memory | not logged | |",
-        ]
-    if gantt_pair:
-        L += [
-            "",
-            "## One fold run, measured and simulated (fold, V=2, per-chunk, 2 nodes x 2 ranks, 1 Gbit/s)",
-            "",
-            "Measured (`gantt.png` of the `--profile` run):",
-            "",
-            "![measured](img/simval_measured_fold.png)",
-            "",
-            "Simulated (`foldtrain simulate ... --profile DIR` with the calibrated cluster):",
-            "",
-            "![simulated](img/simval_simulated_fold.png)",
-            "",
-        ]
-    path = docs / "simulator.md"
+    return L
+
+
+def summary_table(rows: list[tuple]) -> list[str]:
+    """The errors over every run that simulated, against the targets; nothing when none did."""
+    good = [(r, s) for r, s, _ in rows if s is not None]
+    meas = [r["metrics"]["tokens_per_s"] for r, _ in good]
+    pred = [s.tokens_per_s for _, s in good]
+    errs = [p / m - 1 for p, m in zip(pred, meas)]
+    if not errs:
+        return []
+    # the runs log rank 0's peak resident size: compare with rank 0's prediction
+    mem_errs = [
+        s.memory[0]["total"] / (r["metrics"]["peak_mem_mb"] * 2**20) - 1
+        for r, s in good
+        if r["metrics"].get("peak_mem_mb")
+    ]
+    return [
+        "",
+        "| metric | value | target |",
+        "|---|---|---|",
+        f"| configurations | {len(errs)} | >= 12 |",
+        f"| median absolute error, tokens/s | {statistics.median(abs(e) for e in errs):.1%} | <= 10% |",
+        f"| max absolute error | {max(abs(e) for e in errs):.1%} | <= 20% |",
+        f"| Spearman rank correlation | {spearman(meas, pred):.2f} | >= 0.9 |",
+        f"| peak memory, median / max absolute error | {statistics.median(abs(e) for e in mem_errs):.1%} / "
+        f"{max(abs(e) for e in mem_errs):.1%} | within 15% |"
+        if mem_errs
+        else "| peak memory | not logged | |",
+    ]
+
+
+GANTT_SECTION = [
+    "",
+    "## One fold run, measured and simulated (fold, V=2, per-chunk, 2 nodes x 2 ranks, 1 Gbit/s)",
+    "",
+    "Measured (`gantt.png` of the `--profile` run):",
+    "",
+    "![measured](img/simval_measured_fold.png)",
+    "",
+    "Simulated (`foldtrain simulate ... --profile DIR` with the calibrated cluster):",
+    "",
+    "![simulated](img/simval_simulated_fold.png)",
+    "",
+]
+
+
+def write_page(path: Path, lines: list[str]) -> None:
+    """``lines`` as the page, keeping what follows the ``<!-- model -->`` marker of the page there."""
     marker = "<!-- model -->"
-    body = "\n".join(L) + "\n"
+    body = "\n".join(lines) + "\n"
     if path.is_file() and marker in path.read_text():
         body += "\n" + path.read_text()[path.read_text().index(marker) :]
     path.write_text(body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    out, docs = Path(a.out), Path(a.docs)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    if a.reuse:
+        comp, loop, net, cores, load, dp_runs, pp_runs = reuse_runs(out)
+    else:
+        comp, loop, net, cores, load, dp_runs, pp_runs = calibrate_and_run(a, out, os.getloadavg())
+    rows, gantt_pair = simulate_runs(dp_runs + pp_runs, comp, loop, net, cores)
+    img = docs / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    if gantt_pair:
+        copy_gantts(gantt_pair, img, out)
+    minutes = max(1, round((time.time() - t0) / 60))
+    lines = intro_lines(a, cores, load, minutes) + comparison_table(rows) + summary_table(rows)
+    if gantt_pair:
+        lines += GANTT_SECTION
+    path = docs / "simulator.md"
+    write_page(path, lines)
     print(f"wrote {path} in {time.time() - t0:.0f} s")
     return 0

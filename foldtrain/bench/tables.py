@@ -303,61 +303,75 @@ def dp_ratios(runs: list[RunResult]) -> list[Ratio]:
     * allreduce vs colocated ps tokens/s at 4 ranks (else the largest) on each throttled network;
     * server vs worker bytes per step for ps (largest rank count, per network)."""
     runs = [r for r in runs if r.bench == "dp"]
-    out: list[Ratio] = []
     networks = list(dict.fromkeys(r.network for r in runs if r.ranks > 1))
     precisions = list(dict.fromkeys(r.precision for r in runs))
     variants = {(r.impl, r.variant) for r in runs}
+    out = _dp_vs_ddp_plain(runs, networks, precisions, variants)
+    if ("foldtrain", "allreduce") in variants and ("foldtrain", "ps") in variants:
+        out += _allreduce_vs_ps(runs, [n for n in networks if n != "loopback"], precisions)
+    return out + _ps_server_bytes(runs, networks, precisions)
 
-    def get(impl: str, variant: str, net: str, prec: str, n: int) -> RunResult | None:
-        return _find(runs, impl=impl, variant=variant, network=net, precision=prec, ranks=n)
 
+def _dp_run(runs: list[RunResult], impl: str, variant: str, net: str, prec: str, n: int) -> RunResult | None:
+    return _find(runs, impl=impl, variant=variant, network=net, precision=prec, ranks=n)
+
+
+def _dp_vs_ddp_plain(runs: list[RunResult], networks: list[str], precisions: list[str], variants: set) -> list[Ratio]:
+    """allreduce / ddp_plain and sharded-ps / ddp_plain tokens/s at the largest rank count both ran."""
+    out: list[Ratio] = []
+    if ("ddp_plain", "") not in variants:
+        return out
     for net in networks:
         for prec in precisions:
             for strat in ("allreduce", "sharded-ps"):
-                if ("foldtrain", strat) not in variants or ("ddp_plain", "") not in variants:
+                if ("foldtrain", strat) not in variants:
                     continue
-                ranks = sorted(
-                    {
-                        r.ranks
-                        for r in runs
-                        if r.network == net
-                        and r.precision == prec
-                        and r.ranks > 1
-                        and (r.impl, r.variant) in (("foldtrain", strat), ("ddp_plain", ""))
-                    },
-                    reverse=True,
-                )
+                pair = (("foldtrain", strat), ("ddp_plain", ""))
+                ranks = {
+                    r.ranks
+                    for r in runs
+                    if r.network == net and r.precision == prec and r.ranks > 1 and (r.impl, r.variant) in pair
+                }
                 if not ranks:
                     continue
-                n = ranks[0]
+                n = max(ranks)
                 v, why = _ratio(
-                    get("foldtrain", strat, net, prec, n),
-                    get("ddp_plain", "", net, prec, n),
+                    _dp_run(runs, "foldtrain", strat, net, prec, n),
+                    _dp_run(runs, "ddp_plain", "", net, prec, n),
                     names=(strat, "ddp_plain"),
                 )
                 out.append(Ratio(f"{strat} / ddp_plain tokens/s [{net}, {prec}, {n} ranks]", v, why))
-    if ("foldtrain", "allreduce") in variants and ("foldtrain", "ps") in variants:
-        for net in [n for n in networks if n != "loopback"]:
-            for prec in precisions:
-                ranks = sorted(
-                    {
-                        r.ranks
-                        for r in runs
-                        if r.network == net
-                        and r.precision == prec
-                        and r.impl == "foldtrain"
-                        and r.variant in ("allreduce", "ps")
-                    },
-                    reverse=True,
-                )
-                if not ranks:
-                    continue
-                n = 4 if 4 in ranks else ranks[0]
-                ps = get("foldtrain", "ps", net, prec, n)
-                k = int(ps.info.get("ps_servers", 0) or 0) if ps else 0
-                kind = f"{k} dedicated server(s)" if k else "colocated"
-                v, why = _ratio(get("foldtrain", "allreduce", net, prec, n), ps, names=("allreduce", "ps"))
-                out.append(Ratio(f"allreduce / ps ({kind}) tokens/s [{net}, {prec}, {n} ranks]", v, why))
+    return out
+
+
+def _allreduce_vs_ps(runs: list[RunResult], networks: list[str], precisions: list[str]) -> list[Ratio]:
+    """allreduce / ps tokens/s at 4 ranks (else the largest both ran) on each of ``networks``."""
+    out: list[Ratio] = []
+    for net in networks:
+        for prec in precisions:
+            ranks = {
+                r.ranks
+                for r in runs
+                if r.network == net
+                and r.precision == prec
+                and r.impl == "foldtrain"
+                and r.variant in ("allreduce", "ps")
+            }
+            if not ranks:
+                continue
+            n = 4 if 4 in ranks else max(ranks)
+            ps = _dp_run(runs, "foldtrain", "ps", net, prec, n)
+            k = int(ps.info.get("ps_servers", 0) or 0) if ps else 0
+            kind = f"{k} dedicated server(s)" if k else "colocated"
+            allreduce = _dp_run(runs, "foldtrain", "allreduce", net, prec, n)
+            v, why = _ratio(allreduce, ps, names=("allreduce", "ps"))
+            out.append(Ratio(f"allreduce / ps ({kind}) tokens/s [{net}, {prec}, {n} ranks]", v, why))
+    return out
+
+
+def _ps_server_bytes(runs: list[RunResult], networks: list[str], precisions: list[str]) -> list[Ratio]:
+    """The ps server's bytes per step over a worker's, at the largest rank count, per network and precision."""
+    out: list[Ratio] = []
     for net in networks:
         for prec in precisions:
             ps_runs = sorted(
@@ -375,13 +389,8 @@ def dp_ratios(runs: list[RunResult]) -> list[Ratio]:
             if w and s is not None:
                 out.append(Ratio(name, s / w, f"{fmt(s, 'mb')} MB vs {fmt(w, 'mb')} MB per step, from {src}"))
             elif s is not None:
-                out.append(
-                    Ratio(
-                        name,
-                        None,
-                        "workers' bytes unknown on loopback (rank 0 is the server); see the emulated network",
-                    )
-                )
+                why = "workers' bytes unknown on loopback (rank 0 is the server); see the emulated network"
+                out.append(Ratio(name, None, why))
             else:
                 out.append(Ratio(name, None, "no byte counters logged"))
     return out

@@ -15,10 +15,25 @@ from .executor import measure_action_overhead
 from .memory import LOSS_SHAPE, LOSS_TOKENS, measure_loss_buffers
 
 
-def main(argv: list[str]) -> int:
-    if argv == ["--_comm_probe"]:
-        _comm_probe()
-        return 0
+@dataclasses.dataclass
+class Probes:
+    """What the probes measured on this machine, for the cluster and for the notes saying where each number
+    comes from."""
+
+    ranks: int  # the runs' ranks: nodes x ranks_per_node
+    cores: int
+    conc: int  # processes the compute probe ran at once
+    comp: dict
+    over: float  # oversubscribed efficiency (1.0 when not measured)
+    over_ratios: list
+    loss_buffers: float
+    loop: dict  # gloo on loopback over ranks_per_node ranks
+    net: dict | None  # gloo across the emulated nodes, with --network
+    busy: dict  # the loopback probe with the runs' number of processes
+    memory_total: int  # bytes
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="foldtrain calibrate",
         description="measure this machine and write a cluster file for foldtrain simulate --cluster FILE",
@@ -35,8 +50,11 @@ def main(argv: list[str]) -> int:
         if a.nodes < 2:
             raise FoldtrainError("calibrate --network needs --nodes 2 or more to measure a link between nodes")
         check_network_prerequisites()
-    from foldtrain.sim.cluster import Cluster, to_toml
+    return a
 
+
+def run_probes(a: argparse.Namespace) -> Probes:
+    """Compute, oversubscription, the loss's buffers, gloo on loopback (and across the emulated nodes)."""
     ranks = a.nodes * a.ranks_per_node
     cores = os.cpu_count() or 1
     conc = min(ranks, cores)  # each process on a core of its own; the simulator shares the cores among more ranks
@@ -56,23 +74,28 @@ def main(argv: list[str]) -> int:
         net = measure_network(a.network, a.nodes)
     with open("/proc/meminfo") as f:
         total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
-
-    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    fp32_a, fp32_h, _ = comp["fp32"]
     # a collective's step with as many processes as the runs have on this machine (on shared cores the
-    # host's scheduling, not the wire, is most of it); across nodes never shorter than on loopback
+    # host's scheduling, not the wire, is most of it)
     busy = loop if ranks <= max(a.ranks_per_node, 2) else measure_loopback(ranks)
-    intra, inter = links(loop, net, busy["collective_latency_s"])
-    name = a.name or os.path.splitext(os.path.basename(a.out))[0]
-    c = Cluster(
+    return Probes(ranks, cores, conc, comp, over, over_ratios, loss_buffers, loop, net, busy, total)
+
+
+def build_cluster(name: str, ranks_per_node: int, m: Probes):
+    """The cluster of the probes' numbers, without the executor's work per action."""
+    from foldtrain.sim.cluster import Cluster
+
+    comp = m.comp
+    # across nodes never shorter than on loopback
+    intra, inter = links(m.loop, m.net, m.busy["collective_latency_s"])
+    return Cluster(
         name=name,
-        gpus_per_node=a.ranks_per_node,
-        memory=total / ranks,
-        shared_cores=float(cores),
+        gpus_per_node=ranks_per_node,
+        memory=m.memory_total / m.ranks,
+        shared_cores=float(m.cores),
         tflops={d: comp[d][0] for d in DTYPES},
         mem_bw=comp["mem_bw"],
         efficiency=1.0,
-        half_size=fp32_h,
+        half_size=comp["fp32"][1],
         layer_overhead=comp["block_overhead"],
         intra=intra,
         inter=inter,
@@ -80,44 +103,52 @@ def main(argv: list[str]) -> int:
         backward_ratio=comp["backward_ratio"],
         elem_bw=comp["elem_bw"],
         softmax_rate=comp["softmax_rate"],
-        loss_buffers=loss_buffers,
+        loss_buffers=m.loss_buffers,
         rows_half_size=comp["rows_half_size"],
         head_weight_rate=comp["head_weight_rate"],
         optim_rate=comp["optim_rate"],
-        comm_cpu=(net or loop).get("cpu_per_byte", 0.0),
-        oversubscribed=over,
-        collective_cpu=busy.get("collective_cpu_s", 0.0),
+        comm_cpu=(m.net or m.loop).get("cpu_per_byte", 0.0),
+        oversubscribed=m.over,
+        collective_cpu=m.busy.get("collective_cpu_s", 0.0),
     )
-    print("calibrate: the pipeline executor's own work per action ...", flush=True)
-    probe_dp = 2 if ranks >= 4 else 1  # with the runs' contention: 4 processes when they have 4 or more
-    ov, ov_measured, ov_sim = measure_action_overhead(
-        dataclasses.replace(c, gpus_per_node=2 * probe_dp), dp=probe_dp
-    )  # its ranks on one node
-    c = dataclasses.replace(c, action_overhead=ov)
-    src = f"foldtrain calibrate, {when}, {conc} concurrent processes"
+
+
+def gflops(rates) -> str:
+    return ", ".join(f"{r / 1e9:.1f}" for r in rates)
+
+
+def node_notes(src: str, m: Probes) -> dict[str, str]:
+    if m.over_ratios:
+        over = (
+            f"blocks of {RATIO_SHAPES} timed with {m.cores} and with {m.ranks} single-threaded processes at once, "
+            f"alternated: {m.cores} / {m.ranks} of the time per block at {m.cores} over the time at {m.ranks}, "
+            f"median of {', '.join(f'{r:.2f}' for r in m.over_ratios)}"
+            + (f" (scaled to {2 * m.cores} busy ranks)" if m.ranks != 2 * m.cores else "")
+        )
+    else:
+        over = f"not measured: the runs have no more ranks ({m.ranks}) than cores ({m.cores})"
+    return {
+        "node.gpus": f"--ranks_per_node ({src})",
+        "node.shared_cores": "os.cpu_count(): every emulated node's ranks run on this machine's cores",
+        "node.oversubscribed_efficiency": over,
+        "node.comm_cpu_ns": f"{src}: CPU time of a rank (all threads) over the bytes it sends in the "
+        + ("emulated nodes'" if m.net else "loopback")
+        + " all-reduce",
+        "node.collective_cpu_us": f"{src}: CPU time of a rank (all threads) over the 4 KB all-reduces of "
+        f"collective_latency_us, per step",
+    }
+
+
+def device_notes(src: str, m: Probes, probe_dp: int, ov_measured: float, ov_sim: float) -> dict[str, str]:
+    comp = m.comp
     notes = {
-        f"device.{d}_tflops": f"{src}: fitted peak of (512 x n) @ (n x 4n), n = {SIZES}; measured "
-        + ", ".join(f"{r / 1e9:.1f}" for r in comp[d][2])
-        + " GFLOP/s"
+        f"device.{d}_tflops": f"{src}: fitted peak of (512 x n) @ (n x 4n), n = {SIZES}; "
+        f"measured {gflops(comp[d][2])} GFLOP/s"
         for d in DTYPES
     }
+    replicas = "2 replicas of " if probe_dp > 1 else ""
     notes.update(
         {
-            "node.gpus": f"--ranks_per_node ({src})",
-            "node.shared_cores": "os.cpu_count(): every emulated node's ranks run on this machine's cores",
-            "node.oversubscribed_efficiency": (
-                f"blocks of {RATIO_SHAPES} timed with {cores} and with {ranks} single-threaded processes at once, alternated: "
-                f"{cores} / {ranks} of the time per block at {cores} over the time at {ranks}, median of "
-                + ", ".join(f"{r:.2f}" for r in over_ratios)
-                + (f" (scaled to {2 * cores} busy ranks)" if ranks != 2 * cores else "")
-                if over_ratios
-                else f"not measured: the runs have no more ranks ({ranks}) than cores ({cores})"
-            ),
-            "node.comm_cpu_ns": f"{src}: CPU time of a rank (all threads) over the bytes it sends in the "
-            + ("emulated nodes'" if net else "loopback")
-            + " all-reduce",
-            "node.collective_cpu_us": f"{src}: CPU time of a rank (all threads) over the 4 KB all-reduces of "
-            f"collective_latency_us, per step",
             "device.memory_gb": "MemTotal / ranks (nodes x ranks_per_node)",
             "device.mem_bw_gbs": f"{src}: 64 MB copy",
             "device.efficiency": "folded into the fitted peaks",
@@ -125,37 +156,70 @@ def main(argv: list[str]) -> int:
             + ", ".join(f"{comp[d][1]:.0f}" for d in ("bf16", "fp16"))
             + ")",
             "device.layer_overhead_us": f"{src}: forward + backward of a tiny block / 3",
-            "device.backward_ratio": f"{src}: backward / forward time of a block, mean over (d, heads, batch, seq) = {RATIO_SHAPES}",
-            "device.elem_gbs": f"{src}: fitted so that the cost model's block forward equals the measured one at {RATIO_SHAPES}",
-            "device.softmax_gelems": f"{src}: per logit, fitted with head_weight_gelems to the real fused head (norm, projection, "
-            f"fp32 cross-entropy, forward + backward) at (d, V, tokens) = {HEAD_SHAPES} beyond its matrix products",
+            "device.backward_ratio": f"{src}: backward / forward time of a block, "
+            f"mean over (d, heads, batch, seq) = {RATIO_SHAPES}",
+            "device.elem_gbs": f"{src}: fitted so that the cost model's block forward equals the measured one "
+            f"at {RATIO_SHAPES}",
+            "device.softmax_gelems": f"{src}: per logit, fitted with head_weight_gelems to the real fused head "
+            f"(norm, projection, fp32 cross-entropy, forward + backward) at (d, V, tokens) = {HEAD_SHAPES} "
+            "beyond its matrix products",
             "device.head_weight_gelems": f"{src}: per element of the head's weight, the same fit",
-            "device.action_overhead_us": f"{src}: {'2 replicas of ' if probe_dp > 1 else ''}a 2-rank pipeline of a negligible model (interleaved-1f1b, V 2, 16 micro-batches) "
-            f"took {ov_measured * 1e3:.1f} ms a step, the simulator without it {ov_sim * 1e3:.1f} ms; "
-            "the difference per action of a rank's list",
+            "device.action_overhead_us": f"{src}: {replicas}a 2-rank pipeline of a negligible model "
+            f"(interleaved-1f1b, V 2, 16 micro-batches) took {ov_measured * 1e3:.1f} ms a step, "
+            f"the simulator without it {ov_sim * 1e3:.1f} ms; the difference per action of a rank's list",
             "device.optim_gparams": f"{src}: fused AdamW step and gradient-norm clipping of 4 M fp32 parameters",
-            "device.rows_half_size": f"{src}: fp32 F.linear of (n x 256) with a 1024 x 256 weight, n = {SIZES}, at the fitted fp32 peak; measured "
-            + ", ".join(f"{r / 1e9:.1f}" for r in comp["fp32_rows"])
-            + " GFLOP/s",
-            "device.loss_buffers": f"{src}: peak resident size of 16 training steps at {LOSS_TOKENS} tokens of a {LOSS_SHAPE} GPT, per "
-            "token, less the activations the cost model counts, over 4 V bytes",
-            "device.runtime_gb": f"{src}: resident size of a process that imported the trainer and ran 3 steps of a negligible model",
-            "intra.bw_gbs": f"{src}: gloo all-reduce of 16 MB over {max(a.ranks_per_node, 2)} local ranks (p2p {loop['p2p_bw'] / 1e9:.2f} GB/s)",
-            "intra.latency_us": f"{src}: gloo ping-pong / 2",
-            "inter.bw_gbs": (
-                f"{src}: gloo all-reduce over {a.nodes} emulated nodes at {a.network} (p2p {net['p2p_bw'] / 1e9:.3f} GB/s)"
-                if net
-                else "no --network: same as intra"
-            ),
-            "inter.latency_us": f"{src}: ping-pong across emulated nodes" if net else "no --network: same as intra",
-            "intra.collective_latency_us": f"{src}: a 4 KB gloo all-reduce over {busy['world']} local ranks / its 2 (n-1) steps, median of 40",
-            "inter.collective_latency_us": (
-                f"{src}: the same across {a.nodes} emulated nodes, or the local one if longer"
-                if net
-                else "no --network: same as intra"
-            ),
+            "device.rows_half_size": f"{src}: fp32 F.linear of (n x 256) with a 1024 x 256 weight, n = {SIZES}, "
+            f"at the fitted fp32 peak; measured {gflops(comp['fp32_rows'])} GFLOP/s",
+            "device.loss_buffers": f"{src}: peak resident size of 16 training steps at {LOSS_TOKENS} tokens "
+            f"of a {LOSS_SHAPE} GPT, per token, less the activations the cost model counts, over 4 V bytes",
+            "device.runtime_gb": f"{src}: resident size of a process that imported the trainer "
+            "and ran 3 steps of a negligible model",
         }
     )
+    return notes
+
+
+def link_notes(src: str, a: argparse.Namespace, m: Probes) -> dict[str, str]:
+    net, loop = m.net, m.loop
+    same = "no --network: same as intra"
+    return {
+        "intra.bw_gbs": f"{src}: gloo all-reduce of 16 MB over {max(a.ranks_per_node, 2)} local ranks "
+        f"(p2p {loop['p2p_bw'] / 1e9:.2f} GB/s)",
+        "intra.latency_us": f"{src}: gloo ping-pong / 2",
+        "inter.bw_gbs": (
+            f"{src}: gloo all-reduce over {a.nodes} emulated nodes at {a.network} (p2p {net['p2p_bw'] / 1e9:.3f} GB/s)"
+            if net
+            else same
+        ),
+        "inter.latency_us": f"{src}: ping-pong across emulated nodes" if net else same,
+        "intra.collective_latency_us": f"{src}: a 4 KB gloo all-reduce over {m.busy['world']} local ranks "
+        "/ its 2 (n-1) steps, median of 40",
+        "inter.collective_latency_us": (
+            f"{src}: the same across {a.nodes} emulated nodes, or the local one if longer" if net else same
+        ),
+    }
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--_comm_probe"]:
+        _comm_probe()
+        return 0
+    a = parse_args(argv)
+    from foldtrain.sim.cluster import to_toml
+
+    m = run_probes(a)
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    name = a.name or os.path.splitext(os.path.basename(a.out))[0]
+    c = build_cluster(name, a.ranks_per_node, m)
+    print("calibrate: the pipeline executor's own work per action ...", flush=True)
+    probe_dp = 2 if m.ranks >= 4 else 1  # with the runs' contention: 4 processes when they have 4 or more
+    # the probe's 2 x probe_dp ranks on one node
+    ov, ov_measured, ov_sim = measure_action_overhead(dataclasses.replace(c, gpus_per_node=2 * probe_dp), dp=probe_dp)
+    c = dataclasses.replace(c, action_overhead=ov)
+    src = f"foldtrain calibrate, {when}, {m.conc} concurrent processes"
+    notes = device_notes(src, m, probe_dp, ov_measured, ov_sim)
+    notes.update(node_notes(src, m))
+    notes.update(link_notes(src, a, m))
     text = f"# measured by foldtrain calibrate {' '.join(argv)}\n" + to_toml(c, notes)
     with open(a.out, "w") as f:
         f.write(text)

@@ -62,7 +62,7 @@ def _compute_probe(barrier, queue) -> None:
                 continue
             a = torch.randn(512, n, dtype=dt)
             b = torch.randn(n, 4 * n, dtype=dt)
-            t = _time(lambda: a @ b)
+            t = _time(lambda: a @ b)  # noqa: B023 - _time calls it here, in this iteration
             rates.append(2 * 512 * n * 4 * n / t)
         out[name] = rates
     # few rows (a pipeline's micro-batch of few tokens) through a linear layer as the model has them
@@ -72,7 +72,7 @@ def _compute_probe(barrier, queue) -> None:
     narrow = torch.randn(1024, 256)
     for n in SIZES:
         a = torch.randn(n, 256)
-        rows.append(2 * n * 256 * 1024 / _time(lambda: linear(a, narrow)))
+        rows.append(2 * n * 256 * 1024 / _time(lambda: linear(a, narrow)))  # noqa: B023 - called in this iteration
     out["fp32_rows"] = rows
     x = torch.empty(16 * 2**20, dtype=torch.float32)
     y = torch.empty_like(x)
@@ -84,19 +84,16 @@ def _compute_probe(barrier, queue) -> None:
     out["block_overhead"] = _time(lambda: blk(h).sum().backward()) / 3  # forward + backward ~ 3 passes
     out["blocks"] = [_block_times(Block, GPTShape, *shape) for shape in RATIO_SHAPES]
     out["heads"] = [_head_time(*shape) for shape in HEAD_SHAPES]
-    w = torch.nn.Parameter(
-        torch.randn(4 * 2**20)
-    )  # 4 M parameters: AdamW (fused, as the engines run it) and the norm for clipping
+    # 4 M parameters: AdamW (fused, as the engines run it) and the norm for clipping
+    w = torch.nn.Parameter(torch.randn(4 * 2**20))
     w.grad = torch.randn_like(w)
     adam = torch.optim.AdamW([w], fused=True)
     out["optim_rate"] = w.numel() / _time(lambda: (torch.nn.utils.clip_grad_norm_([w], 1.0), adam.step()))
     queue.put(out)
 
 
-HEAD_SHAPES = (
-    (96, 8192, 2048),
-    (256, 8192, 32),
-)  # (d_model, vocabulary, tokens): many tokens, and a micro-batch of few
+# (d_model, vocabulary, tokens): many tokens, and a micro-batch of few
+HEAD_SHAPES = ((96, 8192, 2048), (256, 8192, 32))
 
 
 def _head_time(d: int, vocab: int, tokens: int) -> float:
@@ -171,11 +168,8 @@ def fit_head(peak: float, half: float, rows_half: float, times: list) -> tuple[f
     return 1 / per_logit, 1 / per_weight
 
 
-RATIO_SHAPES = (
-    (96, 4, 4, 128),
-    (256, 4, 1, 64),
-    (256, 4, 1, 32),
-)  # (d_model, heads, batch, seq): a block of tiny's width, wider ones with few tokens (a micro-batch)
+# (d_model, heads, batch, seq): a block of tiny's width, wider ones with few tokens (a micro-batch)
+RATIO_SHAPES = ((96, 4, 4, 128), (256, 4, 1, 64), (256, 4, 1, 32))
 
 
 def _block_times(

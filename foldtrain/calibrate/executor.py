@@ -39,8 +39,9 @@ EXECUTOR_STEPS = 16
 def measure_action_overhead(cluster, dp: int = 1) -> tuple[float, float, float]:
     """The pipeline executor's own host work per action: a real 2-stage pipeline, ``dp`` replicas of it
     (``2 dp`` ranks; ``foldtrain train``, ``torchrun --standalone``), of a negligible model with 16
-    micro-batches per replica, so that its step is nearly all executor (bookkeeping, posting and waiting for transfers, waking up), against the simulator's step of
-    the same run on ``cluster`` without it, per action of a rank's list. Returns ``(overhead_s,
+    micro-batches per replica, so that its step is nearly all executor (bookkeeping, posting and
+    waiting for transfers, waking up), against the simulator's step of the same run on ``cluster``
+    without it, per action of a rank's list. Returns ``(overhead_s,
     measured_step_s, simulated_step_s)``."""
     import dataclasses
     import shutil
@@ -53,13 +54,8 @@ def measure_action_overhead(cluster, dp: int = 1) -> tuple[float, float, float]:
 
     if dp < 1:
         raise FoldtrainError(f"calibrate: the executor probe needs dp >= 1 replicas, not {dp}")
-    probe = [
-        *EXECUTOR_PROBE,
-        "--parallel.dp",
-        str(dp),
-        "--train.global_batch",
-        str(16 * dp),
-    ]  # 16 micro-batches of 1 per replica
+    # 16 micro-batches of 1 per replica
+    probe = [*EXECUTOR_PROBE, "--parallel.dp", str(dp), "--train.global_batch", str(16 * dp)]
     cfg = build_config(probe)
     data = str(resolve_data(cfg.data))  # the built-in corpus (prepared once, then cached)
     out = tempfile.mkdtemp(prefix="ft-cal-exec-")

@@ -2,8 +2,9 @@
 
 ``meta.json`` is written last, after every rank has finished writing; it lists every other file of
 the checkpoint with its size and checksum (xxh3-128: non-cryptographic and ~8x faster than sha256
-here, so hashing stays a few percent of the save; docs/benchmarks.md). A checkpoint is *intact* when that list matches the
-directory exactly: every listed file present with the recorded size and digest, and no other file.
+here, so hashing stays a few percent of the save; docs/benchmarks.md). A checkpoint is *intact* when
+that list matches the directory exactly: every listed file present with the recorded size and digest,
+and no other file.
 Nothing of a checkpoint is unpickled or read into a model before it has been verified.
 """
 

@@ -198,7 +198,8 @@ class CheckpointManager:
         extra_file = path / f"rank{_rank()}.pt"
         if not extra_file.is_file():
             raise CheckpointError(
-                f"checkpoint {path} has no state for rank {_rank()} (saved by {meta.get('world_size', '?')} ranks); resume with the same layout"
+                f"checkpoint {path} has no state for rank {_rank()} (saved by {meta.get('world_size', '?')} ranks); "
+                "resume with the same layout"
             )
         rng, extra = load_rank_state(extra_file)  # before DCP: it refuses code outright
         _dcp_load(state, path, self.process_group, "delete it to resume from an earlier one, or drop --resume")
@@ -221,7 +222,8 @@ def _dcp_load(state: dict, path: Path, process_group, fix: str) -> None:
             dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner(), process_group=process_group)
     except UnsafePickle as e:
         raise CheckpointError(
-            f"checkpoint {path}: .metadata refers to {e}, which is not checkpoint metadata; refusing to load it (not written by foldtrain)"
+            f"checkpoint {path}: .metadata refers to {e}, which is not checkpoint metadata; "
+            "refusing to load it (not written by foldtrain)"
         ) from None
     except (Exception, CheckpointException) as e:  # DCP raises many types (CheckpointException is a BaseException)
         unsafe = _unsafe_cause(e)
@@ -268,6 +270,6 @@ def load_model_weights(model: torch.nn.Module, path: Path | None) -> None:
 
 def _first_line(e: BaseException) -> str:
     """The innermost meaningful line of a (possibly multi-rank, multi-line) DCP error."""
-    lines = [l.strip() for l in str(e).splitlines() if l.strip() and not l.startswith((" ", "Traceback"))]
+    lines = [line.strip() for line in str(e).splitlines() if line.strip() and not line.startswith((" ", "Traceback"))]
     msg = lines[-1] if lines else type(e).__name__
     return msg[:160]

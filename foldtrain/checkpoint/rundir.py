@@ -75,7 +75,8 @@ def check_writable(out: Path) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".foldtrain-probe-", dir=probe))
     except OSError as e:
         raise ConfigError(
-            f"--out {out} cannot be written (creating a directory in {probe} fails: {e.strerror}); choose a writable --out"
+            f"--out {out} cannot be written (creating a directory in {probe} fails: {e.strerror}); "
+            "choose a writable --out"
         ) from None
 
 
@@ -93,7 +94,8 @@ def _check_layout(path: Path, world_size: int, model: dict | None) -> None:
     saved = meta.get("world_size")
     if isinstance(saved, int) and saved != world_size:
         raise CheckpointError(
-            f"checkpoint {path} was saved by {saved} processes, this launch has {world_size}; resume with --nproc_per_node {saved} (the same layout)"
+            f"checkpoint {path} was saved by {saved} processes, this launch has {world_size}; "
+            f"resume with --nproc_per_node {saved} (the same layout)"
         )
     if model is not None and isinstance(meta.get("model"), dict) and meta["model"] != model:
         diff = ", ".join(f"{k} {meta['model'].get(k)} (now {v})" for k, v in model.items() if meta["model"].get(k) != v)
@@ -120,7 +122,8 @@ def plan_run(
             fallback = ""
         if path is None and skipped:  # never retrain over checkpoints that exist, damaged or not
             raise CheckpointError(
-                f"restart {restart}: every checkpoint in {ckpt.root} is damaged ({first[0].name}: {first[1]}); nothing was changed; delete them to start over"
+                f"restart {restart}: every checkpoint in {ckpt.root} is damaged ({first[0].name}: {first[1]}); "
+                "nothing was changed; delete them to start over"
             )
         if path is None:
             return RunPlan(ckpt, None, f"restart {restart}: no intact checkpoint yet, starting over from step 0")

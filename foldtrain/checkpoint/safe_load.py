@@ -143,7 +143,8 @@ def load_rank_state(path: Path) -> tuple[dict, dict]:
         return obj["rng"], obj["extra"]
     except pickle.UnpicklingError as e:
         raise CheckpointError(
-            f"{path} holds more than tensors and plain values ({_first_line(e)}); it was not written by this foldtrain, refusing to load it"
+            f"{path} holds more than tensors and plain values ({_first_line(e)}); "
+            "it was not written by this foldtrain, refusing to load it"
         ) from None
     except Exception as e:
         raise CheckpointError(f"{path} is corrupt ({type(e).__name__}); resume from an earlier checkpoint") from None

@@ -176,9 +176,8 @@ def resolve(cfg: Config) -> Config:
         near = difflib.get_close_matches(m.preset, PRESETS, n=1)
         hint = f"did you mean '{near[0]}'? " if near else ""
         raise ConfigError(f"unknown model preset '{m.preset}'; {hint}valid presets: {', '.join(PRESETS)}")
-    src = resolve_init_from(
-        m, PRESETS, ModelConfig.preset
-    )  # the checkpoint's shape; a conflicting --model.* is an error
+    # the checkpoint's shape; a conflicting --model.* is an error
+    src = resolve_init_from(m, PRESETS, ModelConfig.preset)
     if (
         src is not None
         and src.kind == "hf"
@@ -187,7 +186,8 @@ def resolve(cfg: Config) -> Config:
     ):
         if src.tokenizer is None:
             raise ConfigError(
-                f"--model.init_from {m.init_from} has no tokenizer.json, and a BPE trained on your data would give ids the weights do not know; "
+                f"--model.init_from {m.init_from} has no tokenizer.json, "
+                "and a BPE trained on your data would give ids the weights do not know; "
                 "put the model's tokenizer.json there or pass it with --data.tokenizer FILE"
             )
         cfg.data.tokenizer = str(src.tokenizer)  # fine-tuning a HF model: its own tokenizer encodes the new text

@@ -53,9 +53,8 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = 300
-    stop_at: int = (
-        0  # end this session after this step (with a checkpoint), e.g. for time-limited jobs; 0: run to steps
-    )
+    # end this session after this step (with a checkpoint), e.g. for time-limited jobs; 0: run to steps
+    stop_at: int = 0
     global_batch: int = 16  # sequences per optimizer step, over all data-parallel ranks
     micro_batch: int = 0  # sequences per forward/backward; 0: the whole per-rank batch
     seq_len: int = 128
@@ -98,17 +97,17 @@ class DPConfig:
     ps_staleness: int = 0  # >0: bounded-staleness asynchronous parameter server
     fusion_mb: float = 64.0  # allreduce tensor-fusion threshold
     first_bucket_mb: float = 1.0  # allreduce / sharded-ps: the first bucket closes here (the link starts early)
-    cycle_ms: float = (
-        5.0  # allreduce: a bucket also closes this long after the last launch (Horovod's cycle time); 0: off
-    )
+    # allreduce: a bucket also closes this long after the last launch (Horovod's cycle time); 0: off
+    cycle_ms: float = 5.0
     compression: str = "none"  # allreduce wire compression: none, fp16, bf16
     bucket_mb: float = 25.0  # ddp bucket size
     shard_bucket_mb: float = 4.0  # sharded-ps: reduce-scatter / all-gather bucket size (transient memory, overlap)
     shard_slice_mb: float = 1.0  # sharded-ps: a bucket's reduce-scatter goes in slices of this size, two in flight
-    shard_budget_mb: float = (
-        0.0  # sharded-ps: gradients + slice buffers alive before the backward waits; 0: one bucket (the largest)
-    )
-    shard_collective: str = "auto"  # sharded-ps' reduce-scatter: all_to_all + local sum (auto on gloo), or the backend's reduce_scatter (auto elsewhere)
+    # sharded-ps: gradients + slice buffers alive before the backward waits; 0: one bucket (the largest)
+    shard_budget_mb: float = 0.0
+    # sharded-ps' reduce-scatter: all_to_all + local sum (auto on gloo),
+    # or the backend's reduce_scatter (auto elsewhere)
+    shard_collective: str = "auto"
     timeout_s: float = 120.0  # a rank that stalls this long makes every rank fail
 
 

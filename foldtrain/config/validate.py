@@ -28,7 +28,8 @@ def _choice(key: str, value: str, valid: tuple[str, ...]) -> None:
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(
-            f"--{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}; give a {'non-negative' if allow_zero else 'positive'} value"
+            f"--{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}; "
+            f"give a {'non-negative' if allow_zero else 'positive'} value"
         )
 
 
@@ -49,7 +50,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         _positive(f"train.{key}", getattr(t, key), allow_zero=True)
     if t.seq_len > m.context:
         raise ConfigError(
-            f"--train.seq_len {t.seq_len} is larger than the model's context {m.context}; lower --train.seq_len or raise --model.context"
+            f"--train.seq_len {t.seq_len} is larger than the model's context {m.context}; "
+            "lower --train.seq_len or raise --model.context"
         )
     _choice("train.device", t.device, DEVICES)
     _positive("optim.lr", o.lr)
@@ -66,7 +68,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         _positive(f"data.{key}", getattr(cfg.data, key))
     if not 0 <= cfg.data.shard < cfg.data.num_shards:
         raise ConfigError(
-            f"--data.shard {cfg.data.shard} is not in [0, --data.num_shards {cfg.data.num_shards}); number the parts 0 .. num_shards-1"
+            f"--data.shard {cfg.data.shard} is not in [0, --data.num_shards {cfg.data.num_shards}); "
+            "number the parts 0 .. num_shards-1"
         )
     _choice("precision", cfg.precision, PRECISIONS)
     _choice("ac", cfg.ac, AC_MODES)
@@ -99,22 +102,26 @@ def validate_world(cfg: Config, world_size: int) -> None:
     d, t = cfg.dp, cfg.train
     if cfg.model.init_from and not cfg.resume and not Path(cfg.model.init_from).expanduser().exists():
         raise ConfigError(
-            f"--model.init_from {cfg.model.init_from} does not exist; pass a Hugging Face GPT-2 directory or a foldtrain model.safetensors"
+            f"--model.init_from {cfg.model.init_from} does not exist; "
+            "pass a Hugging Face GPT-2 directory or a foldtrain model.safetensors"
         )
     if d.strategy == "horovod" and importlib.util.find_spec("horovod") is None:
         raise ConfigError(
-            "--dp.strategy horovod needs Horovod, which is not installed (build it with bash scripts/install-horovod.sh); "
+            "--dp.strategy horovod needs Horovod, which is not installed "
+            "(build it with bash scripts/install-horovod.sh); "
             "or use --dp.strategy allreduce, foldtrain's Horovod-style ring all-reduce"
         )
     if d.strategy == "none" and world_size > 1 and cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.tp == 1:
         raise ConfigError(
-            f"--dp.strategy none runs one process but {world_size} were launched; pick a strategy (e.g. --dp.strategy ddp) or launch one process"
+            f"--dp.strategy none runs one process but {world_size} were launched; "
+            "pick a strategy (e.g. --dp.strategy ddp) or launch one process"
         )
     if d.ps_servers and d.strategy != "ps":
         raise ConfigError("--dp.ps_servers only applies to --dp.strategy ps; remove it or choose ps")
     if d.ps_servers >= world_size and d.strategy == "ps":
         raise ConfigError(
-            f"--dp.ps_servers {d.ps_servers} leaves no worker among {world_size} ranks; use fewer servers or launch more ranks"
+            f"--dp.ps_servers {d.ps_servers} leaves no worker among {world_size} ranks; "
+            "use fewer servers or launch more ranks"
         )
     from foldtrain.schedules.layout import uses_3d_engine, validate_layout
 

@@ -18,7 +18,10 @@ import importlib
 from typing import Any
 
 # eager: torch-free, and ``prepare`` must be the function, not the submodule of the same name
-from foldtrain.data.prepare import FORMAT, is_prepared, prepare
+# (re-exported: the ``as`` names say so)
+from foldtrain.data.prepare import FORMAT as FORMAT
+from foldtrain.data.prepare import is_prepared as is_prepared
+from foldtrain.data.prepare import prepare as prepare
 
 _EXPORTS = {
     "TokenData": "dataset",

@@ -42,7 +42,8 @@ def _sha256_file(path: Path) -> str:
 def _read_meta(root: Path) -> dict[str, Any]:
     if not root.is_dir():
         raise DataError(
-            f"prepared data directory {root} does not exist; run `foldtrain prepare` or pass a prepared directory to --data.path"
+            f"prepared data directory {root} does not exist; "
+            "run `foldtrain prepare` or pass a prepared directory to --data.path"
         )
     meta_path = root / "meta.json"
     if not meta_path.is_file():

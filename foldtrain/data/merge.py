@@ -58,12 +58,15 @@ def _records(staging: Path, n: int, options_sha: str, itemsize: int) -> list[dic
         path = shards.record_path(staging, i)
         if not path.is_file():
             raise DataError(
-                f"shard {i} of {n} is not prepared in {staging}; run the missing part (--data.shard {i} % --data.num_shards) or run without --data.shard to prepare it here"
+                f"shard {i} of {n} is not prepared in {staging}; "
+                f"run the missing part (--data.shard {i} % --data.num_shards) "
+                "or run without --data.shard to prepare it here"
             )
         rec = json.loads(path.read_text(encoding="utf-8"))
         if rec.get("options_sha256") != options_sha:
             raise DataError(
-                f"shard {i} in {staging} was prepared with different options; delete {path.name} and its .bin files and run again"
+                f"shard {i} in {staging} was prepared with different options; "
+                f"delete {path.name} and its .bin files and run again"
             )
         problem = shards.check_shard_files(staging, rec, itemsize)
         if problem is not None:
@@ -114,7 +117,8 @@ def _settle_split(
         i = max((r for r in recs if r["val"]["documents"]), key=lambda r: r["max_val_hash"])["index"]
         cut = recs[i]["max_val_hash"]
     say(
-        f"the hash split left {'val' if not n_val else 'train'} empty; preparing shard {i} again with one document moved there"
+        f"the hash split left {'val' if not n_val else 'train'} empty; "
+        f"preparing shard {i} again with one document moved there"
     )
     recs[i] = shards.run_shard(job(i, cut))
     return {"shard": i, "cut": cut}
@@ -137,9 +141,8 @@ def finalize(
     if not any(r["train"]["documents"] + r["val"]["documents"] for r in recs):
         shutil.rmtree(staging, ignore_errors=True)
         raise DataError(f"{info['source']} yielded no tokens (no non-empty documents); point --data.path at text files")
-    n_documents = sum(
-        r["train"]["documents"] + r["val"]["documents"] for r in recs
-    )  # before a tail split makes 1 into 2
+    # counted before a tail split makes 1 into 2
+    n_documents = sum(r["train"]["documents"] + r["val"]["documents"] for r in recs)
     fixup = _settle_split(staging, recs, options["val_fraction"], dtype, eot, job, say)
     splits = {
         s: {"tokens": sum(r[s]["tokens"] for r in recs), "documents": sum(r[s]["documents"] for r in recs)}
@@ -177,7 +180,8 @@ def finalize(
     }
     if options["corpus_filter"]:
         say(
-            f"corpus filter {options['corpus_filter']}: left out {dropped_files} generated-table files ({dropped_bytes / 1e6:.2f} MB)"
+            f"corpus filter {options['corpus_filter']}: left out {dropped_files} generated-table files "
+            f"({dropped_bytes / 1e6:.2f} MB)"
         )
     for name in WORK_FILES:
         (staging / name).unlink(missing_ok=True)

@@ -111,7 +111,8 @@ def open_mix(spec: str, verify: bool | None = None) -> MixedData:
         p = Path(path).expanduser()
         if not (p / "meta.json").is_file():
             raise DataError(
-                f"--data.mix dataset {p} is not a prepared dataset (no meta.json); prepare it first with `foldtrain prepare --data.out {p}`"
+                f"--data.mix dataset {p} is not a prepared dataset (no meta.json); "
+                f"prepare it first with `foldtrain prepare --data.out {p}`"
             )
         datasets.append(TokenData.open(p, verify=verify))
     first = _tokenizer_sha(datasets[0])

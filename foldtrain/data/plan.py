@@ -50,7 +50,8 @@ def source_root(source: str | Path | None) -> tuple[Path, str]:
         return p, "hf" if sources.is_hf_dataset(p) else "dir"
     if not p.is_file():
         raise DataError(
-            f"data path {p} is not a regular file or directory; pass a text file, directory or .jsonl file to --data.path"
+            f"data path {p} is not a regular file or directory; "
+            "pass a text file, directory or .jsonl file to --data.path"
         )
     return p, "jsonl" if p.suffix == ".jsonl" else "text"
 
@@ -95,7 +96,8 @@ def iter_pieces(source: str | Path | None, text_field: str) -> Iterator[Piece]:
         with root.open("rb") as fh:
             if sources.is_binary(fh.read(sources.BINARY_PROBE_BYTES)):
                 raise DataError(
-                    f"{root} looks binary (it contains NUL bytes); pass a text file, directory or .jsonl file to --data.path"
+                    f"{root} looks binary (it contains NUL bytes); "
+                    "pass a text file, directory or .jsonl file to --data.path"
                 )
         yield ("text", root.name, 0, 0, root.stat().st_size)
 

@@ -26,6 +26,7 @@ import multiprocessing
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,8 @@ def _check_out_dir(out: Path, staging: Path) -> None:
         )
     if staging.exists() and not (staging / OPTIONS).is_file() and (not staging.is_dir() or any(staging.iterdir())):
         raise DataError(
-            f"{staging} exists and is not an interrupted prepare of foldtrain; move it away or choose another --data.out"
+            f"{staging} exists and is not an interrupted prepare of foldtrain; "
+            "move it away or choose another --data.out"
         )
 
 
@@ -154,7 +156,8 @@ def _tokenizer(
         sample = plan_mod.tokenizer_sample(plan, text_field, int(sample_mb * 1e6), seed)
         tok = train_tokenizer(sample, vocab_size)
         say(
-            f"trained byte-level BPE tokenizer (vocab {tok_vocab_size(tok):,}) on a sample of <= {sample_mb:g} MB in {time.perf_counter() - t0:.1f}s"
+            f"trained byte-level BPE tokenizer (vocab {tok_vocab_size(tok):,}) "
+            f"on a sample of <= {sample_mb:g} MB in {time.perf_counter() - t0:.1f}s"
         )
     tmp = staging / "tokenizer.json.tmp"
     tok.save(str(tmp))
@@ -185,7 +188,8 @@ def _run(jobs: list[shards.ShardJob], workers: int, total: int, say: Any) -> Non
         done += 1
         dt = max(time.perf_counter() - t0, 1e-9)
         say(
-            f"shard {rec['index']} done ({done}/{len(jobs)} this run, {total} in all): {rec['train']['tokens'] + rec['val']['tokens']:,} tokens; "
+            f"shard {rec['index']} done ({done}/{len(jobs)} this run, {total} in all): "
+            f"{rec['train']['tokens'] + rec['val']['tokens']:,} tokens; "
             f"{done_bytes / 1e6:.0f} MB at {done_bytes / 1e6 / dt:.1f} MB/s"
         )
 
@@ -201,6 +205,56 @@ def _run(jobs: list[shards.ShardJob], workers: int, total: int, say: Any) -> Non
         except BaseException:
             pool.terminate()
             raise
+
+
+def _plan_into_staging(
+    source: str | Path | None,
+    text_field: str,
+    shard_mb: float,
+    out: Path,
+    staging: Path,
+    options_of: Callable[[plan_mod.Plan], dict[str, Any]],
+    discard_stale: bool,
+    say: Callable[[str], None],
+) -> tuple[plan_mod.Plan, dict[str, Any]]:
+    """The plan of ``source``'s shards and the options of this prepare (``options_of(plan)``), with the
+    staging directory opened for them and the plan moved into it."""
+    plan_tmp = out.with_name(f".{out.name}.plan.tmp")
+    try:
+        plan = plan_mod.make_plan(source, text_field, max(1, int(shard_mb * 1e6)), plan_tmp)
+        options = options_of(plan)
+        _open_staging(staging, options, discard_stale, say)
+    except BaseException:
+        plan_tmp.unlink(missing_ok=True)
+        raise
+    plan_tmp.replace(staging / PLAN)
+    plan.path = staging / PLAN
+    return plan, options
+
+
+def _job_maker(
+    staging: Path, plan: plan_mod.Plan, text_field: str, seed: int, dtype: np.dtype, options_sha: str
+) -> Callable[[int, int], shards.ShardJob]:
+    """``job(i, cut)``: the work of tokenizing shard ``i`` of the plan (``cut``: where its validation split starts)."""
+
+    def job(i: int, cut: int) -> shards.ShardJob:
+        off, count, _ = plan.shards[i]
+        return shards.ShardJob(
+            str(staging),
+            i,
+            str(plan.path),
+            off,
+            count,
+            plan.root,
+            text_field,
+            seed,
+            cut,
+            dtype.str,
+            str(staging / "tokenizer.json"),
+            options_sha,
+        )
+
+    return job
 
 
 def prepare(
@@ -235,57 +289,31 @@ def prepare(
     fingerprint = sources.fingerprint(source)
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    plan_tmp = out.with_name(f".{out.name}.plan.tmp")
-    try:
-        plan = plan_mod.make_plan(source, text_field, max(1, int(shard_mb * 1e6)), plan_tmp)
-    except BaseException:
-        plan_tmp.unlink(missing_ok=True)
-        raise
-    options = {
-        "format": FORMAT,
-        "plan_sha256": plan.sha256,
-        "n_shards": len(plan.shards),
-        "requested_vocab_size": vocab_size,
-        "tokenizer_source": str(Path(tokenizer_path).expanduser().absolute()) if tokenizer_path else "",
-        "tokenizer_sample_mb": tokenizer_sample_mb,
-        "text_field": text_field,
-        "val_fraction": val_fraction,
-        "seed": seed,
-        "shard_mb": shard_mb,
-        "corpus_filter": RULE if source is None or str(source) == "" else "",
-    }
-    try:
-        _open_staging(staging, options, discard_stale, say)
-    except BaseException:
-        plan_tmp.unlink(missing_ok=True)
-        raise
-    plan_tmp.replace(staging / PLAN)
-    plan.path = staging / PLAN
+    def options_of(plan: plan_mod.Plan) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "plan_sha256": plan.sha256,
+            "n_shards": len(plan.shards),
+            "requested_vocab_size": vocab_size,
+            "tokenizer_source": str(Path(tokenizer_path).expanduser().absolute()) if tokenizer_path else "",
+            "tokenizer_sample_mb": tokenizer_sample_mb,
+            "text_field": text_field,
+            "val_fraction": val_fraction,
+            "seed": seed,
+            "shard_mb": shard_mb,
+            "corpus_filter": RULE if source is None or str(source) == "" else "",
+        }
+
+    plan, options = _plan_into_staging(source, text_field, shard_mb, out, staging, options_of, discard_stale, say)
     say(
-        f"planned {len(plan.shards)} shard(s) of <= ~{shard_mb:g} MB from {plan.input_bytes / 1e6:.1f} MB of input ({label}) in {time.perf_counter() - t0:.1f}s"
+        f"planned {len(plan.shards)} shard(s) of <= ~{shard_mb:g} MB from {plan.input_bytes / 1e6:.1f} MB of input "
+        f"({label}) in {time.perf_counter() - t0:.1f}s"
     )
     options_sha = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()
 
     tok = _tokenizer(staging, tokenizer_path, vocab_size, plan, text_field, tokenizer_sample_mb, seed, say)
     dtype = token_dtype(tok_vocab_size(tok))
-
-    def job(i: int, cut: int) -> shards.ShardJob:
-        off, count, _ = plan.shards[i]
-        return shards.ShardJob(
-            str(staging),
-            i,
-            str(plan.path),
-            off,
-            count,
-            plan.root,
-            text_field,
-            seed,
-            cut,
-            dtype.str,
-            str(staging / "tokenizer.json"),
-            options_sha,
-        )
-
+    job = _job_maker(staging, plan, text_field, seed, dtype, options_sha)
     todo = _pending(staging, len(plan.shards), shard, num_shards, dtype.itemsize, say)
     _run([job(i, shards.default_cut(val_fraction)) for i in todo], workers, len(plan.shards), say)
     if num_shards > 1:
@@ -299,6 +327,8 @@ def prepare(
     meta = merge.finalize(staging, out, options, options_sha, info, tok, dtype, job, say)
     n_train, n_val = meta["splits"]["train"]["tokens"], meta["splits"]["val"]["tokens"]
     say(
-        f"wrote {n_train:,} train + {n_val:,} val tokens ({dtype.name}) of {meta['n_documents']:,} documents in {len(meta['shards'])} shard(s) to {out}; total {time.perf_counter() - t0:.1f}s"
+        f"wrote {n_train:,} train + {n_val:,} val tokens ({dtype.name}) "
+        f"of {meta['n_documents']:,} documents in {len(meta['shards'])} shard(s) to {out}; "
+        f"total {time.perf_counter() - t0:.1f}s"
     )
     return meta

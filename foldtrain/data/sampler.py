@@ -44,7 +44,8 @@ def blend_counts(weights: list[float], names: list[str], block: int = BLEND_BLOC
     for name, c, wi in zip(names, counts.tolist(), weights):
         if c == 0:
             raise DataError(
-                f"--data.mix weight {wi:g} of {name} is below 1/{block} of the total; raise it or leave that dataset out"
+                f"--data.mix weight {wi:g} of {name} is below 1/{block} of the total; "
+                "raise it or leave that dataset out"
             )
     return counts
 
@@ -196,7 +197,8 @@ def _blend_val(tokens: Blend, seq_len: int, batch: int, n_batches: int) -> list[
     for name, n in zip(tokens.names, ns):
         if n == 0:
             raise DataError(
-                f"the validation split of {name} is too small for one sequence of {seq_len}+1; use a smaller --train.seq_len"
+                f"the validation split of {name} is too small for one sequence of {seq_len}+1; "
+                "use a smaller --train.seq_len"
             )
     index = BlendIndex(blend_counts(tokens.weights, tokens.names), 0)
     comp, k = index.locate(np.arange(batch * n_batches, dtype=np.int64))

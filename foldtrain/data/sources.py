@@ -170,12 +170,14 @@ def parse_jsonl_line(raw: bytes, text_field: str, where: str) -> str | None:
     if text_field not in obj:
         found = ", ".join(sorted(map(str, obj))[:8]) or "none"
         raise DataError(
-            f"{where} has no field '{text_field}' (fields: {found}); set --data.text_field to the field holding the text"
+            f"{where} has no field '{text_field}' (fields: {found}); "
+            "set --data.text_field to the field holding the text"
         )
     value = obj[text_field]
     if not isinstance(value, str):
         raise DataError(
-            f"{where}: field '{text_field}' is {type(value).__name__}, not a string; fix the line or set --data.text_field to a text field"
+            f"{where}: field '{text_field}' is {type(value).__name__}, not a string; "
+            "fix the line or set --data.text_field to a text field"
         )
     return value
 
@@ -197,12 +199,14 @@ def load_hf_dataset(path: Path, text_field: str = "text") -> Any:
         ds = datasets.load_from_disk(str(path))
     except Exception as e:  # noqa: BLE001 (any loader failure is a data problem)
         raise DataError(
-            f"cannot load the Hugging Face dataset at {path} ({type(e).__name__}: {one_line(e)}); re-save it with save_to_disk"
+            f"cannot load the Hugging Face dataset at {path} ({type(e).__name__}: {one_line(e)}); "
+            "re-save it with save_to_disk"
         ) from None
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
             raise DataError(
-                f"the dataset at {path} has no 'train' split (splits: {', '.join(ds)}); save the train split or a single Dataset"
+                f"the dataset at {path} has no 'train' split (splits: {', '.join(ds)}); "
+                "save the train split or a single Dataset"
             )
         ds = ds["train"]
     if text_field not in ds.column_names:
@@ -224,7 +228,8 @@ def iter_hf_dataset(path: Path, text_field: str = "text", start: int = 0, end: i
                 continue
             if not isinstance(value, str):
                 raise DataError(
-                    f"column '{text_field}' of {path} holds {type(value).__name__}, not text; set --data.text_field to a text column"
+                    f"column '{text_field}' of {path} holds {type(value).__name__}, not text; "
+                    "set --data.text_field to a text column"
                 )
             yield value
 
@@ -248,7 +253,8 @@ def _iter_directory(root: Path, text_field: str) -> Iterator[str]:
         yield decode_bytes(data)
     if text_files == 0:
         raise DataError(
-            f"directory {root} holds no text files (all {len(files)} are binary or unreadable); point --data.path at text files"
+            f"directory {root} holds no text files (all {len(files)} are binary or unreadable); "
+            "point --data.path at text files"
         )
 
 
@@ -275,7 +281,8 @@ def iter_documents(path: str | Path | None, text_field: str = "text") -> Iterato
         return
     if not p.is_file():
         raise DataError(
-            f"data path {p} is not a regular file or directory; pass a text file, directory or .jsonl file to --data.path"
+            f"data path {p} is not a regular file or directory; "
+            "pass a text file, directory or .jsonl file to --data.path"
         )
     if p.suffix == ".jsonl":
         yield from iter_jsonl(p, text_field)

@@ -91,7 +91,8 @@ def normalize_hf_keys(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[k] = v
     if head is not None and "wte.weight" in out and not torch.equal(head, out["wte.weight"]):
         raise ConfigError(
-            "the checkpoint's lm_head.weight differs from transformer.wte.weight (untied head); foldtrain's GPT ties them and cannot load it"
+            "the checkpoint's lm_head.weight differs from transformer.wte.weight (untied head); "
+            "foldtrain's GPT ties them and cannot load it"
         )
     return out
 
@@ -108,7 +109,8 @@ def hf_to_foldtrain(
     if missing or unexpected:
         what = f"lacks {', '.join(missing[:3])}" if missing else f"has unexpected tensors {', '.join(unexpected[:3])}"
         raise ConfigError(
-            f"{where} {what}{' ...' if len(missing or unexpected) > 3 else ''}; it does not match its config.json (a GPT-2 of {shape['n_layer']} layers)"
+            f"{where} {what}{' ...' if len(missing or unexpected) > 3 else ''}; "
+            f"it does not match its config.json (a GPT-2 of {shape['n_layer']} layers)"
         )
     d, v = shape["d_model"], shape["vocab_size"]
     out: dict[str, torch.Tensor] = {}
@@ -124,7 +126,8 @@ def hf_to_foldtrain(
             want = None
         if want is not None and tuple(t.shape) != want:
             raise ConfigError(
-                f"{where}: {h} has shape {tuple(t.shape)}, expected {want} from config.json; the weights and config.json disagree"
+                f"{where}: {h} has shape {tuple(t.shape)}, expected {want} from config.json; "
+                "the weights and config.json disagree"
             )
         if kind == "qkv":
             out[f] = _qkv_to_foldtrain(t, shape["n_head"])
@@ -196,7 +199,8 @@ def load_into(model: nn.Module, src: InitSource) -> None:
 
 
 def maybe_init_from(cfg: Any, model: nn.Module) -> nn.Module:
-    """``--model.init_from``: load those weights into the freshly built ``model``; a resumed run keeps its checkpoint's."""
+    """``--model.init_from``: load those weights into the freshly built ``model``; a resumed run keeps its
+    checkpoint's."""
     path = cfg.model.init_from
     if not path or cfg.resume:
         return model
@@ -204,13 +208,15 @@ def maybe_init_from(cfg: Any, model: nn.Module) -> nn.Module:
     have = {k: getattr(model.shape, k) for k in SHAPE_KEYS}
     if have != src.shape:
         raise ConfigError(
-            f"--model.init_from {path} has shape {src.shape} but the model was built as {have}; leave the --model.* sizes to the checkpoint"
+            f"--model.init_from {path} has shape {src.shape} but the model was built as {have}; "
+            "leave the --model.* sizes to the checkpoint"
         )
     with torch.no_grad():
         load_into(model, src)
     if os.environ.get("RANK", "0") == "0":
         print(
-            f"model: initial weights from {src.weights or src.path} ({'Hugging Face GPT-2' if src.kind == 'hf' else 'foldtrain'})",
+            f"model: initial weights from {src.weights or src.path} "
+            f"({'Hugging Face GPT-2' if src.kind == 'hf' else 'foldtrain'})",
             file=sys.stderr,
             flush=True,
         )

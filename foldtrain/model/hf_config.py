@@ -46,7 +46,8 @@ def safetensors_metadata(path: Path) -> dict[str, str]:
             header = json.loads(fh.read(n))
     except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
         raise ConfigError(
-            f"{path} is not a readable safetensors file ({e}); pass a model.safetensors written by foldtrain or Hugging Face"
+            f"{path} is not a readable safetensors file ({e}); "
+            "pass a model.safetensors written by foldtrain or Hugging Face"
         ) from None
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     return meta if isinstance(meta, dict) else {}
@@ -96,7 +97,8 @@ def _hf_weights(d: Path) -> Path:
         if (d / name).is_file():
             return d / name
     raise ConfigError(
-        f"--model.init_from {d} has config.json but no weights ({', '.join(HF_WEIGHT_FILES)}); download the model's weight file into it"
+        f"--model.init_from {d} has config.json but no weights ({', '.join(HF_WEIGHT_FILES)}); "
+        "download the model's weight file into it"
     )
 
 
@@ -104,7 +106,8 @@ def _foldtrain_shape(f: Path) -> dict[str, int]:
     meta = safetensors_metadata(f)
     if "foldtrain_shape" not in meta:
         raise ConfigError(
-            f"--model.init_from {f} has no foldtrain shape metadata; pass a model.safetensors written by `foldtrain train`, "
+            f"--model.init_from {f} has no foldtrain shape metadata; "
+            "pass a model.safetensors written by `foldtrain train`, "
             "or a Hugging Face directory with config.json beside the weights"
         )
     try:
@@ -121,7 +124,8 @@ def locate(path: str) -> InitSource:
     p = Path(path).expanduser()
     if not p.exists():
         raise ConfigError(
-            f"--model.init_from {p} does not exist; pass a Hugging Face GPT-2 directory (config.json + weights) or a foldtrain model.safetensors"
+            f"--model.init_from {p} does not exist; pass a Hugging Face GPT-2 directory (config.json + weights) "
+            "or a foldtrain model.safetensors"
         )
     if p.is_dir() and (p / "config.json").is_file():
         try:
@@ -137,7 +141,8 @@ def locate(path: str) -> InitSource:
     if p.is_dir():
         if not (p / "model.safetensors").is_file():
             raise ConfigError(
-                f"--model.init_from {p} holds neither config.json (a Hugging Face model) nor model.safetensors (a foldtrain run); "
+                f"--model.init_from {p} holds neither config.json (a Hugging Face model) nor model.safetensors "
+                "(a foldtrain run); "
                 "pass one of those"
             )
         p = p / "model.safetensors"
@@ -153,14 +158,16 @@ def resolve_init_from(model_cfg: Any, presets: dict[str, dict[str, int]], defaul
     if not model_cfg.init_from:
         return None
     if not Path(model_cfg.init_from).expanduser().exists() and all(getattr(model_cfg, k) for k in SHAPE_KEYS):
-        return None  # a saved run's config (every size written out) whose source has since gone: resume, eval, generate need no source
+        # a saved run's config (every size written out) whose source is gone: resume, eval and generate need none
+        return None
     src = locate(model_cfg.init_from)
     shape = src.shape
     for k in SHAPE_KEYS:
         given = getattr(model_cfg, k)
         if given and given != shape[k]:
             raise ConfigError(
-                f"--model.{k} {given} conflicts with --model.init_from {model_cfg.init_from} ({k} {shape[k]}); drop --model.{k}"
+                f"--model.{k} {given} conflicts with --model.init_from {model_cfg.init_from} ({k} {shape[k]}); "
+                f"drop --model.{k}"
             )
     preset = model_cfg.preset
     if preset != default_preset and preset in presets and presets[preset] != shape:
@@ -168,7 +175,8 @@ def resolve_init_from(model_cfg: Any, presets: dict[str, dict[str, int]], defaul
             f"{k} {presets[preset][k]} vs {shape[k]}" for k in SHAPE_KEYS if presets[preset][k] != shape[k]
         )
         raise ConfigError(
-            f"--model.preset {preset} conflicts with --model.init_from {model_cfg.init_from} ({diff}); drop --model.preset"
+            f"--model.preset {preset} conflicts with --model.init_from {model_cfg.init_from} ({diff}); "
+            "drop --model.preset"
         )
     for k in SHAPE_KEYS:
         setattr(model_cfg, k, shape[k])

@@ -60,6 +60,7 @@ LOCK_DIR = Path("/run/foldtrain-netns")
 NETNS_ETC = Path("/etc/netns")  # per-namespace files `ip netns exec` mounts over /etc
 NETCHECK = Path(__file__).with_name("netcheck.py")
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,9}$")
+# tc's units: "bps" means bytes per second
 _UNITS = {
     "bit": 1,
     "kbit": 1e3,
@@ -70,7 +71,7 @@ _UNITS = {
     "kbps": 8e3,
     "mbps": 8e6,
     "gbps": 8e9,
-}  # tc's units: "bps" means bytes per second
+}
 
 
 def parse_rate(rate: str) -> int:
@@ -453,7 +454,8 @@ class EmulatedCluster:
             line = _readline(server, timeout_s)
             if line.strip() != "ready":
                 raise FoldtrainError(
-                    f"network self-check: the server in {self.ns(dst)} did not start ({line.strip() or server.stderr.read().strip()})"
+                    f"network self-check: the server in {self.ns(dst)} did not start "
+                    f"({line.strip() or server.stderr.read().strip()})"
                 )
             client = subprocess.run(
                 self.node_cmd(src, [*py, *client_args, "--host", self.addr(dst), "--port", str(port)]),

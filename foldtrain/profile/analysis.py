@@ -218,7 +218,8 @@ def format_summary(summaries: list[dict[str, Any]], unit: str = "ms") -> str:
     """A small text table of :func:`summarize`'s output."""
     scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
     lines = [
-        f"{'step':>6} {'time/' + unit:>10} {'all-idle':>9} {'bubble(mean)':>13} {'bubble(max)':>12} {'dp-wait(max)/' + unit:>16}"
+        f"{'step':>6} {'time/' + unit:>10} {'all-idle':>9} {'bubble(mean)':>13} {'bubble(max)':>12} "
+        f"{'dp-wait(max)/' + unit:>16}"
     ]
     for s in summaries:
         if "duration" not in s:

@@ -38,9 +38,8 @@ class StepProfiler:
                 "all_rank_idle_fraction": s["all_idle"],
                 "exposed_dp_comm_s": s["reduce_wait_max"],
                 "profiled_step_s": s["duration"],  # the step window over all ranks
-                "busy_max_s": max(
-                    (c + o for c, o in zip(s["compute"], s["optim"])), default=0.0
-                ),  # compute + optimizer, busiest rank
+                # compute + optimizer, busiest rank
+                "busy_max_s": max((c + o for c, o in zip(s["compute"], s["optim"])), default=0.0),
             }
 
     def events(self) -> list[list[dict]]:

@@ -103,24 +103,19 @@ class Cluster:
     shared_cores: float = 0.0  # > 0: all ranks share this many CPU cores (an emulated cluster on one machine)
     elem_bw: float = 0.0  # bytes/s of element-wise work (norms, GELU, softmax, residuals); 0: mem_bw
     softmax_rate: float = 0.0  # elements/s of the loss's log-softmax forward + backward; 0: memory-bound at mem_bw
-    head_weight_rate: float = (
-        0.0  # weight elements/s the fused head costs beyond its FLOPs (stream W, accumulate dW); 0: free
-    )
+    # weight elements/s the fused head costs beyond its FLOPs (stream W, accumulate dW); 0: free
+    head_weight_rate: float = 0.0
     comm_cpu: float = 0.0  # core-seconds per byte a collective sends (with shared_cores: taken from compute); 0: free
     optim_rate: float = 0.0  # parameters/s of the optimizer step (AdamW + clipping norm); 0: memory-bound at mem_bw
     rows_half_size: float = 0.0  # half_size of products whose smallest dimension is their rows (tokens); 0: half_size
-    loss_buffers: float = (
-        3.0  # fp32 (b, L, V) tensors a rank's memory holds at the loss (3 live; more where the allocator keeps holes)
-    )
-    action_overhead: float = (
-        0.0  # s of the pipeline executor's own host work per action (bookkeeping, posting, waking up); 0: free
-    )
-    oversubscribed: float = (
-        1.0  # with shared_cores: the cores' throughput when twice as many ranks as cores are busy (1: none lost)
-    )
-    collective_cpu: float = (
-        0.0  # core-seconds per rank of one step of a collective (with shared_cores: taken from compute); 0: free
-    )
+    # fp32 (b, L, V) tensors a rank's memory holds at the loss (3 live; more where the allocator keeps holes)
+    loss_buffers: float = 3.0
+    # s of the pipeline executor's own host work per action (bookkeeping, posting, waking up); 0: free
+    action_overhead: float = 0.0
+    # with shared_cores: the cores' throughput when twice as many ranks as cores are busy (1: none lost)
+    oversubscribed: float = 1.0
+    # core-seconds per rank of one step of a collective (with shared_cores: taken from compute); 0: free
+    collective_cpu: float = 0.0
 
     def matmul_efficiency(self, n: float, rows: bool = False) -> float:
         """Efficiency of a product whose smallest dimension is ``n`` (``rows``: that dimension is its rows)."""
@@ -160,7 +155,8 @@ def from_dict(data: dict, src: str = "<dict>") -> Cluster:
             vals[key] = float(v)
     if vals["device.efficiency"] > 1:
         raise ConfigError(
-            f"cluster file {src}: field device.efficiency {vals['device.efficiency']} is a fraction of peak; give a value in (0, 1]"
+            f"cluster file {src}: field device.efficiency {vals['device.efficiency']} is a fraction of peak; "
+            "give a value in (0, 1]"
         )
     gpus = vals["node.gpus"]
     if not gpus.is_integer():

@@ -225,7 +225,8 @@ def plan(
         raise ConfigError(
             f"no layout of --model.preset {base.model.preset} uses --gpus {gpus} with --train.global_batch "
             f"{base.train.global_batch}: dp x pp x tp must equal the GPU count, tp must divide the heads, width and "
-            f"vocabulary and stay within a node of {cluster.gpus_per_node}, pp at most the {base.model.n_layer} layers, "
+            f"vocabulary and stay within a node of {cluster.gpus_per_node}, "
+            f"pp at most the {base.model.n_layer} layers, "
             f"and dp must divide the global batch; pick another --gpus or --train.global_batch"
         )
     if not cands:
@@ -313,6 +314,7 @@ def plan_toml(res: PlanResult) -> str:
         cfg.parallel.microbatches = 0
     else:
         head.append(
-            f"# launch {c.setup.world} processes: torchrun --nproc_per_node {c.setup.world} -m foldtrain train --config FILE"
+            f"# launch {c.setup.world} processes: "
+            f"torchrun --nproc_per_node {c.setup.world} -m foldtrain train --config FILE"
         )
     return "\n".join(head) + "\n" + to_toml(cfg)

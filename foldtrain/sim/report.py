@@ -37,7 +37,8 @@ def format_table(r: Result) -> str:
         f"peak memory  {r.peak_mem / GB:.2f} GB of {r.cluster.memory / GB:.0f} GB"
         + ("" if r.fits else "  (DOES NOT FIT)"),
         "",
-        f"{'rank':>4} {'params':>8} {'grads':>8} {'optim':>8} {'masters':>8} {'buffers':>8} {'activ.':>8} {'runtime':>8} {'total GB':>9}",
+        f"{'rank':>4} {'params':>8} {'grads':>8} {'optim':>8} {'masters':>8} {'buffers':>8} {'activ.':>8} "
+        f"{'runtime':>8} {'total GB':>9}",
     ]
     for p, m in enumerate(r.memory):
         lines.append(

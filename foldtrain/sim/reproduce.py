@@ -111,7 +111,8 @@ def hp3c(lines: list[str]) -> None:
         ),
         (
             "GPU utilisation: single 85%, SPS 11-17%, DPS 89-94%",
-            f"single {1 - res[('single GPU', 1)].bubble:.0%}, SPS {1 - res[(sps, 4)].bubble:.0%}, DPS {1 - res[(dps, 4)].bubble:.0%}",
+            f"single {1 - res[('single GPU', 1)].bubble:.0%}, SPS {1 - res[(sps, 4)].bubble:.0%}, "
+            f"DPS {1 - res[(dps, 4)].bubble:.0%}",
             1 - res[(sps, 4)].bubble < 0.3,
         ),
     ]
@@ -183,21 +184,24 @@ CASES = [  # label, shape flags, dp, pp, tp, V, micro-batch, global batch, seq
 ]
 
 
-def fold3d(lines: list[str], img_dir: Path) -> None:
-    c = load_cluster("cloud-v100-25g")
-    lines += [
-        "## Fold3D (Li et al., TPDS 2023) on `cloud-v100-25g`",
-        "",
-        "Megatron-LM v3 = `interleaved-1f1b` + `after-flush`; Fold3D = `fold` + `per-chunk` (and with deferral). "
-        "fp16 autocast, full recomputation, no clipping, and Megatron's wire format for both (fp16 gradients in the "
-        "data-parallel all-reduce, pipeline activations scattered over the TP ranks; foldtrain's own executor sends "
-        "fp32 gradients and whole activations per TP rank: see the last row). All-GPU idle = share of the step in which no GPU of the "
-        "pipeline computes (the paper: > 44% for Megatron).",
-        "",
-        "| model | GPUs (dp x pp x tp, V) | Megatron tokens/s | all-GPU idle | fold tokens/s | idle | gain | "
-        "fold+defer tokens/s | idle | gain | peak GB (fold) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+FOLD3D_INTRO = [
+    "## Fold3D (Li et al., TPDS 2023) on `cloud-v100-25g`",
+    "",
+    "Megatron-LM v3 = `interleaved-1f1b` + `after-flush`; Fold3D = `fold` + `per-chunk` (and with deferral). "
+    "fp16 autocast, full recomputation, no clipping, and Megatron's wire format for both (fp16 gradients in the "
+    "data-parallel all-reduce, pipeline activations scattered over the TP ranks; foldtrain's own executor sends "
+    "fp32 gradients and whole activations per TP rank: see the last row). "
+    "All-GPU idle = share of the step in which no GPU of the pipeline computes (the paper: > 44% for Megatron).",
+    "",
+    "| model | GPUs (dp x pp x tp, V) | Megatron tokens/s | all-GPU idle | fold tokens/s | idle | gain | "
+    "fold+defer tokens/s | idle | gain | peak GB (fold) |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
+]
+
+
+def _fold3d_rows(c, lines: list[str]) -> list[float]:
+    """One table row per case (Megatron's wire format), then the first case with foldtrain's; the gains
+    of the first rows (fold and fold+defer over Megatron)."""
     gains = []
     for label, shape, dp, pp, tp, v, mb, gb, seq in CASES:
         r = fold_compare(c, _fold_args(shape, dp, pp, tp, v, mb, gb, seq))
@@ -206,8 +210,9 @@ def fold3d(lines: list[str], img_dir: Path) -> None:
         gains += [gf, gd]
         lines.append(
             f"| {label} | {dp * pp * tp} ({dp}x{pp}x{tp}, V={v}) | {m.tokens_per_s:,.0f} | {m.all_rank_idle:.1%} | "
-            f"{f.tokens_per_s:,.0f} | {f.all_rank_idle:.1%} | {gf:+.1%} | {d.tokens_per_s:,.0f} | {d.all_rank_idle:.1%} | "
-            f"{gd:+.1%} | {f.peak_mem / GB:.1f}{'' if f.fits else ' (>16)'} |"
+            f"{f.tokens_per_s:,.0f} | {f.all_rank_idle:.1%} | {gf:+.1%} | "
+            f"{d.tokens_per_s:,.0f} | {d.all_rank_idle:.1%} | {gd:+.1%} | "
+            f"{f.peak_mem / GB:.1f}{'' if f.fits else ' (>16)'} |"
         )
     label, shape, dp, pp, tp, v, mb, gb, seq = CASES[0]
     r = fold_compare(c, _fold_args(shape, dp, pp, tp, v, mb, gb, seq), wire={})
@@ -218,28 +223,56 @@ def fold3d(lines: list[str], img_dir: Path) -> None:
         f"{f.tokens_per_s / m.tokens_per_s - 1:+.1%} | {d.tokens_per_s:,.0f} | {d.all_rank_idle:.1%} | "
         f"{d.tokens_per_s / m.tokens_per_s - 1:+.1%} | {f.peak_mem / GB:.1f} |"
     )
+    return gains
+
+
+def _gain_vs_bandwidth(c, rates: list[int]) -> list[tuple[int, float, float, float]]:
+    """On the public example (the first case), per inter-node rate in Gbit/s: ``(rate, fold gain,
+    fold+defer gain, Megatron's all-GPU idle)``."""
+    label, shape, dp, pp, tp, v, mb, gb, seq = CASES[0]
+    args = _fold_args(shape, dp, pp, tp, v, mb, gb, seq)
+    pts = []
+    for gbit in rates:
+        cc = dataclasses.replace(c, inter=dataclasses.replace(c.inter, bw=gbit * 1e9 / 8), name=f"{gbit} Gbit/s")
+        r = fold_compare(cc, args)
+        megatron = r["megatron"].tokens_per_s
+        fold_gain = r["fold"].tokens_per_s / megatron - 1
+        defer_gain = r["defer"].tokens_per_s / megatron - 1
+        pts.append((gbit, fold_gain, defer_gain, r["megatron"].all_rank_idle))
+    return pts
+
+
+def _plot_gain(pts: list[tuple[int, float, float, float]], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], "o-", label="fold + per-chunk")
+    ax.plot([p[0] for p in pts], [100 * p[2] for p in pts], "s--", label="fold + per-chunk + defer")
+    ax.axhspan(25.2, 42.1, color="#ddd", label="Fold3D paper: 25.2-42.1%")
+    ax.set_xscale("log")
+    ax.set_xlabel("inter-node bandwidth (Gbit/s per node)")
+    ax.set_ylabel("throughput gain over Megatron (%)")
+    ax.set_title("simulated, cloud-v100-25g, public example")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+
+
+def fold3d(lines: list[str], img_dir: Path) -> None:
+    c = load_cluster("cloud-v100-25g")
+    lines += FOLD3D_INTRO
+    gains = _fold3d_rows(c, lines)
     lines += [
         "",
         f"Simulated gains (Megatron wire format): {min(gains):+.1%} to {max(gains):+.1%} "
         "(paper: +25.2% to +42.1% over four baselines).",
         "",
     ]
-    # gain vs bandwidth, on the public example
-    label, shape, dp, pp, tp, v, mb, gb, seq = CASES[0]
-    args = _fold_args(shape, dp, pp, tp, v, mb, gb, seq)
-    rates = [10, 25, 50, 100, 200, 400, 800]
-    pts = []
-    for gbit in rates:
-        cc = dataclasses.replace(c, inter=dataclasses.replace(c.inter, bw=gbit * 1e9 / 8), name=f"{gbit} Gbit/s")
-        r = fold_compare(cc, args)
-        pts.append(
-            (
-                gbit,
-                r["fold"].tokens_per_s / r["megatron"].tokens_per_s - 1,
-                r["defer"].tokens_per_s / r["megatron"].tokens_per_s - 1,
-                r["megatron"].all_rank_idle,
-            )
-        )
+    pts = _gain_vs_bandwidth(c, [10, 25, 50, 100, 200, 400, 800])
     lines += [
         "### Gain against network bandwidth (public example, 32 GPUs)",
         "",
@@ -249,23 +282,7 @@ def fold3d(lines: list[str], img_dir: Path) -> None:
     lines += [f"| {g} | {idle:.1%} | {a:+.1%} | {b:+.1%} |" for g, a, b, idle in pts]
     png = img_dir / "sim_fold_gain_vs_bandwidth.png"
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], "o-", label="fold + per-chunk")
-        ax.plot([p[0] for p in pts], [100 * p[2] for p in pts], "s--", label="fold + per-chunk + defer")
-        ax.axhspan(25.2, 42.1, color="#ddd", label="Fold3D paper: 25.2-42.1%")
-        ax.set_xscale("log")
-        ax.set_xlabel("inter-node bandwidth (Gbit/s per node)")
-        ax.set_ylabel("throughput gain over Megatron (%)")
-        ax.set_title("simulated, cloud-v100-25g, public example")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        img_dir.mkdir(parents=True, exist_ok=True)
-        fig.savefig(png, dpi=110)
+        _plot_gain(pts, png)
         lines += ["", f"![gain vs bandwidth](img/{png.name})", ""]
     except ImportError:
         lines += ["", "(matplotlib missing: no plot)", ""]

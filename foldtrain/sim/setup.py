@@ -63,9 +63,8 @@ class Setup:
     budget_bytes: float = 0.0  # sharded-ps: --dp.shard_budget_mb (0: one bucket, the largest)
     fold_bucket_bytes: float = 2 * 2**20  # 3D with --fold.defer_reduce: deferred reductions go in buckets of this size
     cycle_s: float = 0.0  # allreduce: Horovod's cycle time (a bucket also closes this long after the last launch)
-    p2p_scatter: bool = (
-        False  # Megatron's scatter/gather: each TP rank sends 1/tp of an activation (not foldtrain's executor)
-    )
+    # Megatron's scatter/gather: each TP rank sends 1/tp of an activation (not foldtrain's executor)
+    p2p_scatter: bool = False
 
     @property
     def world(self) -> int:
@@ -92,6 +91,50 @@ class Setup:
         return self.dp * self.microbatches * self.micro_batch * self.seq
 
 
+def _dp_strategy(cfg) -> str:
+    """The strategy the simulator models (Horovod as allreduce: the same ring all-reduce with fusion);
+    ConfigError for a strategy that cannot run with this layout."""
+    p, d = cfg.parallel, cfg.dp
+    strategy = "allreduce" if d.strategy == "horovod" else d.strategy
+    if strategy != "none" and p.pp * p.tp > 1:
+        raise ConfigError(
+            f"--dp.strategy {d.strategy} cannot be combined with --parallel.pp {p.pp} / tp {p.tp}: "
+            "the 3D engine does its own data-parallel all-reduce; "
+            "use --dp.strategy none with --parallel.dp N, or pp = tp = 1 with the strategy"
+        )
+    if d.ps_servers and strategy != "ps":
+        raise ConfigError("--dp.ps_servers only applies to --dp.strategy ps; remove it or choose ps")
+    return strategy
+
+
+def _pipeline_shape(cfg, full_check: bool) -> tuple[int, int, int, tuple[int, ...]]:
+    """The 3D engine's ``(micro-batches, micro-batch, virtual stages, blocks per segment)``, from the
+    validated layout (``full_check``) or resolved directly."""
+    p = cfg.parallel
+    if full_check:
+        lay = validate_layout(cfg, p.dp * p.pp * p.tp)
+        return lay.microbatches, lay.micro_batch, lay.virtual, tuple(len(x) for x in lay.layers)
+    n_micro, micro = resolve_microbatches(cfg)
+    layers = tuple(len(x) for x in chunk_layers(cfg.model.n_layer, p.pp * p.virtual, p.layers_per_chunk or None))
+    return n_micro, micro, p.virtual, layers
+
+
+def _dp_shape(cfg, strategy: str) -> tuple[int, int]:
+    """A data-parallel engine's (or one process's) ``(micro-batches, micro-batch)`` per worker."""
+    t, workers = cfg.train, cfg.parallel.dp
+    if strategy == "none" and workers > 1:
+        raise ConfigError(
+            f"--parallel.dp {workers} needs a data-parallel strategy or the 3D engine; this should not happen"
+        )
+    micro = t.micro_batch or max(1, t.global_batch // workers)
+    if t.global_batch % (workers * micro):
+        raise ConfigError(
+            f"--train.global_batch {t.global_batch} is not divisible by data-parallel workers x micro-batch "
+            f"({workers} x {micro}); pick a global batch that is a multiple of {workers * micro}"
+        )
+    return t.global_batch // (workers * micro), micro
+
+
 def resolve_setup(cfg, full_check: bool = True) -> Setup:
     """The simulated run of ``cfg`` (a resolved, validated Config); ConfigError for a layout that cannot run.
 
@@ -99,42 +142,16 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
     the schedule once more for validation."""
     p, m, t, d = cfg.parallel, cfg.model, cfg.train, cfg.dp
     dtype, wb, gb, ab, master = PRECISION[cfg.precision]
-    strategy = d.strategy
-    if strategy == "horovod":
-        strategy = "allreduce"  # Horovod's ring all-reduce with fusion: the same algorithm and cost
-    if strategy != "none" and p.pp * p.tp > 1:
-        raise ConfigError(
-            f"--dp.strategy {d.strategy} cannot be combined with --parallel.pp {p.pp} / tp {p.tp}: the 3D engine does its "
-            f"own data-parallel all-reduce; use --dp.strategy none with --parallel.dp N, or pp = tp = 1 with the strategy"
-        )
-    if d.ps_servers and strategy != "ps":
-        raise ConfigError("--dp.ps_servers only applies to --dp.strategy ps; remove it or choose ps")
+    strategy = _dp_strategy(cfg)
     three_d = strategy == "none" and p.dp * p.pp * p.tp > 1
     if three_d:
-        if full_check:
-            lay = validate_layout(cfg, p.dp * p.pp * p.tp)
-            layers = tuple(len(x) for x in lay.layers)
-            n_micro, micro, V = lay.microbatches, lay.micro_batch, lay.virtual
-        else:
-            n_micro, micro = resolve_microbatches(cfg)
-            V = p.virtual
-            layers = tuple(len(x) for x in chunk_layers(m.n_layer, p.pp * V, p.layers_per_chunk or None))
+        n_micro, micro, V, layers = _pipeline_shape(cfg, full_check)
         mode, strat = "3d", "allreduce-3d"
     else:
-        workers = p.dp
-        if strategy == "none" and workers > 1:
-            raise ConfigError(
-                f"--parallel.dp {workers} needs a data-parallel strategy or the 3D engine; this should not happen"
-            )
-        micro = t.micro_batch or max(1, t.global_batch // workers)
-        if t.global_batch % (workers * micro):
-            raise ConfigError(
-                f"--train.global_batch {t.global_batch} is not divisible by data-parallel workers x micro-batch "
-                f"({workers} x {micro}); pick a global batch that is a multiple of {workers * micro}"
-            )
-        n_micro, V = t.global_batch // (workers * micro), 1
-        layers = (len(chunk_layers(m.n_layer, 1)[0]),)
-        mode, strat = "dp", strategy if workers > 1 else "none"
+        n_micro, micro = _dp_shape(cfg, strategy)
+        V, layers = 1, (len(chunk_layers(m.n_layer, 1)[0]),)
+        mode, strat = "dp", strategy if p.dp > 1 else "none"
+    compressed = d.compression in ("fp16", "bf16") and gb == 4
     return Setup(
         mode=mode,
         strategy=strat,
@@ -170,7 +187,7 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         budget_bytes=d.shard_budget_mb * 2**20,
         fold_bucket_bytes=cfg.fold.bucket_mb * 2**20,
         cycle_s=d.cycle_ms * 1e-3,
-        wire_factor=(0.5 if d.compression in ("fp16", "bf16") and gb == 4 else 1.0) if strat == "allreduce" else 1.0,
+        wire_factor=0.5 if strat == "allreduce" and compressed else 1.0,
         fp16_scaler=cfg.precision.startswith("fp16"),
         clip=cfg.optim.grad_clip > 0,
     )

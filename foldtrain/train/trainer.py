@@ -45,8 +45,9 @@ def open_data(cfg: Config) -> TokenData:
     data = open_dataset(cfg.data)  # --data.mix or --data.path (prepared if needed)
     if data.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
-            f"the tokenizer's vocabulary ({data.vocab_size}) is larger than the model's embedding ({cfg.model.vocab_size}); "
-            f"set --model.vocab_size {data.vocab_size} or prepare data with a smaller --data.vocab_size"
+            f"the tokenizer's vocabulary ({data.vocab_size}) is larger than the model's embedding "
+            f"({cfg.model.vocab_size}); set --model.vocab_size {data.vocab_size} "
+            "or prepare data with a smaller --data.vocab_size"
         )
     return data
 
@@ -81,44 +82,72 @@ def train(cfg: Config) -> dict:
 
 
 def _train(cfg: Config, env: DistEnv, data: TokenData, plan: RunPlan) -> dict:
-    out, ckpt = Path(cfg.out), plan.ckpt
-    t = cfg.train
+    out, t = Path(cfg.out), cfg.train
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(to_toml(cfg))
     model = build_model(cfg, meta=uses_3d_engine(cfg))  # a pipeline rank materialises only its chunks
     n_params = model.num_params()
-    analytic = analytic_param_count(cfg.model.n_layer, cfg.model.d_model, cfg.model.context, cfg.model.vocab_size)
     workers = dp_workers(cfg, env.world_size)
     micro = t.micro_batch or t.global_batch // workers
     engine = build_engine(cfg, model, env, micro)
     sampler = SequenceSampler(data.split("train"), t.seq_len, cfg.train.seed)
     val = val_batches(data.split("val"), t.seq_len, micro, t.eval_batches)
-
-    start = 0
-    if plan.resume_from is not None:
-        path = plan.resume_from
-        state = engine.state_dict()
-        meta, _ = ckpt.load(path, state)
-        engine.load_state_dict(state)
-        start = int(meta["step"])
-    else:
-        # dropout streams differ per data/pipeline rank; tensor-parallel ranks share one (replicated activations)
-        torch.manual_seed(cfg.train.seed + 1000 * (env.rank // cfg.parallel.tp))
+    start = resume_or_seed(cfg, env, engine, plan)
 
     log = RunLogger(out, env.is_main, t.steps, start, t.progress)
+    log_start(log, cfg, env, data, len(sampler), n_params, plan, start)
+    end = min(t.steps, t.stop_at) if t.stop_at else t.steps
+    loss = train_steps(cfg, env, engine, sampler, val, plan, log, start, end)
+    summary = {"step": end, "loss": loss, "params": n_params}
+    if end < t.steps:
+        log.info(f"stopped at step {end} of {t.steps} (--train.stop_at); continue with --resume")
+        log.close()
+        return summary
+    finish(cfg, env, engine, data, log)
+    return summary
+
+
+def resume_or_seed(cfg: Config, env: DistEnv, engine, plan: RunPlan) -> int:
+    """The step the loop starts from: the checkpoint's when resuming (its state loaded into ``engine``),
+    else 0 with this rank's dropout stream seeded."""
+    if plan.resume_from is None:
+        # dropout streams differ per data/pipeline rank; tensor-parallel ranks share one (replicated activations)
+        torch.manual_seed(cfg.train.seed + 1000 * (env.rank // cfg.parallel.tp))
+        return 0
+    state = engine.state_dict()
+    meta, _ = plan.ckpt.load(plan.resume_from, state)
+    engine.load_state_dict(state)
+    return int(meta["step"])
+
+
+def log_start(
+    log: RunLogger, cfg: Config, env: DistEnv, data: TokenData, sequences: int, n_params: int, plan: RunPlan, start: int
+) -> None:
+    """The run's first lines: model, processes, data, and where it resumed from."""
+    m, t = cfg.model, cfg.train
+    analytic = analytic_param_count(m.n_layer, m.d_model, m.context, m.vocab_size)
     log.info(
-        f"model {cfg.model.preset}: {n_params:,} parameters (analytic {analytic:,}); {env.world_size} process(es), strategy {cfg.dp.strategy}, precision {cfg.precision}, device {env.device}"
+        f"model {m.preset}: {n_params:,} parameters (analytic {analytic:,}); "
+        f"{env.world_size} process(es), strategy {cfg.dp.strategy}, precision {cfg.precision}, device {env.device}"
     )
+    n_train, n_val = data.split("train").shape[0], data.split("val").shape[0]
     log.info(
-        f"data: {data.split('train').shape[0]:,} train / {data.split('val').shape[0]:,} val tokens, vocab {data.vocab_size}; {len(sampler):,} sequences of {t.seq_len}"
+        f"data: {n_train:,} train / {n_val:,} val tokens, vocab {data.vocab_size}; "
+        f"{sequences:,} sequences of {t.seq_len}"
     )
     if plan.notice:
         log.info(plan.notice)
     if plan.resume_from is not None:
         log.info(f"resumed from {plan.resume_from} at step {start}")
 
-    tokens_per_step = t.global_batch * t.seq_len
+
+def train_steps(
+    cfg: Config, env: DistEnv, engine, sampler, val, plan: RunPlan, log: RunLogger, start: int, end: int
+) -> float:
+    """Steps ``start + 1 .. end``, each logged every ``--train.log_every`` steps and checkpointed every
+    ``--checkpoint.every`` (and at ``end``); the last step's loss (nan when no step ran)."""
+    t = cfg.train
     meta = {
         "world_size": env.world_size,
         "strategy": cfg.dp.strategy,
@@ -126,7 +155,6 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, plan: RunPlan) -> dict:
         "data_step": 0,
     }
     loss = float("nan")
-    end = min(t.steps, t.stop_at) if t.stop_at else t.steps
     t_start = time.perf_counter()  # metrics' time_s: wall time since this session's loop began
     for step in range(start, end):
         faults.step(step + 1)  # no-op unless FOLDTRAIN_FAULT is set (tests only)
@@ -139,41 +167,50 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, plan: RunPlan) -> dict:
             raise FloatingPointError(f"loss became {loss} at step {step + 1}; lower --optim.lr or use --precision fp32")
         done = step + 1
         if done % t.log_every == 0 or done == t.steps:
-            record = {
-                "step": done,
-                "loss": loss,
-                "lr": lr,
-                "tokens_per_s": tokens_per_step / dt,
-                "step_time_s": dt,
-                "time_s": time.perf_counter() - t_start,
-                "grad_norm": engine.last_grad_norm,
-                **memory_record(env),
-                **engine.stats(),
-            }
-            if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
-                record["val_loss"] = engine.eval_loss(val)
-                record["val_ppl"] = math.exp(min(record["val_loss"], 50.0))
+            record = step_record(cfg, env, engine, val, done, loss, lr, dt, t_start)
             log.log(record, advance=t.log_every if done % t.log_every == 0 else done % t.log_every)
         if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == end:
-            ckpt.save(done, engine.state_dict(), {**meta, "data_step": done}, extra=engine.extra_state())
-    summary = {"step": end, "loss": loss, "params": n_params}
-    if end < t.steps:
-        log.info(f"stopped at step {end} of {t.steps} (--train.stop_at); continue with --resume")
-        log.close()
-        return summary
-    if env.is_main:
-        log.close()
-        full = engine.eval_model()
-        if cfg.checkpoint.safetensors and full is not None:
-            export_safetensors(full, out / "model.safetensors", GPTShape.from_config(cfg.model).__dict__)
-        if t.sample_tokens and full is not None:
-            text = generate_text(
-                full, data, cfg, prompt=t.sample_prompt, max_new_tokens=t.sample_tokens, device=env.device
-            )
-            print(f"\n----- sample after {t.steps} steps -----\n{text}\n-----", flush=True)
-    else:
+            plan.ckpt.save(done, engine.state_dict(), {**meta, "data_step": done}, extra=engine.extra_state())
+    return loss
+
+
+def step_record(
+    cfg: Config, env: DistEnv, engine, val, done: int, loss: float, lr: float, dt: float, t_start: float
+) -> dict:
+    """The metrics line of step ``done``; with the validation loss at ``--train.eval_every`` and the last step.
+    Collective on every rank (peak memory of all ranks, engine statistics, evaluation)."""
+    t = cfg.train
+    record = {
+        "step": done,
+        "loss": loss,
+        "lr": lr,
+        "tokens_per_s": t.global_batch * t.seq_len / dt,
+        "step_time_s": dt,
+        "time_s": time.perf_counter() - t_start,
+        "grad_norm": engine.last_grad_norm,
+        **memory_record(env),
+        **engine.stats(),
+    }
+    if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+        record["val_loss"] = engine.eval_loss(val)
+        record["val_ppl"] = math.exp(min(record["val_loss"], 50.0))
+    return record
+
+
+def finish(cfg: Config, env: DistEnv, engine, data: TokenData, log: RunLogger) -> None:
+    """After the last step: rank 0 exports the final model (``--checkpoint.safetensors``) and prints a sample;
+    every rank takes part in building that model."""
+    if not env.is_main:
         engine.eval_model()  # collective on some layouts (gathering a sharded model)
-    return summary
+        return
+    t = cfg.train
+    log.close()
+    full = engine.eval_model()
+    if cfg.checkpoint.safetensors and full is not None:
+        export_safetensors(full, Path(cfg.out) / "model.safetensors", GPTShape.from_config(cfg.model).__dict__)
+    if t.sample_tokens and full is not None:
+        text = generate_text(full, data, cfg, prompt=t.sample_prompt, max_new_tokens=t.sample_tokens, device=env.device)
+        print(f"\n----- sample after {t.steps} steps -----\n{text}\n-----", flush=True)
 
 
 def memory_record(env: DistEnv) -> dict:

@@ -132,7 +132,8 @@ Root Cause (first observed failure):
 def test_error_line_finds_the_exception_and_falls_back():
     tb = (
         "Traceback (most recent call last):\n  File x\nRuntimeError: Connection closed by peer\n"
-        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n====\nRoot Cause (first observed failure):\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n====\nRoot Cause "
+        "(first observed failure):\n"
     )
     assert error_line(tb) == "RuntimeError: Connection closed by peer"
     assert error_line("some output\nlast words\n") == "last words"
@@ -141,7 +142,8 @@ def test_error_line_finds_the_exception_and_falls_back():
 
 
 def test_error_line_sees_through_launcher_prefixes():
-    """torch 2.13 prefixes a child's lines with ``[rankN]:``; horovodrun with ``[N]<stderr>:`` and ends with its own RuntimeError."""
+    """torch 2.13 prefixes a child's lines with ``[rankN]:``; horovodrun with ``[N]<stderr>:`` and ends with its
+    own RuntimeError."""
     torch_text = """[rank1]: Traceback (most recent call last):
 [rank1]:   File "x.py", line 3, in <module>
 [rank1]: TypeError: _DistributedOptimizer.zero_grad() got an unexpected keyword argument 'set_to_none'
@@ -153,15 +155,18 @@ torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
         error_line(torch_text)
         == "TypeError: _DistributedOptimizer.zero_grad() got an unexpected keyword argument 'set_to_none'"
     )
-    hvd_text = """[1]<stderr>:Traceback (most recent call last):
+    hvd_text = (
+        """[1]<stderr>:Traceback (most recent call last):
 [1]<stderr>:ValueError: bad shape
 [0]<stdout>:step 1
 Process 1 exit with status code 1.
 Terminating remaining workers after failure of Process 1.
 Traceback (most recent call last):
-RuntimeError: Horovod detected that one or more processes exited with non-zero status, thus causing the job to be terminated. The first process to do so was:
+RuntimeError: Horovod detected that one or more processes exited with non-zero status, """
+        """thus causing the job to be terminated. The first process to do so was:
 Process name: 1
 Exit code: 1"""
+    )
     assert error_line(hvd_text) == "ValueError: bad shape"
     assert (
         error_line(
@@ -326,19 +331,22 @@ def test_tables_render(dp_runs, tmp_path):
 
 def test_pipeline_rows_and_ratios(tmp_path):
     t = tmp_path
-    mk = lambda name, times, impl, variant, v, sync, **kw: run_from(
-        t,
-        name,
-        times,
-        impl=impl,
-        variant=variant,
-        ranks=4,
-        workers=2,
-        network="1gbit",
-        bench="pipeline",
-        info={"virtual": v, "dp_sync": sync},
-        **kw,
-    )
+
+    def mk(name, times, impl, variant, v, sync, **kw):
+        return run_from(
+            t,
+            name,
+            times,
+            impl=impl,
+            variant=variant,
+            ranks=4,
+            workers=2,
+            network="1gbit",
+            bench="pipeline",
+            info={"virtual": v, "dp_sync": sync},
+            **kw,
+        )
+
     runs = [
         mk(
             "il",
@@ -564,8 +572,8 @@ def test_overlap_efficiency_from_the_runs():
         network="1gbit",
         metrics={"step_time_s": 0.7},
         info=dict(info),
-        wire=[(75e6, 70e6), (60e6, 75e6)],
-    )  # 75 MB at 125 MB/s: 0.6 s
+        wire=[(75e6, 70e6), (60e6, 75e6)],  # 75 MB at 125 MB/s: 0.6 s
+    )
     twin = RunResult(
         "pipeline",
         "foldtrain",
@@ -586,8 +594,8 @@ def test_overlap_efficiency_from_the_runs():
         workers=4,
         network="1gbit",
         wire=[(12.5e6, 12.5e6)],
-        metrics={"step_time_s": 0.25, "compute_s": 0.2},
-    )  # link 0.1 s: after-flush 0.3, bound 0.2
+        metrics={"step_time_s": 0.25, "compute_s": 0.2},  # link 0.1 s: after-flush 0.3, bound 0.2
+    )
     (r,) = dp_overlap([dp])
     assert r.value == pytest.approx(0.5)
 
@@ -612,7 +620,10 @@ with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:
     for i in range(5):
         f.write(json.dumps({'step': i + 1, 'step_time_s': 0.5, 'tokens_per_s': 100.0, 'peak_mem_mb': 1.0}) + '\\n')
 """
-FAKE_FAIL = "import sys; print('Traceback (most recent call last):', file=sys.stderr); print('ValueError: boom', file=sys.stderr); sys.exit(3)"
+FAKE_FAIL = (
+    "import sys; print('Traceback (most recent call last):', file=sys.stderr); "
+    "print('ValueError: boom', file=sys.stderr); sys.exit(3)"
+)
 
 
 def test_run_job_success_failure_timeout(tmp_path):
@@ -668,9 +679,10 @@ def test_execute_without_root_runs_the_loopback_part(tmp_path, monkeypatch):
 
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     a = dp.parser().parse_args(["--steps", "5", "--warmup", "2", "--device", "cpu", "--repeat", "2"])
-    fake = lambda variant, net: Job(
-        RunResult("dp", "fake", variant, network=net), [], [], launcher=[sys.executable, "-c", FAKE_OK]
-    )
+
+    def fake(variant, net):
+        return Job(RunResult("dp", "fake", variant, network=net), [], [], launcher=[sys.executable, "-c", FAKE_OK])
+
     jobs = {"loopback": [fake("a", "loopback")], "1gbit": [fake("b", "1gbit")]}
     ws = common.Workspace(str(tmp_path / "ws"), "dp")
     lines = []

@@ -16,4 +16,4 @@ def test_the_per_action_cost_comes_from_the_nearest_process_count():
     assert overhead_at(measured, 4) == 6e-4
     assert overhead_at(measured, 8) == 6e-4  # the most processes measured
     assert overhead_at(measured, 1) == 4e-4
-    assert overhead_at(3e-4, 4) == 3e-4  # a calibration from before it was measured per process count
+    assert overhead_at(3e-4, 4) == 3e-4  # one measurement for every process count

@@ -23,7 +23,7 @@ from tests.conftest import tiny_run_args
 
 def err_line(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
-    lines = [l for l in err if l.startswith("foldtrain: error:")]
+    lines = [line for line in err if line.startswith("foldtrain: error:")]
     assert len(lines) == 1, err
     return lines[0]
 
@@ -108,9 +108,10 @@ def test_automatic_resume_after_a_restart_falls_back_to_the_newest_intact(
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert main(["train", *args]) == 0  # no --resume: automatic
     err = capsys.readouterr().err
-    notice = [l for l in err.splitlines() if l.startswith("restart 1:")]
+    notice = [line for line in err.splitlines() if line.startswith("restart 1:")]
     assert notice == [
-        f"restart 1: skipped 1 damaged checkpoint(s) (step_00000004: rank0.pt does not match its checksum); resuming from {out / 'checkpoints' / 'step_00000002'}"
+        "restart 1: skipped 1 damaged checkpoint(s) (step_00000004: rank0.pt does not match its checksum); "
+        f"resuming from {out / 'checkpoints' / 'step_00000002'}"
     ]
     full = tmp_path / "full"
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")

@@ -50,7 +50,7 @@ def engine_state(data: Path, out: Path) -> dict:
 def resume_fails(small_data, out: Path, capsys) -> str:
     capsys.readouterr()
     assert main(["train", *tiny_run_args(small_data, out, "--train.steps", "6", "--resume")]) == 2
-    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("foldtrain: error:")]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("foldtrain: error:")]
     assert len(lines) == 1
     return lines[0]
 

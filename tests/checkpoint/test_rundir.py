@@ -16,7 +16,7 @@ from tests.conftest import tiny_run_args
 
 
 def one_error_line(capsys) -> str:
-    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("foldtrain: error:")]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("foldtrain: error:")]
     assert len(lines) == 1
     return lines[0]
 
@@ -29,7 +29,8 @@ def test_unwritable_out_is_one_line_before_anything(small_data, tmp_path, capsys
     (tmp_path / "run_ckfile").mkdir()
     (tmp_path / "run_ckfile" / "checkpoints").write_text("x")
     cases = {
-        "/proc/x": r"--out /proc/x cannot be written \(creating a directory in /proc fails: .+\); choose a writable --out",
+        "/proc/x": r"--out /proc/x cannot be written \(creating a directory in /proc fails: .+\); "
+        r"choose a writable --out",
         str(afile / "sub" / "run"): rf"--out {afile}/sub/run: {afile} is a file, not a directory; choose another --out",
         str(afile): rf"--out {afile}: {afile} is a file, not a directory",
         str(tmp_path / "run_ckfile"): r"run_ckfile/checkpoints is a file, not a directory",

@@ -1,4 +1,5 @@
-"""The default corpus's content rule: generated tables are left out, code and prose stay, and the cache knows the rule."""
+"""The default corpus's content rule: generated tables are left out, code and prose stay, and the cache knows the
+rule."""
 
 from __future__ import annotations
 

@@ -87,7 +87,8 @@ def test_resume_with_other_options_refused_and_nothing_changes(raw, tmp_path, mo
     before = {p.name: p.read_bytes() for p in (tmp_path / "ds.partial").iterdir()}
     with pytest.raises(
         DataError,
-        match=r"ds.partial holds an interrupted prepare with different options \(seed 4 there, 5 now\); re-run with the same options",
+        match=r"ds.partial holds an interrupted prepare with different options \(seed 4 there, 5 now\); "
+        r"re-run with the same options",
     ):
         prepare(raw, out, vocab_size=300, val_fraction=0.2, seed=5, shard_mb=SHARD_MB, quiet=True)
     assert {p.name: p.read_bytes() for p in (tmp_path / "ds.partial").iterdir()} == before

@@ -1,7 +1,7 @@
 """The end of a pipelined run: the other ranks leave while rank 0 still assembles, exports and
 samples the full model (seconds of work), and the run ends cleanly every time — exit 0 and a
-model.safetensors holding the final checkpoint's weights. Two launches, since the old failure
-(a rank aborting in teardown while the full state dict was pickled to rank 0) was intermittent."""
+model.safetensors holding the final checkpoint's weights. Two launches, since the failure this guards
+against (a rank aborting in teardown while the full state dict is pickled to rank 0) is intermittent."""
 
 from __future__ import annotations
 

@@ -32,9 +32,8 @@ needs_root = pytest.mark.skipif(not can_emulate(), reason="needs root and iprout
 @pytest.fixture(autouse=True, scope="module")
 def _remove_lock_files():
     yield
-    for f in netns.LOCK_DIR.glob(
-        f"{PREFIX}*.lock"
-    ):  # the clusters leave their (empty) lock files; these prefixes are ours
+    # the clusters leave their (empty) lock files; these prefixes are ours
+    for f in netns.LOCK_DIR.glob(f"{PREFIX}*.lock"):
         f.unlink(missing_ok=True)
 
 

@@ -14,7 +14,7 @@ from foldtrain.profile import (
     summarize,
 )
 from foldtrain.schedules import build_schedule
-from foldtrain.sim import events_from_simulation, simulate_order  # moved from schedules / profile (issue 8)
+from foldtrain.sim import events_from_simulation, simulate_order
 
 approx = pytest.approx
 

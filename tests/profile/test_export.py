@@ -17,7 +17,7 @@ from foldtrain.profile import (
 )
 from foldtrain.profile.__main__ import main
 from foldtrain.schedules import build_schedule
-from foldtrain.sim import events_from_simulation, simulate_order  # moved from schedules / profile (issue 8)
+from foldtrain.sim import events_from_simulation, simulate_order
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ def test_loss_falls_on_default_corpus(tmp_path, capsys):
     data = TokenData.open(resolve_data(cfg.data))  # prepared once per machine (~30-60 s), then cached
     assert data.vocab_size == 8192 and data.split("train").shape[0] > 8_000_000  # the ~8.6M-token stdlib corpus
     train(cfg)
-    rec = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rec = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     first, last = sum(r["loss"] for r in rec[:3]) / 3, sum(r["loss"] for r in rec[-3:]) / 3
     assert first > 8.5 and last < first - 1.5, (first, last)
     assert "----- sample after 30 steps -----" in capsys.readouterr().out

@@ -31,7 +31,7 @@ def run(data, out, *extra):
 def test_metrics_and_outputs(small_data, tmp_path):
     out = tmp_path / "run"
     run(small_data, out, "--checkpoint.every", "10", "--checkpoint.keep", "1", "--train.eval_every", "10")
-    rec = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rec = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rec] == list(range(1, 21))
     assert all({"step", "loss", "lr", "tokens_per_s"} <= r.keys() for r in rec)
     assert "val_loss" in rec[9] and "val_ppl" in rec[19]

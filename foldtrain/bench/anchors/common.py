@@ -37,9 +37,8 @@ def data_and_model(cfg) -> tuple[TokenData, GPT]:
     """The prepared data and the GPT (on the CPU) built with ``--train.seed``, as foldtrain builds it;
     the host allocator set up as foldtrain's runs set it (``--train.malloc_cache``), so that a comparison
     measures the parallel strategy, not malloc."""
-    if cfg.train.malloc_cache and not (
-        torch.cuda.is_available() and cfg.train.device != "cpu"
-    ):  # on the CPU (setup_device)
+    on_gpu = torch.cuda.is_available() and cfg.train.device != "cpu"  # as setup_device decides
+    if cfg.train.malloc_cache and not on_gpu:
         keep_freed_host_memory()
     data = TokenData.open(resolve_data(cfg.data))
     torch.manual_seed(cfg.train.seed)

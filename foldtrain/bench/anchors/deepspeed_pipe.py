@@ -54,10 +54,9 @@ def main(argv: list[str]) -> int:
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import ProcessTopology
 
+    # inference-only on CPU; see the module doc
     # (the module, not the attribute: ``deepspeed.comm.torch`` is torch itself)
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: (
-        None
-    )  # inference-only on CPU; see the module doc
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     use_cuda = torch.cuda.is_available() and t.device != "cpu"
     deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo")
     rank = int(os.environ["RANK"])

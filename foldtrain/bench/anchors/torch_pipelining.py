@@ -81,83 +81,169 @@ def split_layers(n_layer: int, segments: int) -> list[list[int]]:
     return out
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]):
+    """``--schedule`` and the foldtrain configuration built from the other options."""
     ap = argparse.ArgumentParser(prog="torch_pipelining", add_help=True)
     ap.add_argument("--schedule", choices=SCHEDULES, default="looped-bfs")
     ns, rest = ap.parse_known_args(argv)
-    cfg = build_config(rest)
-    t, o, par = cfg.train, cfg.optim, cfg.parallel
+    return ns.schedule, build_config(rest)
+
+
+def check_layout(schedule: str, P: int, D: int, V: int, world: int) -> None:
+    if P * D != world:
+        raise SystemExit(f"--parallel.dp {D} x --parallel.pp {P} = {P * D} but {world} processes were launched")
+    if schedule in ("gpipe", "1f1b") and V != 1:
+        raise SystemExit(f"--schedule {schedule} runs one stage per rank; use --parallel.virtual 1")
+
+
+def make_groups(P: int, D: int, d: int, p: int):
+    """This rank's pipeline group, data-parallel group and tie group (its pipeline's two end ranks;
+    None with P = 1). Every rank creates every group, in the same order."""
+    pp_groups = [dist.new_group([dd * P + pp for pp in range(P)]) for dd in range(D)]
+    dp_groups = [dist.new_group([dd * P + pp for dd in range(D)]) for pp in range(P)]
+    tie_groups = [dist.new_group([dd * P, dd * P + P - 1]) for dd in range(D)] if P > 1 else []
+    return pp_groups[d], dp_groups[p], (tie_groups[d] if tie_groups else None)
+
+
+def build_segments(cfg, P: int, V: int, p: int, device: torch.device):
+    """The data, and this rank's segments ``{s: Segment}`` of the model cut into S = P*V segments
+    (segments p, p+P, ...), on ``device``."""
+    data, model = data_and_model(cfg)
+    S = P * V
+    layers = split_layers(cfg.model.n_layer, S)
+    parts = list(model.parts)
+    mods = {}
+    for s in range(p, S, P):
+        embedding = [parts[0]] if s == 0 else []
+        head = [parts[-1]] if s == S - 1 else []
+        mods[s] = Segment(embedding + [parts[1 + i] for i in layers[s]] + head)
+    if P > 1 and (S - 1) in mods:  # the last stage's own copy of the tied output projection
+        untie_head(mods[S - 1].parts[-1])
+    del model, parts
+    for m in mods.values():
+        m.to(device)
+    return data, mods
+
+
+def microbatch_count(t, microbatches: int, D: int) -> int:
+    """M micro-batches per data-parallel rank: ``--parallel.microbatches``, else of ``--train.micro_batch``
+    rows (else 1 row)."""
+    rows = t.global_batch // D
+    M = microbatches or rows // (t.micro_batch or 1)
+    if rows % M:
+        raise SystemExit(f"{rows} rows per data-parallel rank do not split into {M} micro-batches")
+    return M
+
+
+def make_schedule(name: str, stages: list, M: int):
     from torch.distributed.pipelining import (
-        PipelineStage,
         Schedule1F1B,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
         ScheduleLoopedBFS,
     )
 
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
-    P, D, V = par.pp, par.dp, par.virtual
-    if P * D != world:
-        raise SystemExit(f"--parallel.dp {D} x --parallel.pp {P} = {P * D} but {world} processes were launched")
-    if ns.schedule in ("gpipe", "1f1b") and V != 1:
-        raise SystemExit(f"--schedule {ns.schedule} runs one stage per rank; use --parallel.virtual 1")
-    device = setup_device(t, local)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=cfg.dp.timeout_s))
-    d, p = divmod(rank, P)
-    # every rank creates every group, in the same order
-    pp_groups = [dist.new_group([dd * P + pp for pp in range(P)]) for dd in range(D)]
-    dp_groups = [dist.new_group([dd * P + pp for dd in range(D)]) for pp in range(P)]
-    tie_groups = [dist.new_group([dd * P, dd * P + P - 1]) for dd in range(D)] if P > 1 else []
-    pp_group, dp_group = pp_groups[d], dp_groups[p]
+    if name == "gpipe":
+        return ScheduleGPipe(stages[0], M, loss_fn=loss_fn)
+    if name == "1f1b":
+        return Schedule1F1B(stages[0], M, loss_fn=loss_fn)
+    if name == "interleaved-1f1b":
+        return ScheduleInterleaved1F1B(stages, M, loss_fn=loss_fn)
+    return ScheduleLoopedBFS(stages, M, loss_fn=loss_fn)
 
-    # ---- model, cut into S = P*V segments; this rank keeps segments p, p+P, ...
-    data, model = data_and_model(cfg)
-    S = P * V
-    layers = split_layers(cfg.model.n_layer, S)
-    parts = list(model.parts)
-    local_segs = list(range(p, S, P))
-    mods = {}
-    for s in local_segs:
-        seg_parts = (
-            ([parts[0]] if s == 0 else []) + [parts[1 + i] for i in layers[s]] + ([parts[-1]] if s == S - 1 else [])
-        )
-        mods[s] = Segment(seg_parts)
-    if P > 1 and (S - 1) in mods:  # the last stage's own copy of the tied output projection
-        untie_head(mods[S - 1].parts[-1])
-    del model, parts
-    for m in mods.values():
-        m.to(device)
-    stages = [PipelineStage(mods[s], s, S, device, group=pp_group) for s in local_segs]
 
-    # ---- micro-batches per data-parallel rank
-    rows = t.global_batch // D
-    if par.microbatches:
-        M = par.microbatches
-    else:
-        M = rows // (t.micro_batch or 1)
-    if rows % M:
-        raise SystemExit(f"{rows} rows per data-parallel rank do not split into {M} micro-batches")
-    if ns.schedule == "gpipe":
-        sched = ScheduleGPipe(stages[0], M, loss_fn=loss_fn)
-    elif ns.schedule == "1f1b":
-        sched = Schedule1F1B(stages[0], M, loss_fn=loss_fn)
-    elif ns.schedule == "interleaved-1f1b":
-        sched = ScheduleInterleaved1F1B(stages, M, loss_fn=loss_fn)
-    else:
-        sched = ScheduleLoopedBFS(stages, M, loss_fn=loss_fn)
-
-    # each parameter once (with P = 1 the first and last segment share the tied weight)
+def params_per_stage(mods: dict[int, nn.Module]) -> dict[int, list[nn.Parameter]]:
+    """Each parameter once (with P = 1 the first and last segment share the tied weight)."""
     seen: set[int] = set()
     stage_params: dict[int, list[nn.Parameter]] = {}
     for s, m in mods.items():
         stage_params[s] = [q for q in m.parameters() if id(q) not in seen]
         seen.update(id(q) for q in stage_params[s])
+    return stage_params
+
+
+def run_schedule(sched, x: torch.Tensor, y: torch.Tensor, first: bool, last: bool, autocast) -> list[torch.Tensor]:
+    """One step of the schedule; the micro-batches' losses (on the last stage, else none)."""
+    losses: list[torch.Tensor] = []
+    with autocast():
+        if first and last:
+            sched.step(x, target=y, losses=losses)
+        elif first:
+            sched.step(x)
+        elif last:
+            sched.step(target=y, losses=losses)
+        else:
+            sched.step()
+    return losses
+
+
+def average_over_dp(stage_params: dict[int, list[nn.Parameter]], dp_group, D: int) -> None:
+    """Data parallel: average each stage's gradients over the dp group (after the flush), one flat
+    all-reduce per stage."""
+    for params in stage_params.values():
+        grads = [q.grad for q in params if q.grad is not None]
+        if not grads:
+            continue
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=dp_group)
+        flat.div_(D)
+        for g, f in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(f)
+
+
+def clip_global_norm(params: list[nn.Parameter], skip, grad_clip: float, pp_group, P: int, device) -> torch.Tensor:
+    """The gradients' global norm over the pipeline (``skip``, the last stage's tied copy, not counted
+    twice), and the clip to ``grad_clip`` when positive."""
+    norm_params = [q for q in params if q.grad is not None and q is not skip]
+    sq = torch.zeros(1, device=device)
+    for q in norm_params:
+        sq += q.grad.float().pow(2).sum()
+    if P > 1:
+        dist.all_reduce(sq, group=pp_group)
+    norm = sq.sqrt()
+    if grad_clip > 0:
+        coef = torch.clamp(grad_clip / (norm + 1e-6), max=1.0)
+        for q in params:
+            if q.grad is not None:
+                q.grad.mul_(coef.to(q.grad.dtype))
+    return norm
+
+
+def global_mean_loss(losses: list[torch.Tensor], D: int, device) -> torch.Tensor:
+    """The global mean loss on every rank (one all-reduce, as foldtrain logs it)."""
+    lt = torch.zeros(1, device=device)
+    if losses:
+        lt += torch.stack([loss.detach().float() for loss in losses]).mean() / D
+    dist.all_reduce(lt)
+    return lt
+
+
+def main(argv: list[str]) -> int:
+    schedule, cfg = parse_args(argv)
+    t, o, par = cfg.train, cfg.optim, cfg.parallel
+    from torch.distributed.pipelining import PipelineStage
+
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+    P, D, V = par.pp, par.dp, par.virtual
+    check_layout(schedule, P, D, V, world)
+    device = setup_device(t, local)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=cfg.dp.timeout_s))
+    d, p = divmod(rank, P)
+    pp_group, dp_group, tie_group = make_groups(P, D, d, p)
+    data, mods = build_segments(cfg, P, V, p, device)
+    S = P * V
+    stages = [PipelineStage(mods[s], s, S, device, group=pp_group) for s in mods]
+    sched = make_schedule(schedule, stages, microbatch_count(t, par.microbatches, D))
+
+    stage_params = params_per_stage(mods)
     params = [q for s in mods for q in stage_params[s]]
     opt = adamw(params, o)
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     autocast = autocast_for(device, half)
     first, last = 0 in mods, (S - 1) in mods
     tied_here = mods[0].parts[0].wte.weight if first else (mods[S - 1].parts[-1].lm_head.weight if last else None)
+    # the norm counts the tied weight once: the first stage's copy, not the last stage's
+    norm_skip = tied_here if last and not first else None
 
     sampler = SequenceSampler(data.split("train"), t.seq_len, t.seed)
     metrics = Metrics(cfg, rank, device)
@@ -165,51 +251,16 @@ def main(argv: list[str]) -> int:
         t0 = time.perf_counter()
         lr = set_lr(opt, lr_at(step, o, t.steps))
         x, y = sampler.rank_batch(step, t.global_batch, d, D)
-        x, y = x.to(device), y.to(device)
-        losses: list[torch.Tensor] = []
-        with autocast():
-            if first and last:
-                sched.step(x, target=y, losses=losses)
-            elif first:
-                sched.step(x)
-            elif last:
-                sched.step(target=y, losses=losses)
-            else:
-                sched.step()
-        # data parallel: average each stage's gradients over the dp group (after the flush)
+        losses = run_schedule(sched, x.to(device), y.to(device), first, last, autocast)
         if D > 1:
-            for s in mods:
-                grads = [q.grad for q in stage_params[s] if q.grad is not None]
-                if not grads:
-                    continue
-                flat = _flatten_dense_tensors(grads)
-                dist.all_reduce(flat, group=dp_group)
-                flat.div_(D)
-                for g, f in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                    g.copy_(f)
+            average_over_dp(stage_params, dp_group, D)
         # the two copies of the tied embedding / output projection: sum their gradients
-        if tie_groups and tied_here is not None and tied_here.grad is not None:
-            dist.all_reduce(tied_here.grad, group=tie_groups[d])
-        # global-norm clip (the last stage's tied copy is not counted twice)
-        norm_params = [q for q in params if q.grad is not None and not (last and not first and q is tied_here)]
-        sq = torch.zeros(1, device=device)
-        for q in norm_params:
-            sq += q.grad.float().pow(2).sum()
-        if P > 1:
-            dist.all_reduce(sq, group=pp_group)
-        norm = sq.sqrt()
-        if o.grad_clip > 0:
-            coef = torch.clamp(o.grad_clip / (norm + 1e-6), max=1.0)
-            for q in params:
-                if q.grad is not None:
-                    q.grad.mul_(coef.to(q.grad.dtype))
+        if tie_group is not None and tied_here is not None and tied_here.grad is not None:
+            dist.all_reduce(tied_here.grad, group=tie_group)
+        norm = clip_global_norm(params, norm_skip, o.grad_clip, pp_group, P, device)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        # the global mean loss on every rank (one all-reduce, as foldtrain logs it)
-        lt = torch.zeros(1, device=device)
-        if losses:
-            lt += torch.stack([l.detach().float() for l in losses]).mean() / D
-        dist.all_reduce(lt)
+        lt = global_mean_loss(losses, D, device)
         dt = time.perf_counter() - t0
         metrics.write(step, dt, lt, lr=lr, grad_norm=norm)
     metrics.close()

@@ -94,7 +94,8 @@ def cmd_prepare(ns, rest) -> int:
         return 0
     splits = meta["splits"]
     print(
-        f"prepared {d.out}: {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} val tokens, vocab {meta['vocab_size']}, "
+        f"prepared {d.out}: {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} val tokens, "
+        f"vocab {meta['vocab_size']}, "
         f"{meta['n_documents']:,} documents in {len(meta['shards'])} shard(s)"
     )
     return 0
@@ -173,7 +174,8 @@ def cmd_export(ns, rest) -> int:
     shape = {k: getattr(cfg.model, k) for k in SHAPE_KEYS}
     export_hf(model.state_dict(), shape, target, data.tokenizer_path, data.eot_id, cfg.model.dropout)
     print(
-        f"exported {path} to {target}: config.json, model.safetensors, tokenizer (GPT2LMHeadModel / AutoTokenizer.from_pretrained)"
+        f"exported {path} to {target}: config.json, model.safetensors, tokenizer "
+        "(GPT2LMHeadModel / AutoTokenizer.from_pretrained)"
     )
     return 0
 

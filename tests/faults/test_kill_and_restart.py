@@ -97,7 +97,7 @@ def reference(small_data, tmp_path_factory):
 
 
 def final_loss(out: Path) -> float:
-    rec = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rec = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rec if r["step"] == STEPS][-1]  # a restarted attempt may repeat steps; the last is final
 
 

@@ -4,8 +4,8 @@
 
 * layout: :func:`foldtrain.schedules.layout.validate_layout` (micro-batches, layer split) and the
   ``(dp, pp, tp)`` mesh of :mod:`foldtrain.parallel.mesh` (TP innermost, Megatron placement);
-* model: this pipeline rank's ``V`` chunks (:mod:`foldtrain.parallel.pipeline.stage`), full-model parameter names, Megatron
-  tensor parallelism inside each chunk when ``tp > 1`` (``foldtrain.parallel.tensor``), optional
+* model: this pipeline rank's ``V`` chunks (:mod:`foldtrain.parallel.pipeline.stage`), full-model parameter names,
+  Megatron tensor parallelism inside each chunk when ``tp > 1`` (``foldtrain.parallel.tensor``), optional
   activation recomputation (``--ac full``);
 * one AdamW and one LR schedule per local chunk, so a chunk can step as soon as its own gradients
   are reduced (Fold3D's per-chunk reduction, and the deferred steps of ``--fold.defer_reduce``);
@@ -246,7 +246,7 @@ class PipelineEngine:
                 xs, ys = list(x.split(self.micro_batch)), list(y.split(self.micro_batch))
                 losses = self.executor.forward_only(xs, ys)
                 if losses:
-                    total += sum(l * xm.shape[0] for l, xm in zip(losses, xs)) / x.shape[0]
+                    total += sum(loss * xm.shape[0] for loss, xm in zip(losses, xs)) / x.shape[0]
         finally:
             self.model.train()
         return self._global_loss(total / max(len(batches), 1))

@@ -222,7 +222,8 @@ def _check(name: str, pp: int, virtual: int, microbatches: int, dp_sync: str, de
         )
     if defer_reduce and dp_sync != "per-chunk":
         raise ConfigError(
-            f"--fold.defer_reduce needs --parallel.dp_sync per-chunk, got {dp_sync}; set per-chunk or drop --fold.defer_reduce"
+            f"--fold.defer_reduce needs --parallel.dp_sync per-chunk, got {dp_sync}; "
+            f"set per-chunk or drop --fold.defer_reduce"
         )
 
 

@@ -68,14 +68,16 @@ def chunk_layers(
     """
     if n_chunks < 1:
         raise ConfigError(
-            f"the model must be cut into at least one segment, got {n_chunks}; set --parallel.pp and --parallel.virtual >= 1"
+            f"the model must be cut into at least one segment, got {n_chunks}; "
+            f"set --parallel.pp and --parallel.virtual >= 1"
         )
     if layers_per_chunk:
         counts = list(layers_per_chunk)
         if len(counts) != n_chunks:
             raise ConfigError(
                 f"--parallel.layers_per_chunk has {len(counts)} entries but the model is cut into {n_chunks} segments "
-                f"(pp x virtual); give {n_chunks} counts, one per segment in model order, or leave it empty for an even split"
+                f"(pp x virtual); give {n_chunks} counts, one per segment in model order, "
+                f"or leave it empty for an even split"
             )
         if any(c < 1 for c in counts):
             i = next(i for i, c in enumerate(counts) if c < 1)
@@ -150,7 +152,8 @@ def check_tp(n_head: int, d_model: int, vocab_size: int, tp: int) -> None:
     if n_head % tp:
         raise ConfigError(
             f"--model.n_head {n_head} is not divisible by --parallel.tp {tp}; "
-            f"tensor parallelism gives each rank whole attention heads, so pick n_head a multiple of tp or a tp dividing n_head"
+            f"tensor parallelism gives each rank whole attention heads, "
+            f"so pick n_head a multiple of tp or a tp dividing n_head"
         )
     if d_model % tp:
         raise ConfigError(
@@ -158,13 +161,15 @@ def check_tp(n_head: int, d_model: int, vocab_size: int, tp: int) -> None:
         )
     if (4 * d_model) % tp:  # implied by d_model % tp == 0; kept for the MLP width's sake
         raise ConfigError(
-            f"the MLP width 4*d_model = {4 * d_model} is not divisible by --parallel.tp {tp}; pick d_model a multiple of tp"
+            f"the MLP width 4*d_model = {4 * d_model} is not divisible by --parallel.tp {tp}; "
+            f"pick d_model a multiple of tp"
         )
     if vocab_size % tp:
         up = -(-vocab_size // tp) * tp
         raise ConfigError(
             f"--model.vocab_size {vocab_size} is not divisible by --parallel.tp {tp}; "
-            f"the embedding and output layer are split over the vocabulary, so use a multiple of tp (e.g. --model.vocab_size {up})"
+            f"the embedding and output layer are split over the vocabulary, "
+            f"so use a multiple of tp (e.g. --model.vocab_size {up})"
         )
 
 
@@ -186,9 +191,9 @@ def validate_layout(cfg, world_size: int) -> Layout:
         )
     if cfg.dp.strategy != "none":
         raise ConfigError(
-            f"--dp.strategy {cfg.dp.strategy} cannot be combined with a --parallel layout (dp {dp}, pp {pp}, tp {tp}): "
-            f"the 3D engine does its own data-parallel gradient all-reduce; use --dp.strategy none with --parallel.dp N, "
-            f"or --parallel.dp/pp/tp 1 with the strategy"
+            f"--dp.strategy {cfg.dp.strategy} cannot be combined with a --parallel layout "
+            f"(dp {dp}, pp {pp}, tp {tp}): the 3D engine does its own data-parallel gradient all-reduce; "
+            f"use --dp.strategy none with --parallel.dp N, or --parallel.dp/pp/tp 1 with the strategy"
         )
     if v > 1 and pp == 1:
         raise ConfigError(
@@ -197,8 +202,8 @@ def validate_layout(cfg, world_size: int) -> Layout:
         )
     if cfg.precision.endswith("-master"):
         raise ConfigError(
-            f"--precision {cfg.precision} (half-precision weights with fp32 masters) is not supported by the 3D engine yet; "
-            f"use --precision bf16 or fp16 (autocast with fp32 weights) or fp32"
+            f"--precision {cfg.precision} (half-precision weights with fp32 masters) "
+            f"is not supported by the 3D engine yet; use --precision bf16 or fp16 (autocast with fp32 weights) or fp32"
         )
     n_micro, micro = resolve_microbatches(cfg)
 
@@ -211,6 +216,7 @@ def validate_layout(cfg, world_size: int) -> Layout:
         if cfg.precision == "fp16":
             raise ConfigError(
                 "--fold.defer_reduce cannot be combined with --precision fp16: dynamic loss scaling must skip the "
-                "step of every chunk together when any gradient overflows; use --precision bf16 or drop --fold.defer_reduce"
+                "step of every chunk together when any gradient overflows; "
+                "use --precision bf16 or drop --fold.defer_reduce"
             )
     return Layout(dp, pp, tp, v, n_micro, micro, tuple(tuple(x) for x in layers))

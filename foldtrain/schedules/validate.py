@@ -107,7 +107,8 @@ def _check_compute(sched: Schedule) -> None:
         if missing:
             s, mb = missing[0]
             raise ScheduleError(
-                f"{op.value}(c{s},m{mb}) is missing on rank {stage_rank(s, sched.pp)} ({len(missing)} {op.value} missing)"
+                f"{op.value}(c{s},m{mb}) is missing on rank {stage_rank(s, sched.pp)} "
+                f"({len(missing)} {op.value} missing)"
             )
     for p, acts in enumerate(sched.ranks):
         fpos = {(a.chunk, a.mb): i for i, a in enumerate(acts) if a.op is Op.FORWARD}
@@ -158,7 +159,8 @@ def _check_comms(sched: Schedule, channels: str) -> dict[tuple, tuple[int, int]]
             if k1 != k2:
                 raise ScheduleError(
                     f"send/recv order mismatch on channel {ch} (NCCL matches in order): "
-                    f"{_where(p2, i2, sched.ranks[p2][i2])} would receive the data of {_where(p1, i1, sched.ranks[p1][i1])}"
+                    f"{_where(p2, i2, sched.ranks[p2][i2])} would receive the data of "
+                    f"{_where(p1, i1, sched.ranks[p1][i1])}"
                 )
     return sends
 

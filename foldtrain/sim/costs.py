@@ -7,9 +7,9 @@ GPU presets; ``foldtrain calibrate`` measures it), plus one more forward of ever
 (recomputation). The last segment's forward runs the fused head (head forward + backward) and its
 backward skips it. A matrix product of smallest dimension ``n`` runs at
 ``peak(dtype) * efficiency * n / (n + half_size)`` (``rows_half_size`` when ``n`` is its rows, the
-micro-batch's tokens: a CPU runs few-row products much worse than few-column ones); element-wise work (layer norms, GELU, softmax,
-residuals) moves about the activation bytes of Korthikanti et al. (2022) through device memory
-(at ``elem_bw``, which ``foldtrain calibrate`` fits to a real block's forward: on a CPU
+micro-batch's tokens: a CPU runs few-row products much worse than few-column ones); element-wise
+work (layer norms, GELU, softmax, residuals) moves about the activation bytes of Korthikanti et al.
+(2022) through device memory (at ``elem_bw``, which ``foldtrain calibrate`` fits to a real block's forward: on a CPU
 transcendental functions, not bytes, bound it); the loss's log-softmax runs at ``softmax_rate``
 elements/s when calibrated, else it is memory-bound (calibrated on a CPU from the real fused head, together
 with ``head_weight_rate``: its cost per weight element beyond its FLOPs);

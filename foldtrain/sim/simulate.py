@@ -370,8 +370,9 @@ def simulate_setup(s: Setup, c: Cluster, *, check_memory: bool = True, keep_even
     if check_memory and peak > c.memory:
         p = max(range(len(mems)), key=lambda i: mems[i]["total"])
         raise ConfigError(
-            f"does not fit: pipeline rank {p} needs {peak / GB:.2f} GB but a {c.name} device has {c.memory / GB:.2f} GB "
-            f"({format_breakdown(mems[p])}); use {'' if s.ac else '--ac full, '}a smaller micro-batch, more --parallel.pp/tp, "
+            f"does not fit: pipeline rank {p} needs {peak / GB:.2f} GB "
+            f"but a {c.name} device has {c.memory / GB:.2f} GB ({format_breakdown(mems[p])}); "
+            f"use {'' if s.ac else '--ac full, '}a smaller micro-batch, more --parallel.pp/tp, "
             f"{'' if s.mode == '3d' else 'a sharded strategy, '}or a larger device (foldtrain plan finds one that fits)"
         )
     # Every iteration ends in the loss all-reduce (a barrier) with no reduction in flight, so one

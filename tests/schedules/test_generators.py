@@ -172,7 +172,7 @@ def test_fold_per_chunk_overlaps_all_but_chunk0():
 
 def test_after_flush_reductions_at_the_end():
     s = build_schedule("interleaved-1f1b", 2, 3, 4)
-    for p, acts in enumerate(s.ranks):
+    for acts in s.ranks:
         last = max(i for i, a in enumerate(acts) if a.op in (Op.FORWARD, Op.BACKWARD, Op.SEND_GRAD, Op.SEND_ACT))
         assert [a.op for a in acts[last + 1 :]] == [Op.LAUNCH_REDUCE] * 3 + [Op.WAIT_REDUCE] * 3 + [Op.OPTIM_STEP] * 3
 

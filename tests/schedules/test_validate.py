@@ -13,7 +13,7 @@ from foldtrain.schedules import (
     build_schedule,
     validate_schedule,
 )
-from foldtrain.sim import simulate_order  # moved from foldtrain.schedules (issue 8)
+from foldtrain.sim import simulate_order
 
 
 def edited(sched: Schedule, rank: int, fn) -> Schedule:

@@ -210,10 +210,10 @@ def test_loss_buffers_count_the_losss_vocabulary_sized_tensors():
 
 
 def test_a_nodes_nic_carries_the_bytes_the_3d_engine_sends():
-    """2 nodes x 2 ranks, pipeline inside a node, data parallel across (the issue 9 bench layout): the chunks'
-    reductions leave out the tied embedding; its head copy crosses the NIC dense, its embedding copy as only the
-    rows of the batch's tokens; what the two ends send each other stays inside the node (the head its dense copy,
-    the embedding its rows and their indices)."""
+    """2 nodes x 2 ranks, pipeline inside a node, data parallel across: the chunks' reductions leave out the
+    tied embedding; its head copy crosses the NIC dense, its embedding copy as only the rows of the batch's
+    tokens; what the two ends send each other stays inside the node (the head its dense copy, the embedding its
+    rows and their indices)."""
     cfg = build_config(
         [
             "--model.preset",
@@ -263,7 +263,7 @@ def test_a_nodes_nic_carries_the_bytes_the_3d_engine_sends():
             assert send[1] == ("tie", p) and send[3] == approx(expect)  # inside the node
     chunks = sum(rc.cm.grad_bytes(seg) for seg in range(4)) - 2 * tied
     assert node0 == approx(chunks + tied + union * s.d_model * 4)
-    assert node0 / 1e6 == approx(34.2, abs=0.1)  # was 38.1 with the 4-rank ring of both dense copies
+    assert node0 / 1e6 == approx(34.2, abs=0.1)  # a 4-rank ring of both dense copies would send 38.1
 
 
 def test_calibrate_fits_the_heads_cost_beyond_its_products():
@@ -356,8 +356,9 @@ def test_the_executors_work_per_action_is_paid_on_each_ranks_timeline():
         busy0 = sum(e["end"] - e["start"] for e in r0.events[p] if e["kind"] in ("compute", "optim") and e["step"] == 0)
         busy1 = sum(e["end"] - e["start"] for e in r1.events[p] if e["kind"] in ("compute", "optim") and e["step"] == 0)
         n = len(sched.ranks[p])
-        # every action's overhead lands in the rank's compute and optimizer spans, except what is left after its last one
-        # (+1%: the overhead shifts when the tie's transfer overlaps compute, and that transfer's CPU on the shared cores)
+        # every action's overhead lands in the rank's compute and optimizer spans, except what is left after
+        # its last one (+1%: the overhead shifts when the tie's transfer overlaps compute, and that transfer's
+        # CPU on the shared cores)
         assert busy0 + n * ov * 0.8 <= busy1 <= busy0 + n * ov * 1.01
         assert r1.step_time >= busy0 + n * ov
     assert r1.step_time > r0.step_time

@@ -8,10 +8,10 @@ With NCCL (no tags; one stream per communicator and pair, operations in posting 
 per-pair posting orders match because the schedules are validated for per-pair FIFO channels;
 receives are waited on without an explicit timeout there: every group carries ``--dp.timeout_s``
 as its own timeout and ``TORCH_NCCL_BLOCKING_WAIT=1`` (set by ``foldtrain.distributed``) makes a wait
-raise once it passes, so a stalled peer is named the same way as on gloo. The NCCL path has NOT been run yet (the test machines have no
-multi-GPU host); in particular, if a PyTorch version routes the P2P of an eagerly initialised group
-through the group's single communicator instead of per-pair ones, sends and receives of different
-peers would share one stream again and interleaved / fold could stall: check there first.
+raise once it passes, so a stalled peer is named the same way as on gloo. The NCCL path is untested
+(the test machines have no multi-GPU host); in particular, if a PyTorch version routes the P2P of an
+eagerly initialised group through the group's single communicator instead of per-pair ones, sends and
+receives of different peers would share one stream and interleaved / fold could stall: check there first.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ def bounded_wait(work, timeout_s: float, bounded: bool, problem, pump=None) -> N
     """Wait for ``work`` at most ``timeout_s`` (where the backend supports a bounded wait); on a
     timeout or a broken connection raise one DistributedError line, ``problem(cause)``.
 
-    ``pump`` (CPU only): called while waiting (it returns whether anything is left to issue), so deferred reductions keep being issued
-    (:mod:`.deadlines`) while the executor is blocked on a collective. (Not for point-to-point
-    receives: a gloo receive reports ``is_completed()`` only after ``wait()``.)"""
+    ``pump`` (CPU only): called while waiting (it returns whether anything is left to issue), so deferred
+    reductions keep being issued (:mod:`.deadlines`) while the executor is blocked on a collective.
+    (Not for point-to-point receives: a gloo receive reports ``is_completed()`` only after ``wait()``.)"""
     try:
         if pump is not None and bounded:
             limit = time.perf_counter() + timeout_s
@@ -86,8 +86,8 @@ class P2P:
             self.timeout_s,
             self.cpu_timeout,
             lambda cause: (
-                f"pipeline rank {self.p} (global rank {self.topo.rank}) waited up to {self.timeout_s:g} s for the {what}; "
-                f"another pipeline rank stalled or died ({cause}); check the other ranks' logs"
+                f"pipeline rank {self.p} (global rank {self.topo.rank}) waited up to {self.timeout_s:g} s "
+                f"for the {what}; another pipeline rank stalled or died ({cause}); check the other ranks' logs"
             ),
             self.pump,
         )
@@ -98,8 +98,8 @@ class P2P:
             self.timeout_s,
             self.cpu_timeout,
             lambda cause: (
-                f"pipeline rank {self.p} (global rank {self.topo.rank}) waited up to {self.timeout_s:g} s for {what} "
-                f"from pipeline rank {peer_p} (global rank {self.topo.pipeline_peer(peer_p)}); that rank stalled or died "
-                f"({cause}); check its log, or raise --dp.timeout_s if it is just slow"
+                f"pipeline rank {self.p} (global rank {self.topo.rank}) waited up to {self.timeout_s:g} s "
+                f"for {what} from pipeline rank {peer_p} (global rank {self.topo.pipeline_peer(peer_p)}); "
+                f"that rank stalled or died ({cause}); check its log, or raise --dp.timeout_s if it is just slow"
             ),
         )

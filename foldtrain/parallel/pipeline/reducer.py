@@ -136,8 +136,9 @@ class ChunkReducer:
             self.timeout_s,
             self.cpu_timeout,
             lambda cause: (
-                f"global rank {self.topo.rank} waited up to {self.timeout_s:g} s for the {what} of segment {self.segment}; "
-                f"a rank of that group stalled or died ({cause}); check the other ranks' logs"
+                f"global rank {self.topo.rank} waited up to {self.timeout_s:g} s "
+                f"for the {what} of segment {self.segment}; a rank of that group stalled or died ({cause}); "
+                f"check the other ranks' logs"
             ),
             pump,
         )

@@ -1,4 +1,9 @@
-"""Run logging: ``metrics.jsonl``, a live progress bar, a log file and TensorBoard when installed."""
+"""Run logging: ``metrics.jsonl``, progress on stderr, a log file and TensorBoard when installed.
+
+Progress goes to a terminal as a live tqdm bar; anywhere else (a Slurm ``.out`` file, nohup, CI, a
+pipe) as one plain line per logged step, so the file holds no carriage-return updates. Both show
+the same figures: step, loss, validation loss when evaluated, tokens/s.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -19,15 +24,31 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-class RunLogger:
-    """Writes only on the main rank; other ranks get a silent logger."""
+def progress_figures(record: dict[str, Any]) -> dict[str, str]:
+    """The figures a progress display shows for one metrics record, formatted."""
+    post = {k: f"{record[k]:.4f}" for k in ("loss", "val_loss") if isinstance(record.get(k), float)}
+    if "tokens_per_s" in record:
+        post["tok/s"] = f"{record['tokens_per_s']:.0f}"
+    return post
 
-    def __init__(self, out: Path, enabled: bool, total_steps: int, start_step: int, progress: bool):
+
+class RunLogger:
+    """Writes only on the main rank; other ranks get a silent logger.
+
+    ``stream``: where progress and info lines go (default: ``sys.stderr`` at the time of writing).
+    """
+
+    def __init__(
+        self, out: Path, enabled: bool, total_steps: int, start_step: int, progress: bool, stream: TextIO | None = None
+    ):
         self.enabled = enabled
         self.metrics = open(out / "metrics.jsonl", "a") if enabled else None
         self.log_file = open(out / "train.log", "a") if enabled else None
+        self._stream = stream
+        self.total_steps = total_steps
+        self.progress = enabled and progress
         self.bar = None  # created at the first logged step, so start-up lines print above it
-        self._bar_args = dict(total=total_steps, initial=start_step) if enabled and progress else None
+        self._bar_args = dict(total=total_steps, initial=start_step)
         self.tb = None
         if enabled:
             try:
@@ -44,9 +65,17 @@ class RunLogger:
         self.log_file.write(line + "\n")
         self.log_file.flush()
         if self.bar is not None:
-            self.bar.write(msg, file=sys.stderr)
+            self.bar.write(msg, file=self.stream)
         else:
-            print(msg, file=sys.stderr, flush=True)
+            print(msg, file=self.stream, flush=True)
+
+    @property
+    def stream(self) -> TextIO:
+        return self._stream if self._stream is not None else sys.stderr
+
+    def _is_terminal(self) -> bool:
+        isatty = getattr(self.stream, "isatty", None)
+        return bool(isatty and isatty())
 
     def log(self, record: dict[str, Any], advance: int = 0) -> None:
         if not self.enabled:
@@ -57,18 +86,18 @@ class RunLogger:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, record["step"])
-        if self.bar is None and self._bar_args is not None:
+        if not self.progress:
+            return
+        if not self._is_terminal():
+            figures = "  ".join(f"{k} {v}" for k, v in progress_figures(record).items())
+            print(f"step {record['step']}/{self.total_steps}  {figures}", file=self.stream, flush=True)
+            return
+        if self.bar is None:
             from tqdm import tqdm
 
-            self.bar = tqdm(unit="step", dynamic_ncols=True, file=sys.stderr, **self._bar_args)
-        if self.bar is not None:
-            post = {k: record[k] for k in ("loss", "val_loss") if k in record}
-            if "tokens_per_s" in record:
-                post["tok/s"] = f"{record['tokens_per_s']:.0f}"
-            self.bar.set_postfix(
-                {k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in post.items()}, refresh=False
-            )
-            self.bar.update(advance)
+            self.bar = tqdm(unit="step", dynamic_ncols=True, file=self.stream, **self._bar_args)
+        self.bar.set_postfix(progress_figures(record), refresh=False)
+        self.bar.update(advance)
 
     def close(self) -> None:
         if self.bar is not None:

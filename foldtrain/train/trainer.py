@@ -32,6 +32,7 @@ from foldtrain.model import GPT, GPTShape, analytic_param_count
 from foldtrain.model.generate import sample
 from foldtrain.model.hf import maybe_init_from
 from foldtrain.schedules.layout import uses_3d_engine
+from foldtrain.train.advice import warnings_for
 from foldtrain.train.metrics import RunLogger, peak_memory_mb
 
 
@@ -97,6 +98,8 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, plan: RunPlan) -> dict:
 
     log = RunLogger(out, env.is_main, t.steps, start, t.progress)
     log_start(log, cfg, env, data, len(sampler), n_params, plan, start)
+    for warning in warnings_for(cfg, data.vocab_size):
+        log.info(f"warning: {warning}")
     end = min(t.steps, t.stop_at) if t.stop_at else t.steps
     loss = train_steps(cfg, env, engine, sampler, val, plan, log, start, end)
     summary = {"step": end, "loss": loss, "params": n_params}

@@ -422,6 +422,87 @@ def summary_table(rows: list[tuple]) -> list[str]:
     ]
 
 
+def _per(values: dict, unit: str, fmt) -> str:
+    """``{count: value}`` as "v (count units), ..." in count order; empty when nothing was measured."""
+    one = {"processes": "process", "ranks": "rank"}.get(unit, unit)
+    items = sorted(values.items(), key=lambda kv: int(kv[0]))
+    return ", ".join(f"{fmt(v)} ({k} {one if int(k) == 1 else unit})" for k, v in items)
+
+
+def calibration_table(comp: dict, loop: dict, net: dict) -> list[str]:
+    """The calibrated figures the predictions rest on, with the cluster-file key each becomes; a figure
+    an older calibration lacks is left out."""
+    c = comp[min(comp)]  # the allocator's, the oversubscription's and the executor's figures are in every entry
+    over = c.get("action_overhead", {})
+
+    def ms(x: float) -> str:
+        return f"{x * 1e3:.2f} ms"
+
+    def loop_of(key: str, fmt) -> str:
+        return _per({n: v[key] for n, v in loop.items() if key in v}, "ranks", fmt)
+
+    rows = [
+        (
+            "the executor's host work per action",
+            "device.action_overhead_us",
+            _per(over, "processes", ms) if isinstance(over, dict) else ms(over),
+        ),
+        (
+            "fp32 matrix-product peak per process",
+            "device.fp32_tflops",
+            _per({n: v["fp32"][0] for n, v in comp.items()}, "processes", lambda x: f"{x / 1e9:.0f} GFLOP/s"),
+        ),
+        (
+            "a block's backward / forward time",
+            "device.backward_ratio",
+            f"{c['backward_ratio']:.2f}" if "backward_ratio" in c else "",
+        ),
+        (
+            "(b, L, V) fp32 tensors the resident peak holds at the loss",
+            "device.loss_buffers",
+            f"{c['loss_buffers']:.1f}" if "loss_buffers" in c else "",
+        ),
+        (
+            "the cores' work left with twice as many ranks as cores",
+            "node.oversubscribed_efficiency",
+            f"{c['oversubscribed']:.2f}" if "oversubscribed" in c else "",
+        ),
+        (
+            "one step of a collective, every rank communicating (loopback)",
+            "intra.collective_latency_us",
+            loop_of("collective_latency_s", ms),
+        ),
+        (
+            "the same across two emulated nodes at 1 Gbit/s",
+            "inter.collective_latency_us",
+            ms(net["collective_latency_s"]) if "collective_latency_s" in net else "",
+        ),
+        (
+            "CPU a collective's step takes from each rank (loopback)",
+            "node.collective_cpu_us",
+            loop_of("collective_cpu_s", ms),
+        ),
+        (
+            "gloo all-reduce bandwidth (loopback)",
+            "intra.bw_gbs",
+            loop_of("allreduce_bw", lambda x: f"{x / 1e9:.2f} GB/s"),
+        ),
+        (
+            "the same across two emulated nodes at 1 Gbit/s",
+            "inter.bw_gbs",
+            f"{net['allreduce_bw'] / 1e9:.3f} GB/s" if "allreduce_bw" in net else "",
+        ),
+    ]
+    return [
+        "",
+        "## The calibration behind these predictions",
+        "",
+        "| measured by the calibration | cluster-file key | value |",
+        "|---|---|---|",
+        *(f"| {what} | `{key}` | {value} |" for what, key, value in rows if value),
+    ]
+
+
 GANTT_SECTION = [
     "",
     "## One fold run, measured and simulated (fold, V=2, per-chunk, 2 nodes x 2 ranks, 1 Gbit/s)",
@@ -462,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         copy_gantts(gantt_pair, img, out)
     minutes = max(1, round((time.time() - t0) / 60))
     lines = intro_lines(a, cores, load, minutes) + comparison_table(rows) + summary_table(rows)
+    lines += calibration_table(comp, loop, net)
     if gantt_pair:
         lines += GANTT_SECTION
     path = docs / "simulator.md"

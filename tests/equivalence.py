@@ -117,7 +117,7 @@ def make_cfg(c: dict, steps: int = STEPS, out: str = "", **over):
         "model.n_head": HEADS,
         "model.d_model": D,
         "model.context": 16,
-        "model.vocab_size": c.get("vocab", VOCAB),
+        "model.vocab_size": c.get("vocab") or c.get("vocab_pad") or VOCAB,
         "train.seq_len": SEQ,
         "train.steps": steps,
         "train.global_batch": dp * c.get("m", M) * MICRO,
@@ -159,12 +159,14 @@ def val_data(vocab: int = VOCAB):
     return token_batches(2, 2 * MICRO, SEQ, vocab, seed=99)
 
 
-def build_model(cfg, seed: int | None = None):
-    """The GPT of ``cfg``, initialised from ``seed`` (default: the config's seed)."""
+def build_model(cfg, seed: int | None = None, tp: int | None = None):
+    """The GPT of ``cfg``, initialised from ``seed`` (default: the config's seed), its vocabulary padded for
+    ``tp`` (default: the config's, as the trainer builds it)."""
     from foldtrain.model.gpt import GPT, GPTShape
 
     torch.manual_seed(cfg.train.seed if seed is None else seed)
-    return GPT(GPTShape.from_config(cfg.model), cfg.train.seed if seed is None else seed)
+    shape = GPTShape.from_config(cfg.model, cfg.parallel.tp if tp is None else tp)
+    return GPT(shape, cfg.train.seed if seed is None else seed)
 
 
 _REF: dict = {}
@@ -177,7 +179,7 @@ def reference(cfg, steps: int = STEPS):
 
     key = (cfg.model.n_layer, cfg.train.global_batch, cfg.optim.grad_clip, cfg.precision, steps, cfg.model.vocab_size)
     if key not in _REF:
-        eng = Engine(build_model(cfg), cfg, DEVICE, MICRO)
+        eng = Engine(build_model(cfg, tp=1), cfg, DEVICE, MICRO)  # one process: an unpadded vocabulary
         losses, norms = [], []
         for x, y in batches(cfg.train.global_batch, steps, vocab=cfg.model.vocab_size):
             losses.append(eng.train_step(x, y))
@@ -190,9 +192,13 @@ def reference(cfg, steps: int = STEPS):
 def compare(cfg, losses: list[float], model, eval_loss: float, norms: list[float]) -> dict:
     """A pipeline run (its per-step losses and gradient norms, the whole trained ``model`` and its eval loss)
     against ``reference(cfg)``: the worst relative error of each, with both sides' values."""
+    from foldtrain.model.vocab import strip_padding
+
     ref_losses, ref_params, ref_eval, ref_norms = reference(cfg)
     loss_err = max(scalar_rel(a, b) for a, b in zip(losses, ref_losses))
-    sd = model.state_dict()
+    padded = model.state_dict()
+    sd = strip_padding(padded, cfg.model.vocab_size)  # the padding rows are compared with zero below
+    pad = [full(t)[cfg.model.vocab_size :].abs().max() for k, t in padded.items() if t.shape != sd[k].shape]
     assert set(sd) == set(ref_params), set(sd) ^ set(ref_params)
     param_err, worst = worst_param(sd, ref_params, HEADS, D)
     # deferral steps chunks before the other chunks' gradients exist: no global norm is computed (logged 0)
@@ -208,4 +214,6 @@ def compare(cfg, losses: list[float], model, eval_loss: float, norms: list[float
         "norms": norms,
         "ref_norms": ref_norms,
         "grad_clip": cfg.optim.grad_clip,
+        "padding_rows": len(pad),  # vocabulary tensors that were padded
+        "padding_abs_max": float(max(pad)) if pad else 0.0,  # the padding rows never moved from zero
     }

@@ -97,11 +97,13 @@ def _check_layout(path: Path, world_size: int, model: dict | None) -> None:
             f"checkpoint {path} was saved by {saved} processes, this launch has {world_size}; "
             f"resume with --nproc_per_node {saved} (the same layout)"
         )
-    if model is not None and isinstance(meta.get("model"), dict) and meta["model"] != model:
-        diff = ", ".join(f"{k} {meta['model'].get(k)} (now {v})" for k, v in model.items() if meta["model"].get(k) != v)
-        raise CheckpointError(
-            f"checkpoint {path} holds another model shape: {diff}; resume with the same --model settings"
-        )
+    saved_model = {"padded_vocab": 0, **meta["model"]} if isinstance(meta.get("model"), dict) else None
+    if model is not None and saved_model is not None and saved_model != model:
+        diff = ", ".join(f"{k} {saved_model.get(k)} (now {v})" for k, v in model.items() if saved_model.get(k) != v)
+        fix = "resume with the same --model settings"
+        if all(saved_model.get(k) == v for k, v in model.items() if k != "padded_vocab"):
+            fix = "resume with the --parallel.tp and --model.vocab_multiple it was saved with (the padding must match)"
+        raise CheckpointError(f"checkpoint {path} holds another model shape: {diff}; {fix}")
 
 
 def plan_run(

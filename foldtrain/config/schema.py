@@ -23,6 +23,8 @@ class ModelConfig:
     d_model: int = 0
     context: int = 0
     vocab_size: int = 0
+    # pad the embedding and output rows to a multiple of this (and of --parallel.tp); 1: only as tp needs
+    vocab_multiple: int = 1
     dropout: float = 0.0
     # a Hugging Face GPT-2 directory or a foldtrain model.safetensors: initial weights, and the shape
     init_from: str = ""

@@ -38,6 +38,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     m, t, o, d, p = cfg.model, cfg.train, cfg.optim, cfg.dp, cfg.parallel
     for key in ("n_layer", "n_head", "d_model", "context", "vocab_size"):
         _positive(f"model.{key}", getattr(m, key))
+    _positive("model.vocab_multiple", m.vocab_multiple)
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"--model.dropout must be in [0, 1), got {m.dropout}")
     if m.d_model % m.n_head:

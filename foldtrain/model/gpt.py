@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from foldtrain.model.init import init_weights
+from foldtrain.model.presets import padded_vocab
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,20 @@ class GPTShape:
     context: int
     vocab_size: int
     dropout: float = 0.0
+    # rows of the embedding and the output layer when padded beyond vocab_size (0: not padded); the
+    # padding rows never take probability (their logits are -inf) and never leave the process in an export
+    padded_vocab: int = 0
 
     @classmethod
-    def from_config(cls, m) -> GPTShape:
-        return cls(m.n_layer, m.n_head, m.d_model, m.context, m.vocab_size, m.dropout)
+    def from_config(cls, m, tp: int = 1) -> GPTShape:
+        """The shape of ``--model.*``, the vocabulary padded to a multiple of --model.vocab_multiple and of tp."""
+        rows = padded_vocab(m.vocab_size, getattr(m, "vocab_multiple", 1), tp)
+        pad = rows if rows > m.vocab_size else 0
+        return cls(m.n_layer, m.n_head, m.d_model, m.context, m.vocab_size, m.dropout, pad)
+
+    @property
+    def embedding_rows(self) -> int:
+        return self.padded_vocab or self.vocab_size
 
 
 class Embedding(nn.Module):
@@ -37,7 +48,8 @@ class Embedding(nn.Module):
 
     def __init__(self, s: GPTShape):
         super().__init__()
-        self.wte = nn.Embedding(s.vocab_size, s.d_model)
+        self.wte = nn.Embedding(s.embedding_rows, s.d_model)
+        self.wte.vocab_rows = s.vocab_size  # rows past it are padding: initialised to zero
         self.wpe = nn.Embedding(s.context, s.d_model)
         self.drop = nn.Dropout(s.dropout)
 
@@ -91,16 +103,31 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class PaddingMask(nn.Module):
+    """Sets the logits of the padding rows (ids >= ``vocab_size``) to -inf, so they take no probability
+    and get no gradient. Tensor parallelism swaps it for a version that masks its local vocabulary slice."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        ids = torch.arange(logits.shape[-1], device=logits.device)
+        return logits.masked_fill(ids >= self.vocab_size, float("-inf"))
+
+
 class Head(nn.Module):
     """Final LayerNorm and the output projection (its weight tied to the token embedding)."""
 
     def __init__(self, s: GPTShape):
         super().__init__()
         self.ln_f = nn.LayerNorm(s.d_model)
-        self.lm_head = nn.Linear(s.d_model, s.vocab_size, bias=False)
+        self.lm_head = nn.Linear(s.d_model, s.embedding_rows, bias=False)
+        self.lm_head.vocab_rows = s.vocab_size
+        self.padding_mask = PaddingMask(s.vocab_size) if s.padded_vocab else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))
+        return self.padding_mask(self.lm_head(self.ln_f(x)))
 
 
 class GPT(nn.Module):

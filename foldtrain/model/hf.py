@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from foldtrain.errors import ConfigError
 from foldtrain.model.hf_config import SHAPE_KEYS, InitSource, locate
+from foldtrain.model.vocab import pad_rows, strip_padding
 
 _BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
 EOT = "<|endoftext|>"
@@ -140,7 +141,9 @@ def hf_to_foldtrain(
 
 
 def foldtrain_to_hf(sd: dict[str, torch.Tensor], shape: dict[str, int]) -> dict[str, torch.Tensor]:
-    """foldtrain ``GPT.state_dict()`` as ``GPT2LMHeadModel`` keys (``lm_head.weight`` left to the tie)."""
+    """foldtrain ``GPT.state_dict()`` as ``GPT2LMHeadModel`` keys (``lm_head.weight`` left to the tie), with
+    the true vocabulary of ``shape`` (a padded model's padding rows are left out)."""
+    sd = strip_padding(sd, shape["vocab_size"])
     out: dict[str, torch.Tensor] = {}
     for h, f, kind in name_map(shape["n_layer"]):
         t = sd[f].detach()
@@ -182,20 +185,34 @@ def load_hf_state(weights: Path) -> dict[str, torch.Tensor]:
 
 
 def load_into(model: nn.Module, src: InitSource) -> None:
-    """Copy the weights of ``src`` into ``model`` (a foldtrain GPT of ``src.shape``)."""
+    """Copy the weights of ``src`` into ``model`` (a foldtrain GPT of ``src.shape``, its vocabulary maybe
+    padded: the padding rows start at zero)."""
+    rows = model.shape.embedding_rows
     if src.kind == "hf":
         sd = hf_to_foldtrain(load_hf_state(src.weights), src.shape, str(src.weights))
-        model.load_state_dict(sd, strict=True)
+        model.load_state_dict(pad_rows(sd, rows), strict=True)
         return
-    from safetensors.torch import load_model
-
     try:
-        load_model(model, str(src.path), strict=True)
+        load_safetensors(model, src.path)
     except (RuntimeError, OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ConfigError(
             f"cannot load {src.path} into the model ({first}); pass a model.safetensors written by foldtrain"
         ) from None
+
+
+def load_safetensors(model: nn.Module, path: Path) -> None:
+    """Load a foldtrain ``model.safetensors`` (true vocabulary, tied weights stored once) into ``model``."""
+    from safetensors.torch import load_file
+
+    sd = load_file(str(path))
+    names = dict(model.named_parameters(remove_duplicate=False))
+    for name in model.state_dict():
+        if name not in sd:  # a tied name stored under its twin's
+            twin = next((n for n, p in names.items() if p is names.get(name) and n in sd), None)
+            if twin is not None:
+                sd[name] = sd[twin]
+    model.load_state_dict(pad_rows(sd, model.shape.embedding_rows), strict=True)
 
 
 def maybe_init_from(cfg: Any, model: nn.Module) -> nn.Module:

@@ -36,7 +36,10 @@ def initial_value(name: str, module: nn.Module, kind: str, shape: torch.Size, se
         return torch.zeros(shape)
     if isinstance(module, (nn.Linear, nn.Embedding)):
         std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("attn.proj.weight", "mlp.proj.weight")) else 0.02
-        return torch.empty(shape).normal_(0.0, std, generator=_generator(seed, name))
+        # a padded vocabulary: the real rows are drawn as without padding, the padding rows are zero
+        rows = min(getattr(module, "vocab_rows", shape[0]), shape[0])
+        value = torch.empty((rows, *shape[1:])).normal_(0.0, std, generator=_generator(seed, name))
+        return torch.cat([value, value.new_zeros((shape[0] - rows, *shape[1:]))]) if rows < shape[0] else value
     raise TypeError(f"no initialisation rule for {name} ({type(module).__name__})")
 
 

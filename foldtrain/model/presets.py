@@ -7,6 +7,8 @@ the GPT-3 shapes follow Brown et al. 2020, Table 2.1 (16 heads for 1.3B so the
 head size is a whole 128, and 5120 instead of the table's 5140 for 13B).
 """
 
+import math
+
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(n_layer=4, n_head=4, d_model=96, context=256, vocab_size=8192),
     "gpt2-small": dict(n_layer=12, n_head=12, d_model=768, context=1024, vocab_size=50257),
@@ -20,6 +22,14 @@ PRESETS: dict[str, dict[str, int]] = {
     "gpt3-13b": dict(n_layer=40, n_head=40, d_model=5120, context=2048, vocab_size=50257),
     "gpt3-175b": dict(n_layer=96, n_head=96, d_model=12288, context=2048, vocab_size=50257),
 }
+
+
+def padded_vocab(vocab_size: int, multiple: int = 1, tp: int = 1) -> int:
+    """Rows of the embedding for ``vocab_size`` words: the next multiple of both ``multiple`` and ``tp``
+    (tensor parallelism splits the embedding and the output layer over the vocabulary), as Megatron's
+    ``make-vocab-size-divisible-by`` does."""
+    step = math.lcm(max(int(multiple), 1), max(int(tp), 1))
+    return -(-vocab_size // step) * step
 
 
 def analytic_param_count(n_layer: int, d_model: int, context: int, vocab_size: int) -> int:

@@ -47,8 +47,9 @@ Checkpoints: ``model.state_dict()`` / ``get_model_state_dict`` hold DTensors und
 as the plain model; ``torch.distributed.checkpoint`` saves them sharded and loads them into any
 other layout, including a single-process plain ``GPT`` (DCP reshards).
 
-Vocabulary: a vocabulary not divisible by tp is refused by ``check_tp`` (no silent padding, which
-would change the model's shape and the checkpoint); pick a vocab size that is a multiple of tp.
+Vocabulary: the trainer builds the model with its vocabulary padded to a multiple of tp
+(``GPTShape.from_config(model_config, tp)``); the head's ``PaddingMask`` is swapped for one that sets
+the padding ids of this rank's vocabulary slice to -inf, so they take no probability and no gradient.
 
 Dropout: the dropouts after replicated activations must draw the same mask on every TP rank, so TP
 ranks must share their RNG seed (attention-probability dropout then uses the same stream on every
@@ -59,6 +60,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+import torch.nn as nn
+
+from foldtrain.model.gpt import PaddingMask
 from foldtrain.schedules.layout import check_tp
 
 __all__ = [
@@ -95,6 +100,25 @@ def _replicate(module, mesh) -> None:
         return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
     distribute_module(module, mesh, partition_fn=None, input_fn=to_dtensor, output_fn=to_local)
+
+
+class _ShardedPaddingMask(nn.Module):
+    """``PaddingMask`` for vocab-sharded DTensor logits: each rank masks the padding ids in its own slice."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, logits):
+        from torch.distributed.tensor import DTensor
+
+        local = logits.to_local()
+        start = logits.device_mesh.get_local_rank() * local.shape[-1]  # the rows divide evenly over tp
+        ids = torch.arange(start, start + local.shape[-1], device=local.device)
+        masked = local.masked_fill(ids >= self.vocab_size, float("-inf"))
+        return DTensor.from_local(
+            masked, logits.device_mesh, logits.placements, run_check=False, shape=logits.shape, stride=logits.stride()
+        )
 
 
 def _check_not_applied(module) -> None:
@@ -158,6 +182,8 @@ def apply_tensor_parallel(module, tp_mesh):
     for h in heads:
         parallelize_module(h, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
         _replicate(h.ln_f, tp_mesh)
+        if isinstance(h.padding_mask, PaddingMask):
+            h.padding_mask = _ShardedPaddingMask(h.padding_mask.vocab_size)
     for e, h in ties:
         w = e.wte.weight
         assert h.lm_head.weight.placements == w.placements == (Shard(0),), (h.lm_head.weight.placements, w.placements)

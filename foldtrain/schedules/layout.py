@@ -143,8 +143,9 @@ def resolve_microbatches(cfg) -> tuple[int, int]:
     return 1, rows
 
 
-def check_tp(n_head: int, d_model: int, vocab_size: int, tp: int) -> None:
-    """Raise ``ConfigError`` (one line: problem and fix) unless the model shape splits over ``tp`` ranks."""
+def check_tp(n_head: int, d_model: int, vocab_size: int | None, tp: int) -> None:
+    """Raise ``ConfigError`` (one line: problem and fix) unless the model shape splits over ``tp`` ranks.
+    ``vocab_size``: the embedding's rows, or None for a configured model (its vocabulary is padded)."""
     if tp < 1:
         raise ConfigError(f"--parallel.tp must be >= 1, got {tp}; give a positive tensor-parallel size")
     if tp == 1:
@@ -164,12 +165,10 @@ def check_tp(n_head: int, d_model: int, vocab_size: int, tp: int) -> None:
             f"the MLP width 4*d_model = {4 * d_model} is not divisible by --parallel.tp {tp}; "
             f"pick d_model a multiple of tp"
         )
-    if vocab_size % tp:
-        up = -(-vocab_size // tp) * tp
+    if vocab_size is not None and vocab_size % tp:  # only a model built without GPTShape.from_config's padding
         raise ConfigError(
-            f"--model.vocab_size {vocab_size} is not divisible by --parallel.tp {tp}; "
-            f"the embedding and output layer are split over the vocabulary, "
-            f"so use a multiple of tp (e.g. --model.vocab_size {up})"
+            f"the embedding's {vocab_size} rows are not divisible by --parallel.tp {tp}; "
+            f"build the model with GPTShape.from_config(model_config, tp), which pads them"
         )
 
 
@@ -208,7 +207,7 @@ def validate_layout(cfg, world_size: int) -> Layout:
     n_micro, micro = resolve_microbatches(cfg)
 
     build_schedule(p.schedule, pp, v, n_micro, p.dp_sync, cfg.fold.defer_reduce)
-    check_tp(m.n_head, m.d_model, m.vocab_size, tp)
+    check_tp(m.n_head, m.d_model, None, tp)  # the vocabulary is padded to a multiple of tp
     layers = chunk_layers(m.n_layer, pp * v, p.layers_per_chunk or None)
     if cfg.fold.defer_reduce:
         # --optim.grad_clip is fine: the engine completes every reduction (deferred ones too) for the

@@ -1,6 +1,7 @@
 """``foldtrain plan``: search the layouts of a model on a cluster, rank them by predicted throughput.
 
-Search space: ``dp x pp x tp = gpus`` (tp within a node, dividing heads, width and vocabulary),
+Search space: ``dp x pp x tp = gpus`` (tp within a node, dividing heads and width; the vocabulary is
+padded to a multiple of tp),
 ``V`` in 1, 2, 4, 8, the micro-batch size (powers of two dividing a data-parallel rank's rows),
 the schedule (gpipe, 1f1b for V = 1; interleaved-1f1b, fold for V > 1), ``dp_sync``, fold's
 deferral (when the base config allows it: no clipping, no fp16), recomputation, and, where there
@@ -74,7 +75,7 @@ def _variants(base, gpus: int, cluster: Cluster):
     m, t = base.model, base.train
     allow_defer = base.optim.grad_clip == 0 and base.precision != "fp16"
     for tp in _divisors(gpus):
-        if tp > cluster.gpus_per_node or m.n_head % tp or m.d_model % tp or m.vocab_size % tp:
+        if tp > cluster.gpus_per_node or m.n_head % tp or m.d_model % tp:
             continue
         for pp in _divisors(gpus // tp):
             if pp > m.n_layer:
@@ -224,8 +225,8 @@ def plan(
     if considered == 0:
         raise ConfigError(
             f"no layout of --model.preset {base.model.preset} uses --gpus {gpus} with --train.global_batch "
-            f"{base.train.global_batch}: dp x pp x tp must equal the GPU count, tp must divide the heads, width and "
-            f"vocabulary and stay within a node of {cluster.gpus_per_node}, "
+            f"{base.train.global_batch}: dp x pp x tp must equal the GPU count, tp must divide the heads and width "
+            f"and stay within a node of {cluster.gpus_per_node}, "
             f"pp at most the {base.model.n_layer} layers, "
             f"and dp must divide the global batch; pick another --gpus or --train.global_batch"
         )

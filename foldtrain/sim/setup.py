@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from foldtrain.errors import ConfigError
+from foldtrain.model.presets import padded_vocab
 from foldtrain.schedules.layout import chunk_layers, resolve_microbatches, validate_layout
 
 # precision -> (compute dtype, weight bytes, grad bytes, activation bytes, fp32 master copy)
@@ -166,7 +167,7 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         n_layer=m.n_layer,
         d_model=m.d_model,
         n_head=m.n_head,
-        vocab=m.vocab_size,
+        vocab=padded_vocab(m.vocab_size, m.vocab_multiple, p.tp if three_d else 1),  # the embedding's rows
         context=m.context,
         layers=layers,
         dtype=dtype,

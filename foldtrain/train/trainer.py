@@ -36,10 +36,15 @@ from foldtrain.train.advice import warnings_for
 from foldtrain.train.metrics import RunLogger, peak_memory_mb
 
 
+def model_shape(cfg: Config) -> GPTShape:
+    """The model's shape, its vocabulary padded for ``--model.vocab_multiple`` and ``--parallel.tp``."""
+    return GPTShape.from_config(cfg.model, cfg.parallel.tp)
+
+
 def check_run_dir(cfg: Config, world: int = 1) -> RunPlan:
     """Refuse an unwritable --out, to clobber an existing run and to resume from a damaged checkpoint;
     after a torchrun restart, resume by itself from the newest intact checkpoint (checkpoint/rundir.py)."""
-    return plan_run(cfg.out, cfg.resume, cfg.checkpoint.keep, world, GPTShape.from_config(cfg.model).__dict__)
+    return plan_run(cfg.out, cfg.resume, cfg.checkpoint.keep, world, model_shape(cfg).__dict__)
 
 
 def open_data(cfg: Config) -> TokenData:
@@ -58,7 +63,7 @@ def build_model(cfg: Config, meta: bool = False) -> GPT:
     ``--model.init_from``. ``meta``: on the meta device, holding no memory, for engines that
     materialise only their own part of it (not with ``--model.init_from``, whose weights are read whole)."""
     torch.manual_seed(cfg.train.seed)
-    shape = GPTShape.from_config(cfg.model)
+    shape = model_shape(cfg)
     if meta and not cfg.model.init_from:
         with torch.device("meta"):
             return GPT(shape, cfg.train.seed)
@@ -129,9 +134,11 @@ def log_start(
 ) -> None:
     """The run's first lines: model, processes, data, and where it resumed from."""
     m, t = cfg.model, cfg.train
-    analytic = analytic_param_count(m.n_layer, m.d_model, m.context, m.vocab_size)
+    rows = model_shape(cfg).embedding_rows
+    analytic = analytic_param_count(m.n_layer, m.d_model, m.context, rows)
+    padded = f", vocabulary {m.vocab_size:,} padded to {rows:,} rows" if rows > m.vocab_size else ""
     log.info(
-        f"model {m.preset}: {n_params:,} parameters (analytic {analytic:,}); "
+        f"model {m.preset}: {n_params:,} parameters (analytic {analytic:,}{padded}); "
         f"{env.world_size} process(es), strategy {cfg.dp.strategy}, precision {cfg.precision}, device {env.device}"
     )
     n_train, n_val = data.split("train").shape[0], data.split("val").shape[0]
@@ -154,7 +161,7 @@ def train_steps(
     meta = {
         "world_size": env.world_size,
         "strategy": cfg.dp.strategy,
-        "model": GPTShape.from_config(cfg.model).__dict__,
+        "model": model_shape(cfg).__dict__,
         "data_step": 0,
     }
     loss = float("nan")
@@ -210,7 +217,7 @@ def finish(cfg: Config, env: DistEnv, engine, data: TokenData, log: RunLogger) -
     log.close()
     full = engine.eval_model()
     if cfg.checkpoint.safetensors and full is not None:
-        export_safetensors(full, Path(cfg.out) / "model.safetensors", GPTShape.from_config(cfg.model).__dict__)
+        export_safetensors(full, Path(cfg.out) / "model.safetensors", model_shape(cfg).__dict__)
     if t.sample_tokens and full is not None:
         text = generate_text(full, data, cfg, prompt=t.sample_prompt, max_new_tokens=t.sample_tokens, device=env.device)
         print(f"\n----- sample after {t.steps} steps -----\n{text}\n-----", flush=True)

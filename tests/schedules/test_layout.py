@@ -116,8 +116,20 @@ def test_tensor_parallel_shape_errors():
     assert "--model.n_head 4 is not divisible by --parallel.tp 3" in err(
         3, "--parallel.tp", "3", "--model.d_model", "36"
     )
-    msg = err(2, "--parallel.tp", "2", "--model.vocab_size", "63")
-    assert "--model.vocab_size 63 is not divisible by --parallel.tp 2" in msg
+
+
+def test_a_vocabulary_not_divisible_by_tp_is_padded_not_refused():
+    from foldtrain.config.validate import validate
+    from foldtrain.model.gpt import GPTShape
+
+    cfg = build_config(["--parallel.tp", "2", "--model.vocab_size", "63"])
+    validate_layout(cfg, 2)
+    assert GPTShape.from_config(cfg.model, 2).embedding_rows == 64
+    cfg = build_config(["--parallel.tp", "4", "--model.vocab_size", "50257", "--model.vocab_multiple", "128"])
+    assert GPTShape.from_config(cfg.model, 4).padded_vocab == 50304  # nanoGPT's and Megatron's size
+    assert GPTShape.from_config(build_config(["--model.vocab_size", "64"]).model, 2).padded_vocab == 0
+    with pytest.raises(ConfigError, match="--model.vocab_multiple must be > 0"):
+        validate(build_config(["--model.vocab_multiple", "0"]))
 
 
 def test_split_errors():

@@ -82,3 +82,18 @@ def test_plan_writes_a_config_train_accepts(tmp_path, capsys):
 
     world = cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.tp if uses_3d_engine(cfg) else 4
     validate_world(cfg, world)
+
+
+def test_the_simulator_pads_the_vocabulary_as_the_trainer_does():
+    """GPT-2's 50,257 words under tp 4: the simulated embedding has the trainer's 50,260 rows, and plan
+    considers tensor-parallel layouts of it."""
+    from foldtrain.model.gpt import GPTShape
+    from foldtrain.sim.cluster import load_cluster
+    from foldtrain.sim.plan import _variants
+    from foldtrain.sim.setup import resolve_setup
+
+    args = ["--model.preset", "gpt2-small", "--parallel.tp", "4", "--train.global_batch", "8"]
+    cfg = build_config([*args, "--train.micro_batch", "1", "--parallel.schedule", "gpipe"])
+    assert resolve_setup(cfg).vocab == GPTShape.from_config(cfg.model, 4).embedding_rows == 50260
+    tps = {v["tp"] for v in _variants(build_config(args), 8, load_cluster("dgx-a100"))}
+    assert tps == {1, 2, 4}  # 12 heads: tp 8 does not divide them; the odd vocabulary no longer rules tp out

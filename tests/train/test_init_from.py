@@ -180,3 +180,43 @@ def test_gpt2_tokenizer_with_a_gpt2_preset(small_corpus, tmp_path):
     assert (cfg["vocab_size"], cfg["n_positions"], cfg["eos_token_id"]) == (50257, 1024, 50256)
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert len(auto) == 50257 and auto.convert_tokens_to_ids("<|endoftext|>") == 50256
+
+
+def test_a_padded_vocabulary_takes_no_probability_and_leaves_the_process_unpadded(hf_dir, small_data, tmp_path):
+    """--model.vocab_multiple pads the 512-word embedding (to 768 rows on one process, 516 under tp 2): the
+    first loss is still the unpadded HF model's, the checkpoint records the padding, and the exports hold
+    the true 512 words."""
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    pad = ("--model.init_from", str(hf_dir), "--model.vocab_multiple", "384")
+    train(build_config(tiny_run_args(small_data, run, "--train.steps", "3", *pad)))
+    x, y = SequenceSampler(TokenData.open(small_data).split("train"), 32, 1337).global_batch(0, 8)
+    assert abs(losses(run)[1] - hf_loss(transformers.GPT2LMHeadModel.from_pretrained(hf_dir), x, y)) < TOL
+    assert "vocabulary 512 padded to 768 rows" in (run / "train.log").read_text()
+    assert load_file(str(run / "model.safetensors"))["parts.0.wte.weight"].shape == (512, 32)
+    # a resume must pad the same way: another padding is refused with the fix, before any step
+    with pytest.raises(Exception, match=r"padded_vocab 768 \(now 640\).*--model.vocab_multiple"):
+        train(
+            build_config(
+                tiny_run_args(
+                    small_data, run, "--train.steps", "4", "--resume", *pad[:2], "--model.vocab_multiple", "320"
+                )
+            )
+        )
+    train(build_config(tiny_run_args(small_data, run, "--train.steps", "4", "--resume", *pad)))
+    assert sorted(losses(run)) == [1, 2, 3, 4]
+    assert main(["export", "--out", str(run), "--hf", str(hf)]) == 0
+    exported = transformers.GPT2LMHeadModel.from_pretrained(hf)
+    assert exported.config.vocab_size == 512 and exported.transformer.wte.weight.shape == (512, 32)
+    ours = GPT(GPTShape(2, 2, 32, 64, 512))
+    load_into(ours, locate(str(run / "model.safetensors")))
+    with torch.no_grad():
+        assert abs(ours.eval()(x, y).item() - hf_loss(exported, x, y)) < TOL
+    # tensor parallelism pads 512 words to a multiple of lcm(3, 2) = 6 rows and starts from the HF weights
+    tp = tmp_path / "tp"
+    args = tiny_run_args(
+        small_data, tp, "--train.steps", "1", *pad[:2], "--model.vocab_multiple", "3", "--parallel.tp", "2"
+    )
+    r = torchrun(2, "-m", "foldtrain", "train", *args, "--train.device", "cpu", timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert abs(losses(tp)[1] - losses(run)[1]) < TOL
+    assert "vocabulary 512 padded to 516 rows" in (tp / "train.log").read_text()

@@ -42,7 +42,7 @@ def data_and_model(cfg) -> tuple[TokenData, GPT]:
         keep_freed_host_memory()
     data = TokenData.open(resolve_data(cfg.data))
     torch.manual_seed(cfg.train.seed)
-    return data, GPT(GPTShape.from_config(cfg.model), cfg.train.seed)
+    return data, GPT(GPTShape.from_config(cfg.model, cfg.parallel.tp), cfg.train.seed)
 
 
 def untie_head(head: torch.nn.Module) -> None:

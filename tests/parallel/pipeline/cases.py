@@ -72,6 +72,8 @@ def equivalence_cases(world: int) -> list[dict]:
             _one((1, 2, 1, 1), "1f1b", "per-chunk", "fp16", precision="fp16"),
             # no clipping: every chunk steps as soon as its reduction lands (executor.early_steps)
             _one((1, 2, 1, 2), "fold", "per-chunk", "noclip", clip=0.0),
+            # a vocabulary not divisible by tp: padded to 64 rows, against one process's unpadded 63
+            _one((1, 1, 2, 1), "gpipe", "after-flush", "pad63", n_layer=2, m=2, vocab_pad=63),
         ]
     if world == 4:
         return [
@@ -88,8 +90,11 @@ def equivalence_cases(world: int) -> list[dict]:
             _one((2, 2, 1, 2), "fold", "per-chunk", "sparsetie", vocab=300),
             _one((2, 2, 1, 2), "fold", "per-chunk", "sparsetie", defer=True, vocab=300),
         ]
-    if world == 8:
-        return _cases_for((2, 2, 2, 1), n_layer=2, m=2)  # 8 processes on few cores: 2 micro-batches
+    if world == 8:  # 8 processes on few cores: 2 micro-batches; the last case pads a 63-word vocabulary to 64
+        return [
+            *_cases_for((2, 2, 2, 1), n_layer=2, m=2),
+            _one((2, 2, 2, 1), "fold", "per-chunk", "pad63", n_layer=2, m=2, vocab_pad=63),
+        ]
     return []
 
 

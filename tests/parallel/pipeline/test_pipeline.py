@@ -85,6 +85,9 @@ def test_matches_single_process(suite, world, case):
         assert min(r["ref_norms"]) > r["grad_clip"], (r["ref_norms"], r["grad_clip"])
     assert r["param_err"] <= PARAM_TOL["half" if half else "fp32"], (r["worst_param"], r["param_err"])
     assert r["eval_err"] <= tol
+    # a padded vocabulary: the embedding and the head (one tensor, two names) had padding rows, which stayed zero
+    padded = (2, 0.0) if case.get("vocab_pad") else (0, 0.0)
+    assert (r["padding_rows"], r["padding_abs_max"]) == padded, r
     # the two tied copies (pipeline ranks 0 and P-1) end every step bit for bit the same (tie.py's exchange)
     assert r["tie_equal"] is (True if case["layout"][1] > 1 else None)
     if case.get("vocab"):  # the tied embedding's dp reduction sent only the touched rows, not the dense gradient

@@ -34,10 +34,10 @@ def test_d_model_not_divisible():
     assert "--model.d_model 5" in msg and "--parallel.tp 2" in msg and "multiple of tp" in msg
 
 
-def test_vocab_not_divisible_is_an_error_with_a_suggestion():
-    msg = _error(4, 32, 8191, 2)
-    assert msg.startswith("--model.vocab_size 8191 is not divisible by --parallel.tp 2;")
-    assert "--model.vocab_size 8192" in msg
+def test_an_unpadded_embedding_is_an_error_a_configured_vocabulary_is_not():
+    msg = _error(4, 32, 8191, 2)  # a model built by hand, without GPTShape.from_config's padding
+    assert msg.startswith("the embedding's 8191 rows are not divisible by --parallel.tp 2;") and "pads them" in msg
+    assert check_tp(4, 32, None, 2) is None  # a configured model: its vocabulary is padded
 
 
 def test_bad_tp():

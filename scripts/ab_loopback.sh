@@ -1,5 +1,5 @@
 #!/bin/bash
-# Loopback A/B of two foldtrain trees on the issue-9 pipeline layout (docs/benchmarks.md §9d).
+# Loopback A/B of two foldtrain trees on the pipeline benchmark's layout (docs/benchmarks.md, "Loopback A/B of two code trees").
 # usage: scripts/ab_loopback.sh OLD_TREE NEW_TREE [ROUNDS] [STEPS] [pipeline|dp]
 #   e.g. git worktree add /tmp/old 8bbedbd && scripts/ab_loopback.sh /tmp/old . 6 20
 # Alternates the trees in rounds and prints each run's median tokens/s after step 3. pipeline (the

@@ -1,7 +1,7 @@
 """What one collective costs beyond its bytes: the same 16 MiB through ``all_to_all_single`` (the
 reduce-scatter ``sharded-ps`` runs on gloo) in 1, 4, 16 and 64 pieces, two in flight at a time
 like ``sharded-ps``' slices. Prints, per split, the median time over the repetitions and the fixed
-cost per collective against the one-piece run (docs/benchmarks.md §9g).
+cost per collective against the one-piece run (docs/benchmarks.md, "ZeRO-2 on loopback").
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 scripts/collective_overhead.py [--mib 16] [--reps 7]
 """

@@ -15,8 +15,9 @@ bucket that is one big gradient (the embedding) is all views, and its slices ram
 gradient already reduced: only the first, 1/64 of a slice, needs a buffer of its own. A
 bucket of small gradients launched with nothing in flight may still take one packed slice and its
 receive buffer past the budget. So a rank holds its shards plus one bucket, plus at most two slices'
-buffers (measured: one bucket + 16 KiB, docs/benchmarks.md §9g; ``grad_optim_mem_mb`` reports the
-peak). The price is CPU where the link is fast: more collectives, and a backward that waits.
+buffers (measured: one bucket + 16 KiB, docs/benchmarks.md, "Data-parallel strategies at 4 ranks";
+``grad_optim_mem_mb`` reports the peak). The price is CPU where the link is fast: more collectives, and a
+backward that waits.
 
 The reduce-scatter (``--dp.shard_collective``, default ``auto``) is the backend's own
 (``reduce_scatter_single``: NCCL's ring) except on gloo, whose reduce-scatter is an all-reduce

@@ -9,22 +9,26 @@ On torchrun attempt ``ATTEMPT`` (``TORCHELASTIC_RESTART_COUNT``; 0 is the first 
 rank ``RANK`` arms the fault when training step ``STEP`` (1-based) begins, and kills itself with
 ``SIGKILL`` — no cleanup, no exit handlers, exactly like an OOM kill or a lost node — at the next:
 
-=========  ==========================================================================
-``step``   immediately (the start of the step)
-``forward`` forward call of any module (a global forward pre-hook)
-``reduce`` collective of a reduction (``all_reduce``, reduce-scatter, all-gather, ``all_to_all_single``)
-``p2p``    point-to-point transfer (``send``, ``recv``, ``isend``, ``irecv``)
-``save``   checkpoint save, after this rank's files are written and before the checkpoint is complete
-``export`` final export, after the weights are written to a temporary file and before the rename
-=========  ==========================================================================
+============  ==========================================================================
+``step``      immediately (the start of the step)
+``forward``   forward call of any module (a global forward pre-hook)
+``backward``  backward pass: the first gradient computed for a module output of that step
+``reduce``    collective of a reduction (``all_reduce``, reduce-scatter, all-gather, ``all_to_all_single``)
+``p2p``       point-to-point transfer (``send``, ``recv``, ``isend``, ``irecv``)
+``save``      checkpoint save, after this rank's files are written and before the checkpoint is complete
+``export``    final export, after the weights are written to a temporary file and before the rename
+============  ==========================================================================
 
 The ``reduce`` and ``p2p`` points are the calls to :func:`point` at the top of every wrapper in
 :mod:`foldtrain.collectives`, through which all of foldtrain's communication goes; ``save`` and
 ``export`` are calls in the checkpoint code; ``forward`` is a global module forward pre-hook, which
-``install()`` registers only when a ``forward`` fault is configured. Nothing in ``torch.distributed``
-is replaced, so ``install()`` may run at any time before training starts (the CLI calls it first
-thing). Because the fault is tied to a restart attempt, a job under ``torchrun --max-restarts N`` is
-killed once per listed attempt and then runs to the end, which is what the fault-injection tests check.
+``install()`` registers only when a ``forward`` fault is configured; ``backward`` is a gradient hook
+that a global module forward hook (registered only when a ``backward`` fault is configured) puts on
+the module outputs of an armed step, so the kill comes from inside autograd's backward pass.
+Nothing in ``torch.distributed`` is replaced, so ``install()`` may run at any time before training
+starts (the CLI calls it first thing). Because the fault is tied to a restart attempt, a job under
+``torchrun --max-restarts N`` is killed once per listed attempt and then runs to the end, which is
+what the fault-injection tests check.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import signal
 from dataclasses import dataclass
 
 ENV = "FOLDTRAIN_FAULT"
-POINTS = ("step", "forward", "reduce", "p2p", "save", "export")
+POINTS = ("step", "forward", "backward", "reduce", "p2p", "save", "export")
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,16 @@ def install() -> None:
         import torch.nn.modules.module as module
 
         module.register_module_forward_pre_hook(lambda *_: point("forward"))
+    if any(f.point == "backward" for f in _mine):
+        import torch.nn.modules.module as module
+
+        module.register_module_forward_hook(_hook_backward)
+
+
+def _hook_backward(_module, _inputs, output) -> None:
+    """Forward hook: on an armed step, a gradient hook on the output that strikes when backward reaches it."""
+    if "backward" in _armed and getattr(output, "requires_grad", False):
+        output.register_hook(lambda _grad: point("backward"))
 
 
 def step(n: int) -> None:

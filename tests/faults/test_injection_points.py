@@ -208,3 +208,26 @@ def test_nothing_fires_unarmed_or_at_another_point(fault_state, gloo_group):
     collectives.all_reduce(t)
     with pytest.raises(Killed):
         collectives.isend(t, 0)
+
+
+def test_backward_fires_inside_backward_of_an_armed_step_only(fault_state, monkeypatch):
+    """The ``backward`` point: nothing strikes in the forward; the kill comes from autograd's backward pass,
+    and an output computed before the step was armed carries no hook."""
+    from collections import OrderedDict
+
+    import torch.nn.modules.module as module
+
+    hooks = OrderedDict()  # the global forward hooks install() registers, removed after the test
+    monkeypatch.setattr(module, "_global_forward_hooks", hooks)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    monkeypatch.setenv(faults.ENV, "0:0:2:backward")
+    faults.install()
+    assert len(hooks) == 1
+    faults.step(1)  # not the armed step: forward and backward run
+    model(torch.ones(2, 4)).sum().backward()
+    early = model(torch.ones(2, 4)).sum()  # before step 2 arms the fault
+    faults.step(2)
+    early.backward()
+    loss = model(torch.ones(2, 4)).sum()  # the armed step's forward runs to the end
+    with pytest.raises(Killed):
+        loss.backward()

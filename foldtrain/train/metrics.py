@@ -32,16 +32,44 @@ def progress_figures(record: dict[str, Any]) -> dict[str, str]:
     return post
 
 
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep only the records of steps up to ``step`` in ``path`` (and no torn last line); atomic."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue  # a line torn by a kill mid-write
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
+
+
 class RunLogger:
     """Writes only on the main rank; other ranks get a silent logger.
 
     ``stream``: where progress and info lines go (default: ``sys.stderr`` at the time of writing).
+    ``resumed``: the run continues from step ``start_step`` (a resume or a restart): records of later
+    steps, logged by an attempt that died before its next checkpoint, are dropped from ``metrics.jsonl``
+    so that it holds every step once.
     """
 
     def __init__(
-        self, out: Path, enabled: bool, total_steps: int, start_step: int, progress: bool, stream: TextIO | None = None
+        self,
+        out: Path,
+        enabled: bool,
+        total_steps: int,
+        start_step: int,
+        progress: bool,
+        stream: TextIO | None = None,
+        resumed: bool = False,
     ):
         self.enabled = enabled
+        if enabled and resumed:
+            truncate_metrics(out / "metrics.jsonl", start_step)
         self.metrics = open(out / "metrics.jsonl", "a") if enabled else None
         self.log_file = open(out / "train.log", "a") if enabled else None
         self._stream = stream

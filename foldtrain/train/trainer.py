@@ -15,6 +15,7 @@ import torch
 
 from foldtrain import faults
 from foldtrain.checkpoint import RunPlan, export_safetensors, plan_run
+from foldtrain.checkpoint.rundir import restart_count
 from foldtrain.config import Config, dp_workers, to_toml, validate
 from foldtrain.data import SequenceSampler, TokenData, load_tokenizer, open_dataset, val_batches
 from foldtrain.distributed import (
@@ -101,7 +102,8 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, plan: RunPlan) -> dict:
     val = val_batches(data.split("val"), t.seq_len, micro, t.eval_batches)
     start = resume_or_seed(cfg, env, engine, plan)
 
-    log = RunLogger(out, env.is_main, t.steps, start, t.progress)
+    resumed = plan.resume_from is not None or restart_count() >= 1  # also a restart that starts over
+    log = RunLogger(out, env.is_main, t.steps, start, t.progress, resumed=resumed)
     log_start(log, cfg, env, data, len(sampler), n_params, plan, start)
     for warning in warnings_for(cfg, data.vocab_size):
         log.info(f"warning: {warning}")

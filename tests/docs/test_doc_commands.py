@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs.markdown import ROOT, doc_files, doc_test_blocks, parse, rel
+from tests.docs.markdown import ROOT, Block, doc_files, doc_test_blocks, parse, rel
 
 # Marked blocks that must exist, at least the three tutorials' CPU runs (docs/tutorials: 5 + 4 + 4):
 # a test that finds fewer fails instead of passing on nothing.
@@ -48,10 +48,10 @@ def test_marked_blocks_exist():
     assert n >= MIN_BLOCKS, f"found {n} <!-- doc-test --> bash blocks in README.md and docs/, expected >= {MIN_BLOCKS}"
 
 
-@pytest.mark.docs
-@pytest.mark.parametrize("path,blocks", MARKED, ids=[rel(p) for p, _ in MARKED])
-def test_doc_commands_run(path, blocks, tmp_path):
-    env = _env(tmp_path)
+def _run_blocks(path: Path, blocks: list[Block], scratch: Path) -> float:
+    """Run ``blocks`` of ``path`` in order with ``$DOCTEST`` = ``scratch``; the seconds they took.
+    Fails the calling test with the block and its output when one exits non-zero or runs too long."""
+    env = _env(scratch)
     start = time.perf_counter()
     for b in blocks:
         t0 = time.perf_counter()
@@ -73,4 +73,25 @@ def test_doc_commands_run(path, blocks, tmp_path):
                 f"{rel(path)}:{b.line}: block exited {proc.returncode} after {time.perf_counter() - t0:.1f} s\n"
                 f"{b.text}\n--- output ---\n{proc.stdout[-6000:]}"
             )
-    DURATIONS[rel(path)] = (len(blocks), time.perf_counter() - start)
+    return time.perf_counter() - start
+
+
+@pytest.mark.docs
+@pytest.mark.parametrize("path,blocks", MARKED, ids=[rel(p) for p, _ in MARKED])
+def test_doc_commands_run(path, blocks, tmp_path):
+    DURATIONS[rel(path)] = (len(blocks), _run_blocks(path, blocks, tmp_path))
+
+
+def test_the_runner_shares_doctest_and_fails_with_the_output(tmp_path):
+    doc = tmp_path / "x.md"
+    doc.write_text(
+        "<!-- doc-test -->\n```bash\necho kept > $DOCTEST/f\n```\n\n"
+        '<!-- doc-test -->\n```bash\ngrep -q kept $DOCTEST/f\ntest "$OMP_NUM_THREADS" = 1\n```\n\n'
+        "<!-- doc-test -->\n```bash\necho about to fail\nfalse\necho never\n```\n"
+    )
+    blocks = doc_test_blocks(parse(doc))
+    assert len(blocks) == 3
+    _run_blocks(doc, blocks[:2], tmp_path)
+    with pytest.raises(pytest.fail.Exception, match="(?s)exited 1.*about to fail") as failed:
+        _run_blocks(doc, blocks, tmp_path)
+    assert "never" not in str(failed.value).split("--- output ---")[1]

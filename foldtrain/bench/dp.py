@@ -25,8 +25,8 @@ from foldtrain.bench.tables import DP_HEADERS, dp_ratios, dp_rows
 from foldtrain.config import DPConfig
 from foldtrain.errors import FoldtrainError
 
-STRATEGIES = ("none", "ps", "sharded-ps", "allreduce", "ddp", "horovod")
-ANCHORS = ("ddp_plain", "horovod_plain")
+STRATEGIES = ("none", "ps", "sharded-ps", "allreduce", "ddp", "horovod", "fsdp")
+ANCHORS = ("ddp_plain", "horovod_plain", "fsdp_plain")
 ANCHOR_ALIASES = {"horovod": "horovod_plain"}
 # Horovod's background thread gathers ready gradients every HOROVOD_CYCLE_TIME ms (default 1 ms, tuned for
 # GPUs); on 2 shared CPU cores that polling competes with the compute. Measured by sweeping it (docs/benchmarks.md).
@@ -63,7 +63,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--precisions", default="fp32,bf16", help="comma list of --precision values (default %(default)s)")
     g.add_argument("--ranks", type=common.csv_ints, default=[1, 2, 4], help="comma list of world sizes (default 1,2,4)")
     g.add_argument(
-        "--anchors", default=",".join(ANCHORS), help="baselines: ddp_plain, horovod_plain; 'none' for no anchors"
+        "--anchors",
+        default=",".join(ANCHORS),
+        help="baselines: ddp_plain, horovod_plain, fsdp_plain; 'none' for no anchors",
     )
     g.add_argument(
         "--horovod_cycle_ms",
@@ -217,6 +219,8 @@ def plan(a, data_path: str, horovod_ok: bool = False, notes: list[str] | None = 
                         jobs.by_network[net][-1].result.info["ps_servers"] = a.ps_servers
                 if "ddp_plain" in anchors and a.global_batch % n == 0:  # (the strategies' note covers n)
                     jobs.add(net, "ddp_plain", "", prec, n, ddp_plain, [], n)
+                if "fsdp_plain" in anchors and a.global_batch % n == 0:
+                    jobs.add(net, "fsdp_plain", "", prec, n, ["-m", "foldtrain.bench.anchors.fsdp_plain"], [], n)
                 if "horovod_plain" in anchors and horovod_ok and a.global_batch % n == 0:
                     script = ["-m", "foldtrain.bench.anchors.horovod_plain"]
                     jobs.add(net, "horovod_plain", "", prec, n, script, [], n, horovod=True)

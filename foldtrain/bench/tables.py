@@ -298,8 +298,8 @@ def _ratio(
 def dp_ratios(runs: list[RunResult]) -> list[Ratio]:
     """The study's target ratios, each from runs of this same benchmark invocation.
 
-    * allreduce / ddp_plain and sharded-ps / ddp_plain tokens/s, per network and precision, at the
-      largest rank count both ran;
+    * allreduce / ddp_plain, sharded-ps / ddp_plain and fsdp / fsdp_plain tokens/s, per network and
+      precision, at the largest rank count both ran;
     * allreduce vs colocated ps tokens/s at 4 ranks (else the largest) on each throttled network;
     * server vs worker bytes per step for ps (largest rank count, per network)."""
     runs = [r for r in runs if r.bench == "dp"]
@@ -316,17 +316,19 @@ def _dp_run(runs: list[RunResult], impl: str, variant: str, net: str, prec: str,
     return _find(runs, impl=impl, variant=variant, network=net, precision=prec, ranks=n)
 
 
+PLAIN_PAIRS = (("allreduce", "ddp_plain"), ("sharded-ps", "ddp_plain"), ("fsdp", "fsdp_plain"))
+
+
 def _dp_vs_ddp_plain(runs: list[RunResult], networks: list[str], precisions: list[str], variants: set) -> list[Ratio]:
-    """allreduce / ddp_plain and sharded-ps / ddp_plain tokens/s at the largest rank count both ran."""
+    """Each strategy against its plain-PyTorch anchor (``PLAIN_PAIRS``), tokens/s at the largest rank count
+    both ran."""
     out: list[Ratio] = []
-    if ("ddp_plain", "") not in variants:
-        return out
     for net in networks:
         for prec in precisions:
-            for strat in ("allreduce", "sharded-ps"):
-                if ("foldtrain", strat) not in variants:
+            for strat, plain in PLAIN_PAIRS:
+                if ("foldtrain", strat) not in variants or (plain, "") not in variants:
                     continue
-                pair = (("foldtrain", strat), ("ddp_plain", ""))
+                pair = (("foldtrain", strat), (plain, ""))
                 ranks = {
                     r.ranks
                     for r in runs
@@ -337,10 +339,10 @@ def _dp_vs_ddp_plain(runs: list[RunResult], networks: list[str], precisions: lis
                 n = max(ranks)
                 v, why = _ratio(
                     _dp_run(runs, "foldtrain", strat, net, prec, n),
-                    _dp_run(runs, "ddp_plain", "", net, prec, n),
-                    names=(strat, "ddp_plain"),
+                    _dp_run(runs, plain, "", net, prec, n),
+                    names=(strat, plain),
                 )
-                out.append(Ratio(f"{strat} / ddp_plain tokens/s [{net}, {prec}, {n} ranks]", v, why))
+                out.append(Ratio(f"{strat} / {plain} tokens/s [{net}, {prec}, {n} ranks]", v, why))
     return out
 
 

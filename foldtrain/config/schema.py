@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-STRATEGIES = ("none", "ps", "sharded-ps", "allreduce", "ddp", "horovod")
+STRATEGIES = ("none", "ps", "sharded-ps", "allreduce", "ddp", "horovod", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-master", "fp16-master")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "fold")
 DP_SYNCS = ("after-flush", "per-chunk")
@@ -111,6 +111,8 @@ class DPConfig:
     # or the backend's reduce_scatter (auto elsewhere)
     shard_collective: str = "auto"
     timeout_s: float = 120.0  # a rank that stalls this long makes every rank fail
+    # fsdp: free a block's gathered parameters after its forward and gather them again for its backward
+    reshard_after_forward: bool = True
 
 
 @dataclass

@@ -31,7 +31,7 @@ class ReplicatedEngine:
         self.cfg = cfg
         self.device = device
         self.micro_batch = micro_batch
-        self.state = TrainState(model, cfg, device)
+        self.state = TrainState(model, cfg, device, copy_masters=not strategy.keeps_own_masters)
         self.strategy = strategy(self.state, cfg)
 
     # ------------------------------------------------------------------ what the loop reads

@@ -20,13 +20,17 @@ from foldtrain.optim.precision import Precision
 
 
 class TrainState:
-    def __init__(self, model: nn.Module, cfg, device: torch.device):
+    """``copy_masters=False``: the master precisions' fp32 masters are kept by whoever shards the model
+    (FSDP's mixed precision), so the model stays fp32 and no copy is made."""
+
+    def __init__(self, model: nn.Module, cfg, device: torch.device, copy_masters: bool = True):
         self.cfg = cfg
         self.device = device
         self.precision = Precision(cfg.precision, device)
-        self.model = model.to(device=device, dtype=self.precision.param_dtype)
+        dtype = self.precision.param_dtype if copy_masters else torch.float32
+        self.model = model.to(device=device, dtype=dtype)
         self.named_params = list(self.model.named_parameters())
-        if self.precision.master:
+        if self.precision.master and copy_masters:
             self.master_model = copy.deepcopy(self.model).float()
             self.master = [p for _, p in self.master_model.named_parameters()]
             opt_named = list(self.master_model.named_parameters())

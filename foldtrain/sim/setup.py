@@ -105,6 +105,11 @@ def _dp_strategy(cfg) -> str:
         )
     if d.ps_servers and strategy != "ps":
         raise ConfigError("--dp.ps_servers only applies to --dp.strategy ps; remove it or choose ps")
+    if strategy == "fsdp":
+        raise ConfigError(
+            "the simulator does not model --dp.strategy fsdp yet; simulate --dp.strategy sharded-ps for an "
+            "estimate (ZeRO-2: the same gradient reduce-scatter, without FSDP's per-block all-gathers)"
+        )
     return strategy
 
 

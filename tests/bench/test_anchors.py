@@ -132,3 +132,18 @@ def test_horovod_plain_anchor_world2(small_data, tmp_path):
     rec = records(out)
     assert [x["step"] for x in rec] == [1, 2, 3]
     assert all(x["tokens_per_s"] > 0 and 5.0 < x["loss"] < 8.0 for x in rec)
+
+
+def test_fsdp_plain_anchor_world2_matches_foldtrains_fsdp(small_data, tmp_path):
+    """The plain FSDP2 script and `foldtrain train --dp.strategy fsdp` train the same model on the same rows:
+    their losses agree (fp32; the anchor clips with torch's clip_grad_norm_, foldtrain with its own norm)."""
+    plain, ours = tmp_path / "plain", tmp_path / "ours"
+    args = [*common(small_data, plain, steps=3), "--train.micro_batch", "1"]
+    r = run_anchor(2, "foldtrain.bench.anchors.fsdp_plain", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    mine = [*common(small_data, ours, steps=3), "--train.micro_batch", "1", "--dp.strategy", "fsdp"]
+    r = run_anchor(2, "foldtrain", "train", *mine, "--train.progress", "false", "--train.sample_tokens", "0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = records(plain), records(ours)
+    assert [x["step"] for x in a] == [1, 2, 3]
+    assert all(abs(x["loss"] - y["loss"]) < 1e-5 * abs(y["loss"]) for x, y in zip(a, b)), (a, b)

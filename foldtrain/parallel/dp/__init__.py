@@ -7,6 +7,8 @@
                optional fp16/bf16 wire compression
 ``sharded-ps`` every rank serves 1/W of the parameters: reduce-scatter, AdamW on the shard,
                all-gather (ZeRO-1/2)
+``fsdp``       PyTorch FSDP2 (``fully_shard`` per block and on the model): parameters, gradients
+               and AdamW state sharded, each block all-gathered for its forward and backward (ZeRO-3)
 ``ps``         central parameter server(s), colocated on rank 0 or ``--dp.ps_servers K``
                dedicated ranks; synchronous, or bounded-staleness asynchronous
                (``--dp.ps_staleness S``)
@@ -38,6 +40,8 @@ def strategy_for(cfg, world_size: int) -> type[Strategy]:
         from foldtrain.parallel.dp.allreduce import AllreduceStrategy as cls
     elif strategy == "sharded-ps":
         from foldtrain.parallel.dp.sharded_ps import ShardedPSStrategy as cls
+    elif strategy == "fsdp":
+        from foldtrain.parallel.dp.fsdp import FSDPStrategy as cls
     elif strategy == "ps" and cfg.dp.ps_staleness > 0:
         from foldtrain.parallel.dp.ps_async import AsyncParameterServerStrategy as cls
     elif strategy == "ps":
@@ -46,6 +50,6 @@ def strategy_for(cfg, world_size: int) -> type[Strategy]:
         from foldtrain.parallel.dp.horovod import HorovodStrategy as cls
     else:
         raise ConfigError(
-            f"--dp.strategy {strategy} cannot run {world_size} processes; choose ddp, allreduce, sharded-ps or ps"
+            f"--dp.strategy {strategy} cannot run {world_size} processes; choose ddp, allreduce, sharded-ps, fsdp or ps"
         )
     return cls

@@ -32,6 +32,10 @@ from foldtrain.parallel.failures import is_comm_failure
 class Strategy:
     """The single-process strategy; subclasses override the hooks they need."""
 
+    # True where the strategy's own parameters are the fp32 masters of the master precisions (FSDP's
+    # mixed precision): the replica's TrainState then keeps one fp32 model and no master copy
+    keeps_own_masters = False
+
     def __init__(self, state: TrainState, cfg):
         self.state = state
         self.cfg = cfg
@@ -175,20 +179,21 @@ class DataParallelStrategy(Strategy):
         return t[0] / count
 
     def clip_by_global_norm(self, params: list[torch.Tensor], group=None, group_size: int | None = None) -> float:
-        """``clip`` for gradients spread over ranks: the squared norms of every rank's part summed
-        over ``group`` (default: all ranks)."""
+        """``clip`` for gradients spread over ranks: the squared norms of every rank's part (a DTensor
+        gradient's local shard) summed over ``group`` (default: all ranks); each part clipped in place as
+        ``clip_grads_with_norm_`` does."""
         size = group_size or self.world
+        grads = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in params) if g is not None]
         sq = sum(
-            (p.grad.double().pow(2).sum() for p in params if p.grad is not None),
-            torch.zeros((), dtype=torch.float64, device=self.device),
+            (g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=self.device)
         ).reshape(1)
         if size > 1:
             self.comm.count_all_reduce(sq, size)
             with self.comm.blocked("gradient-norm all-reduce"):
                 collectives.all_reduce(sq, group=group)
         norm = sq[0].sqrt().float()
-        if self.cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.optim.grad_clip, norm, foreach=True)
+        if self.cfg.optim.grad_clip > 0 and grads:
+            torch._foreach_mul_(grads, (self.cfg.optim.grad_clip / (norm + 1e-6)).clamp(max=1.0))
         return float(norm)
 
     def all_true(self, flag: bool, phase: str) -> bool:

@@ -68,7 +68,24 @@ def make_engine(args: list[str], env: DistEnv):
 
 
 def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    """Every parameter, whole (a sharded DTensor is gathered: a collective, every rank calls this)."""
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def poison_grads(engine):
+    """Make this step's gradients inf on this rank: the first parameter's, or (FSDP: its sharded parameters
+    see no autograd hook) everything behind the embedding's output. The handle to remove afterwards."""
+    p = engine.state.named_params[0][1]
+    if not hasattr(p, "to_local"):
+        return p.register_hook(lambda g: torch.full_like(g, float("inf")))
+
+    def poison_output(_module, _inputs, out):
+        out.register_hook(lambda g: torch.full_like(g, float("inf")))
+
+    return engine.model.parts[0].register_forward_hook(poison_output)
 
 
 STEP_START = [0.0]  # when the current step began (the dead-rank case reports how long its error took)
@@ -94,7 +111,7 @@ def train(
         poison = case.get("poison")
         hook = None
         if poison and rank == poison["rank"] and step == poison["step"]:  # an overflowing gradient on one rank
-            hook = engine.state.named_params[0][1].register_hook(lambda g: torch.full_like(g, float("inf")))
+            hook = poison_grads(engine)
         rec["losses"].append(engine.train_step(x, y))
         if hook is not None:
             hook.remove()
@@ -123,6 +140,14 @@ def run_case(case: dict, env: DistEnv, tmp: Path | None = None) -> dict:
     )  # every rank, the same batch
     out["dp_rank"], out["dp_world"], out["engine"] = engine.dp_rank, engine.dp_world, type(engine.strategy).__name__
     out["batch_rows"] = int(engine.batch(sampler, 0)[0].shape[0])
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    # what this rank keeps (FSDP: its shards): parameters, and AdamW's first moments
+    out["held_elems"] = sum(local(p).numel() for p in engine.strategy.optimizer_params())
+    moments = [st["exp_avg"] for st in engine.state.optimizer.state.values() if "exp_avg" in st]
+    out["moment_elems"] = sum(local(m).numel() for m in moments)
     out["scale"] = engine.precision.scaler.scale
     strat = engine.strategy
     if hasattr(strat, "launch_log"):  # allreduce: its bucket plan and the order buckets were launched, per step

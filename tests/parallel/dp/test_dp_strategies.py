@@ -55,6 +55,7 @@ def strategies(world: int) -> dict[str, list[str]]:
         "allreduce": ["--dp.strategy", "allreduce"],
         "sharded-ps": ["--dp.strategy", "sharded-ps"],
         "ps": ["--dp.strategy", "ps"],
+        "fsdp": ["--dp.strategy", "fsdp"],
     }
     if world == 4:
         out["ps-1server"] = ["--dp.strategy", "ps", "--dp.ps_servers", "1"]
@@ -367,6 +368,19 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(world, request):
         assert {r[case["name"]]["scale"] for r in results} == {ref["scale"]}, case["name"]
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_keeps_a_shard_of_the_parameters_and_of_adamw_state(world, request):
+    """FSDP2: each rank holds 1/W of every parameter (rows rounded up) and AdamW moments only for that."""
+    results = request.getfixturevalue(f"world{world}")
+    total = sum(v.numel() for v in results[0]["fp32/fsdp"]["params"].values())  # named_parameters: the tied weight once
+    for res in results:
+        got = res["fp32/fsdp"]
+        assert got["engine"] == "FSDPStrategy"
+        assert total / world <= got["held_elems"] <= total / world * 1.1, (got["held_elems"], total)
+        assert got["moment_elems"] == got["held_elems"]
+    assert results[0]["fp32/ddp"]["held_elems"] == total  # a replica, for contrast
+
+
 def test_wire_compression_close_to_fp32(world2):
     """fp16 / bf16 on the wire: the gradients lose precision once per step; losses stay close."""
     for wire, tol in (("fp16", 1e-4), ("bf16", 1e-3)):
@@ -507,3 +521,22 @@ def test_one_process_is_the_single_process_engine():
     for strategy in ("ddp", "allreduce", "sharded-ps", "ps"):
         _, engine = make_engine(["--dp.strategy", strategy], ONE)
         assert type(engine) is ReplicatedEngine and type(engine.strategy) is Strategy
+
+
+def test_an_fsdp_run_trains_and_its_sharded_checkpoint_loads_into_one_process(small_data, tmp_path):
+    """`foldtrain train --dp.strategy fsdp` on 2 ranks; its last DCP checkpoint, resharded into one process
+    by `foldtrain export`, holds exactly the weights the run gathered for its own model.safetensors."""
+    from safetensors.torch import load_file
+
+    from foldtrain.cli import main
+    from tests.conftest import tiny_run_args
+
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    args = tiny_run_args(small_data, run, "--train.steps", "4", "--dp.strategy", "fsdp", "--train.device", "cpu")
+    proc = torchrun(2, "-m", "foldtrain", "train", *args, timeout=300)
+    assert proc.returncode == 0, failed(proc)
+    assert "strategy fsdp" in (run / "train.log").read_text()
+    assert main(["export", "--out", str(run), "--hf", str(hf)]) == 0
+    ours, exported = load_file(str(run / "model.safetensors")), load_file(str(hf / "model.safetensors"))
+    assert torch.equal(ours["parts.0.wte.weight"], exported["transformer.wte.weight"])
+    assert torch.equal(ours["parts.1.mlp.fc.bias"], exported["transformer.h.0.mlp.c_fc.bias"])

@@ -80,4 +80,3 @@ class FSDPStrategy(DataParallelStrategy):
         model.head.lm_head.weight = model.embedding.wte.weight  # tie again: to_empty may allocate the two apart
         model.load_state_dict(full, strict=True)
         return model
-

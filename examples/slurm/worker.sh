@@ -1,7 +1,8 @@
 #!/bin/bash
 # What torchrun starts on every rank (with --no-python): `foldtrain train "$@"`, plus --resume once the
-# run directory holds a checkpoint, so that a restart by --max-restarts continues the run from its
-# latest checkpoint instead of refusing to overwrite it. Give --out as two words (--out DIR).
+# run directory holds a checkpoint, so that a restart by --max-restarts, and a Slurm job requeued by
+# train.sbatch (or after a node failure or preemption), continues the run from its latest checkpoint
+# instead of refusing to overwrite it. Give --out as two words (--out DIR); the last --out counts.
 set -euo pipefail
 out=runs/default
 args=("$@")

@@ -3,7 +3,7 @@
 Every case either resumes under ``--max-restarts`` to exactly the final loss and weights of an
 uninterrupted run of the same layout (fp32, CPU), or ends with one line within ``--dp.timeout_s``;
 none hangs (each launch has a hard timeout), no partial ``step_X.tmp`` survives, and the newest
-intact checkpoint always loads. Seven torchrun launches in all: three references, four faulted.
+intact checkpoint always loads. Nine torchrun launches in all: four references, five faulted.
 """
 
 from __future__ import annotations
@@ -76,6 +76,12 @@ LAYOUTS = {
     "allreduce": (2, ["--dp.strategy", "allreduce"]),
     "sharded-ps": (2, ["--dp.strategy", "sharded-ps"]),
     "dp2xpp2": (4, ["--parallel.dp", "2", "--parallel.pp", "2", "--train.micro_batch", "2"]),
+    "dp2xpp2-fold-defer": (
+        4,
+        ["--model.n_layer", "4", "--parallel.dp", "2", "--parallel.pp", "2", "--parallel.virtual", "2"]
+        + ["--train.micro_batch", "2", "--parallel.schedule", "fold", "--parallel.dp_sync", "per-chunk"]
+        + ["--fold.defer_reduce", "true", "--optim.grad_clip", "0"],
+    ),
 }
 
 
@@ -107,8 +113,9 @@ def assert_same_result(out: Path, ref: Path) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def assert_newest_intact_loads(out: Path, step: int) -> None:
-    """No partial save survives; the newest intact checkpoint is ``step`` and loads into the model."""
+def assert_newest_intact_loads(out: Path, step: int, extra: tuple[str, ...] = ()) -> None:
+    """No partial save survives; the newest intact checkpoint is ``step`` and loads into the model
+    (``extra``: the layout's arguments, for its model shape)."""
     from foldtrain.checkpoint import CheckpointManager
     from foldtrain.checkpoint.manager import load_model_weights
     from foldtrain.config import build_config
@@ -117,7 +124,7 @@ def assert_newest_intact_loads(out: Path, step: int) -> None:
     ckpt = CheckpointManager(out / "checkpoints")
     path, skipped = ckpt.newest_intact()
     assert path is not None and path.name == f"step_{step:08d}" and not skipped
-    model = build_model(build_config(tiny_run_args(Path("unused"), out)))
+    model = build_model(build_config(tiny_run_args(Path("unused"), out, *extra)))
     load_model_weights(model, path)
     if (out / "model.safetensors").is_file():
         exported = load_file(str(out / "model.safetensors"))
@@ -160,6 +167,29 @@ def test_kill_in_communication_resumes_exactly(small_data, tmp_path, reference, 
     assert notices(out) == [f"restart 1: resuming from {out / 'checkpoints' / 'step_00000003'}"]
     assert_same_result(out, reference(layout))
     assert_newest_intact_loads(out, STEPS)
+
+
+def test_dp_x_pp_fold_survives_kills_in_forward_save_and_export(small_data, tmp_path, reference):
+    """dp 2 x pp 2, fold with per-chunk dp_sync and deferred reductions; one launch, three kills: global
+    rank 1 (replica 0, second stage) in a forward of step 5, rank 3 in the save of step 6 (armed at step
+    4: the next save), rank 0 in the final export. Every step is logged once."""
+    world, extra = LAYOUTS["dp2xpp2-fold-defer"]
+    out = tmp_path / "run"
+    fault = "0:1:5:forward;1:3:4:save;2:0:8:export"
+    r = torchrun(world, run_args(small_data, out, extra), fault=fault, restarts=3)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
+    assert r.stderr.count("exitcode: -9") == 3
+    ck = out / "checkpoints"
+    assert notices(out) == [
+        f"restart 1: resuming from {ck / 'step_00000003'}",
+        f"restart 2: resuming from {ck / 'step_00000003'}",  # the killed save of step 6 was never renamed
+        f"restart 3: resuming from {ck / 'step_00000008'}",  # killed in the export: only the export is redone
+    ]
+    assert not list(ck.glob("*.tmp")) and not (out / "model.tmp").exists()
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, STEPS + 1))
+    assert_same_result(out, reference("dp2xpp2-fold-defer"))
+    assert_newest_intact_loads(out, STEPS, tuple(extra))
 
 
 def test_without_restarts_a_kill_is_one_line_within_the_timeout(small_data, tmp_path):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: foldtrain bench {dp,pipeline,overhead,memory,hashing,simulator,planner,data} [options]
+USAGE = """usage: foldtrain bench {dp,pipeline,overhead,memory,hashing,simulator,planner,data,chaos} [options]
 
 benchmarks:
   dp         data-parallel strategies x precisions x 1/2/4 ranks, loopback and an emulated slow network,
@@ -31,6 +31,8 @@ benchmarks:
   simulator  calibrate this machine, run dp and pipeline benches, and compare the simulator's predictions
   planner    the planner's first choice among the 4-rank layouts this machine runs, against the measured best
   data       streaming sharded prepare against plain encode_batch + tofile: MB/s per core, peak memory
+  chaos      ranks killed at random moments under torchrun --max-restarts (and a whole emulated node lost):
+             final parameters equal an uninterrupted run's bit for bit, every step logged once
 
 `foldtrain bench dp --help` / `foldtrain bench pipeline --help` list the options; --quick runs a tiny
 smoke configuration; --dry_run prints the runs without starting them. The emulated network needs root
@@ -40,7 +42,7 @@ and iproute2 (ip, tc); without them the throttled part is skipped.
 
 BENCHMARKS = {
     name: f"foldtrain.bench.{name}"
-    for name in ("dp", "pipeline", "overhead", "memory", "hashing", "simulator", "planner", "data")
+    for name in ("dp", "pipeline", "overhead", "memory", "hashing", "simulator", "planner", "data", "chaos")
 }
 
 

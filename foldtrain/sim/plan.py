@@ -297,6 +297,17 @@ def format_plan(res: PlanResult, top: int = 5) -> str:
     return "\n".join(lines)
 
 
+def _launch_line(world: int, per_node: int) -> str:
+    """The torchrun command that starts ``world`` ranks, ``per_node`` on each machine."""
+    if world <= per_node:
+        return f"torchrun --nproc_per_node {world} -m foldtrain train --config FILE"
+    nodes = -(-world // per_node)
+    return (
+        f"on each of {nodes} nodes, torchrun --nnodes {nodes} --nproc_per_node {per_node} "
+        "--rdzv_backend c10d --rdzv_endpoint HOST0:29500 -m foldtrain train --config FILE"
+    )
+
+
 def plan_toml(res: PlanResult) -> str:
     if not res.top:
         raise ConfigError("no layout fits; nothing to write")
@@ -306,16 +317,12 @@ def plan_toml(res: PlanResult) -> str:
         f"# foldtrain plan: best of {res.simulated} simulated layouts on {res.gpus} x {res.cluster.name}: {c.label()}",
         f"# predicted {c.result.tokens_per_s:,.0f} tokens/s, {c.result.peak_mem / GB:.2f} GB peak per device",
     ]
+    world = c.setup.dp if c.setup.mode == "dp" else c.setup.world
+    head.append(f"# launch {world} processes: {_launch_line(world, res.cluster.gpus_per_node)}")
     if c.setup.mode == "dp":
         head.append(
-            f"# a data-parallel strategy: launch torchrun --nproc_per_node {c.setup.dp} (parallel.dp stays 1 for train;"
-            f" foldtrain simulate takes --parallel.dp {c.setup.dp})"
+            f"# a data-parallel strategy: parallel.dp stays 1 for train (simulate takes --parallel.dp {world})"
         )
         cfg.parallel.dp = 1
         cfg.parallel.microbatches = 0
-    else:
-        head.append(
-            f"# launch {c.setup.world} processes: "
-            f"torchrun --nproc_per_node {c.setup.world} -m foldtrain train --config FILE"
-        )
     return "\n".join(head) + "\n" + to_toml(cfg)

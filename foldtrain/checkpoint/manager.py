@@ -17,6 +17,7 @@ unpickled or read into a model, and reads with the restricted loaders of ``safe_
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -131,6 +132,7 @@ class CheckpointManager:
         """
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f"step_{step:08d}.tmp"
+        self._check_space(step, state)
         try:
             if _rank() == 0:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -163,12 +165,53 @@ class CheckpointManager:
                     os.replace(tmp, final)
                 _fsync_dir(self.root)
                 self._prune()
-        except OSError as e:
+        except (OSError, CheckpointException) as e:  # DCP raises CheckpointException (a BaseException) on every rank
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # nothing partial stays behind (a resume ignores it anyway)
+            # a full disk shows as ENOSPC, or inside DCP as a torn file ("unexpected pos"): judge by the free space
+            full = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or _free_bytes(self.root) < self._needed(state)
+            if not full:
+                why = e.strerror if isinstance(e, OSError) else _first_line(e)
+                raise CheckpointError(
+                    f"could not write checkpoint {final} ({why}); fix {self.root} or choose another --out"
+                ) from None
             raise CheckpointError(
-                f"could not write checkpoint {final} ({e.strerror}); free space or choose another --out"
+                f"no space left in {self.root} while saving step {step}: the checkpoint needs about "
+                f"{_mib(self._needed(state))} ({_free(self.root)} free); the previous checkpoint is intact, "
+                "free space or choose another --out, then --resume"
             ) from None
         _barrier()
         return final
+
+    def _needed(self, state: dict[str, Any]) -> int:
+        """Bytes a save will write: the newest checkpoint's size, or the tensors of ``state`` if there is none."""
+        latest = self.latest()
+        if latest is not None:
+            try:
+                files = json.loads((latest / META).read_text())["files"]
+                return sum(int(f["bytes"]) for f in files.values())
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        return _state_bytes(state)
+
+    def _check_space(self, step: int, state: dict[str, Any]) -> None:
+        """Refuse, on every rank alike, a save that cannot fit, before anything is written."""
+        needed = self._needed(state)
+        try:
+            probe = self.root if self.root.is_dir() else self.root.parent
+            free = shutil.disk_usage(probe).free
+        except OSError:
+            return
+        if dist.is_initialized():
+            parts: list = [None] * dist.get_world_size(self.process_group)
+            dist.all_gather_object(parts, (needed, free), group=self.process_group)
+            needed, free = max(p[0] for p in parts), min(p[1] for p in parts)
+        if needed > free:
+            raise CheckpointError(
+                f"not enough space in {self.root} to save step {step}: the checkpoint needs about {_mib(needed)}, "
+                f"{_mib(free)} free; the previous checkpoint is intact, free space or choose another --out, "
+                "then --resume"
+            )
 
     def _gather_digests(self, tmp: Path) -> list[dict]:
         """Each rank hashes the files it wrote (DCP's ``__{r}_*``, its ``rank{r}.pt``, rank 0 ``.metadata``)."""
@@ -205,6 +248,34 @@ class CheckpointManager:
         _dcp_load(state, path, self.process_group, "delete it to resume from an earlier one, or drop --resume")
         set_rng_state(rng)
         return meta, extra
+
+
+def _state_bytes(obj) -> int:
+    """Bytes of the tensors in a (nested) state dict, this rank's shards only."""
+    if isinstance(obj, torch.Tensor):
+        local = getattr(obj, "_local_tensor", obj)
+        return local.numel() * local.element_size()
+    if isinstance(obj, dict):
+        return sum(_state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_state_bytes(v) for v in obj)
+    return 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 1 << 62  # unknown: assume the failure was not a full disk
+
+
+def _free(path: Path) -> str:
+    free = _free_bytes(path)
+    return _mib(free) if free < 1 << 62 else "unknown"
 
 
 def _stamp(path: Path) -> tuple[int, int] | None:

@@ -102,9 +102,12 @@ def cmd_prepare(ns, rest) -> int:
 
 
 def cmd_train(ns, rest) -> int:
+    from foldtrain.errors import EXIT_PREEMPTED
     from foldtrain.train.trainer import train
 
     summary = train(_config(ns, rest))
+    if summary and summary.get("preempted"):
+        return EXIT_PREEMPTED  # a checkpoint of the last step was saved; --resume continues
     return 0 if summary else 1
 
 

@@ -24,3 +24,8 @@ class CheckpointError(FoldtrainError):
 
 class DistributedError(FoldtrainError):
     """A rank died, stalled or the launch is inconsistent."""
+
+
+# Exit codes of `foldtrain train` besides 0 (finished) and 2 (a FoldtrainError):
+EXIT_PREEMPTED = 75  # stopped by --checkpoint.signals after saving a checkpoint of the last step; --resume continues
+EXIT_PREEMPT_ABORTED = 76  # a second signal or --checkpoint.signal_timeout_s: ended without that save

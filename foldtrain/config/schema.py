@@ -90,6 +90,10 @@ class CheckpointConfig:
     every: int = 100  # save every K steps (and always at the end); 0: only at the end
     keep: int = 3  # keep the last N checkpoints
     safetensors: bool = True  # also export the final weights as model.safetensors
+    on_signal: bool = True  # on one of `signals`: finish the step, save a checkpoint on every rank, exit 75
+    signals: str = "TERM,USR1"  # comma-separated signal names (with or without SIG)
+    # abort (exit 76) if the save after a signal is not complete this long after it; 0: no limit
+    signal_timeout_s: float = 90.0
 
 
 @dataclass

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import signal
 from pathlib import Path
 
 from foldtrain.config.schema import (
@@ -31,6 +32,25 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
             f"--{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}; "
             f"give a {'non-negative' if allow_zero else 'positive'} value"
         )
+
+
+def parse_signals(spec: str) -> list[signal.Signals]:
+    """``"TERM,USR1"`` -> the signals; one-line ConfigError for an unknown or uncatchable name."""
+    out = []
+    for name in filter(None, (n.strip().upper() for n in spec.split(","))):
+        full = name if name.startswith("SIG") else f"SIG{name}"
+        sig = getattr(signal.Signals, full, None) if full.isidentifier() else None
+        if sig is None or sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError(
+                f"--checkpoint.signals: '{name}' is not a signal a process can handle; "
+                "give names like TERM,USR1,USR2,INT,HUP"
+            )
+        out.append(sig)
+    if not out:
+        raise ConfigError(
+            "--checkpoint.signals is empty; give names like TERM,USR1 or set --checkpoint.on_signal false"
+        )
+    return out
 
 
 def validate(cfg: Config, world_size: int | None = None) -> Config:
@@ -62,6 +82,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
     _positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
+    _positive("checkpoint.signal_timeout_s", cfg.checkpoint.signal_timeout_s, allow_zero=True)
+    if cfg.checkpoint.on_signal:
+        parse_signals(cfg.checkpoint.signals)
     _positive("data.vocab_size", cfg.data.vocab_size)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"--data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")

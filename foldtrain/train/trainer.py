@@ -28,13 +28,14 @@ from foldtrain.distributed import (
     shutdown,
 )
 from foldtrain.engine import build_engine
-from foldtrain.errors import ConfigError
+from foldtrain.errors import EXIT_PREEMPTED, ConfigError
 from foldtrain.model import GPT, GPTShape, analytic_param_count
 from foldtrain.model.generate import sample
 from foldtrain.model.hf import maybe_init_from
 from foldtrain.schedules.layout import uses_3d_engine
 from foldtrain.train.advice import warnings_for
 from foldtrain.train.metrics import RunLogger, peak_memory_mb
+from foldtrain.train.preempt import Preemption
 
 
 def model_shape(cfg: Config) -> GPTShape:
@@ -108,7 +109,12 @@ def _train(cfg: Config, env: DistEnv, data: TokenData, plan: RunPlan) -> dict:
     for warning in warnings_for(cfg, data.vocab_size):
         log.info(f"warning: {warning}")
     end = min(t.steps, t.stop_at) if t.stop_at else t.steps
-    loss = train_steps(cfg, env, engine, sampler, val, plan, log, start, end)
+    c = cfg.checkpoint
+    with Preemption(c.on_signal, c.signals, c.signal_timeout_s, env.device) as preempt:
+        loss, stopped = train_steps(cfg, env, engine, sampler, val, plan, log, start, end, preempt)
+    if stopped is not None:
+        log.close()
+        return {"step": stopped, "loss": loss, "params": n_params, "preempted": True}
     summary = {"step": end, "loss": loss, "params": n_params}
     if end < t.steps:
         log.info(f"stopped at step {end} of {t.steps} (--train.stop_at); continue with --resume")
@@ -155,10 +161,20 @@ def log_start(
 
 
 def train_steps(
-    cfg: Config, env: DistEnv, engine, sampler, val, plan: RunPlan, log: RunLogger, start: int, end: int
-) -> float:
+    cfg: Config,
+    env: DistEnv,
+    engine,
+    sampler,
+    val,
+    plan: RunPlan,
+    log: RunLogger,
+    start: int,
+    end: int,
+    preempt: Preemption,
+) -> tuple[float, int | None]:
     """Steps ``start + 1 .. end``, each logged every ``--train.log_every`` steps and checkpointed every
-    ``--checkpoint.every`` (and at ``end``); the last step's loss (nan when no step ran)."""
+    ``--checkpoint.every`` (and at ``end``); the last step's loss (nan when no step ran), and the step
+    after which a signal stopped the run with a checkpoint (None: it reached ``end``)."""
     t = cfg.train
     meta = {
         "world_size": env.world_size,
@@ -181,9 +197,16 @@ def train_steps(
         if done % t.log_every == 0 or done == t.steps:
             record = step_record(cfg, env, engine, val, done, loss, lr, dt, t_start)
             log.log(record, advance=t.log_every if done % t.log_every == 0 else done % t.log_every)
-        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == end:
-            plan.ckpt.save(done, engine.state_dict(), {**meta, "data_step": done}, extra=engine.extra_state())
-    return loss
+        stop = preempt.stop_agreed()  # one int all-reduce: every rank stops after the same step
+        if stop or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == end:
+            path = plan.ckpt.save(done, engine.state_dict(), {**meta, "data_step": done}, extra=engine.extra_state())
+        if stop and done < end:
+            log.info(
+                f"preempted: {preempt.describe()} received; saved {path} after step {done} of {t.steps}; "
+                f"exiting with {EXIT_PREEMPTED}, continue with --resume"
+            )
+            return loss, done
+    return loss, None
 
 
 def step_record(

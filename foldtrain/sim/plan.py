@@ -320,9 +320,7 @@ def plan_toml(res: PlanResult) -> str:
     world = c.setup.dp if c.setup.mode == "dp" else c.setup.world
     head.append(f"# launch {world} processes: {_launch_line(world, res.cluster.gpus_per_node)}")
     if c.setup.mode == "dp":
-        head.append(
-            f"# a data-parallel strategy: parallel.dp stays 1 for train (simulate takes --parallel.dp {world})"
-        )
+        head.append(f"# a data-parallel strategy: parallel.dp stays 1 for train (simulate takes --parallel.dp {world})")
         cfg.parallel.dp = 1
         cfg.parallel.microbatches = 0
     return "\n".join(head) + "\n" + to_toml(cfg)

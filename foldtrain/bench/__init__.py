@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: foldtrain bench {dp,pipeline,overhead,memory,hashing,simulator,planner,data,chaos} [options]
+USAGE = """usage: foldtrain bench {dp,pipeline,overhead,memory,hashing,simulator,planner,data,chaos,checkpoint}
+                       [options]
 
 benchmarks:
   dp         data-parallel strategies x precisions x 1/2/4 ranks, loopback and an emulated slow network,
@@ -33,6 +34,7 @@ benchmarks:
   data       streaming sharded prepare against plain encode_batch + tofile: MB/s per core, peak memory
   chaos      ranks killed at random moments under torchrun --max-restarts (and a whole emulated node lost):
              final parameters equal an uninterrupted run's bit for bit, every step logged once
+  checkpoint the stall per save with and without --checkpoint.async (DCP async_save), in one invocation
 
 `foldtrain bench dp --help` / `foldtrain bench pipeline --help` list the options; --quick runs a tiny
 smoke configuration; --dry_run prints the runs without starting them. The emulated network needs root
@@ -42,7 +44,18 @@ and iproute2 (ip, tc); without them the throttled part is skipped.
 
 BENCHMARKS = {
     name: f"foldtrain.bench.{name}"
-    for name in ("dp", "pipeline", "overhead", "memory", "hashing", "simulator", "planner", "data", "chaos")
+    for name in (
+        "dp",
+        "pipeline",
+        "overhead",
+        "memory",
+        "hashing",
+        "simulator",
+        "planner",
+        "data",
+        "chaos",
+        "checkpoint",
+    )
 }
 
 

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,6 +73,9 @@ class CheckpointManager:
         self.keep = keep
         self.process_group = process_group
         self._verified: dict[Path, tuple[int, int]] = {}  # path -> meta.json (mtime_ns, size) when it was verified
+        self._side_group = None  # gloo group of the background writes (never used by the training thread meanwhile)
+        self._pending: threading.Thread | None = None  # the save being written in the background, at most one
+        self._pending_error: BaseException | None = None
 
     # ------------------------------------------------------------------ discovery
     def checkpoints(self) -> list[Path]:
@@ -125,63 +129,131 @@ class CheckpointManager:
         raise CheckpointError(f"checkpoint {path} is corrupt: {why}; {hint}; {fix}")
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        meta: dict[str, Any],
+        extra: dict[str, Any] | None = None,
+        background: bool = False,
+    ) -> Path:
         """Save ``state`` (DCP, collective over all ranks) plus this rank's ``extra``; atomic and checksummed.
 
         ``extra`` may hold tensors, numbers, strings, lists and dicts (it is loaded with ``weights_only``).
+        With ``background`` the state is staged to host memory here and written, hashed and renamed by a
+        background thread (DCP's ``async_save``); :meth:`wait` completes it. A pending save is always
+        completed before the next one starts.
         """
+        self.wait()
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f"step_{step:08d}.tmp"
         self._check_space(step, state)
+        needed = self._needed(state)
         try:
-            if _rank() == 0:
-                self.root.mkdir(parents=True, exist_ok=True)
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                tmp.mkdir()
-            _barrier()
+            self._prepare(tmp)
+            save_rank_state(tmp / f"rank{_rank()}.pt", extra or {})
+            if background:
+                group = self._background_group()
+                with _single_process_ok():
+                    future = dcp.async_save(
+                        state, checkpoint_id=str(tmp), process_group=group, no_dist=not dist.is_initialized()
+                    )
+                self._pending = threading.Thread(
+                    target=self._finish_background,
+                    args=(future, step, tmp, final, meta, needed, group),
+                    name=f"checkpoint-step-{step}",
+                    daemon=True,  # a crash of the training loses this save, never the previous one
+                )
+                self._pending.start()
+                return final
             with _single_process_ok():
                 dcp.save(state, checkpoint_id=str(tmp), process_group=self.process_group)
-            save_rank_state(tmp / f"rank{_rank()}.pt", extra or {})
             faults.point("save")
-            digests = self._gather_digests(tmp)
-            if _rank() == 0:
-                files = {k: v for part in digests for k, v in part.items()}
-                missing = {p.name for p in tmp.iterdir()} - files.keys() - {META}
-                files.update(describe(tmp, missing))  # anything no rank claimed (another DCP file naming)
-                with open(tmp / META, "w") as f:
-                    f.write(
-                        json.dumps({"step": step, **meta, "hash": HASH, "files": dict(sorted(files.items()))}, indent=1)
-                    )
-                    f.flush()
-                    os.fsync(f.fileno())
-                _fsync_dir(tmp)
-                if final.exists():  # re-saving a step (e.g. the final save after a periodic one)
-                    old = final.with_name(final.name + ".old")
-                    os.replace(final, old)
-                    os.replace(tmp, final)
-                    shutil.rmtree(old, ignore_errors=True)
-                else:
-                    os.replace(tmp, final)
-                _fsync_dir(self.root)
-                self._prune()
+            self._commit(step, tmp, final, meta, self.process_group)
         except (OSError, CheckpointException) as e:  # DCP raises CheckpointException (a BaseException) on every rank
-            if _rank() == 0:
-                shutil.rmtree(tmp, ignore_errors=True)  # nothing partial stays behind (a resume ignores it anyway)
-            # a full disk shows as ENOSPC, or inside DCP as a torn file ("unexpected pos"): judge by the free space
-            full = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or _free_bytes(self.root) < self._needed(state)
-            if not full:
-                why = e.strerror if isinstance(e, OSError) else _first_line(e)
-                raise CheckpointError(
-                    f"could not write checkpoint {final} ({why}); fix {self.root} or choose another --out"
-                ) from None
-            raise CheckpointError(
-                f"no space left in {self.root} while saving step {step}: the checkpoint needs about "
-                f"{_mib(self._needed(state))} ({_free(self.root)} free); the previous checkpoint is intact, "
-                "free space or choose another --out, then --resume"
-            ) from None
+            raise self._save_error(e, step, tmp, final, needed) from None
         _barrier()
         return final
+
+    def wait(self) -> None:
+        """Complete the save in flight, if any; raise its error here, on the training thread."""
+        if self._pending is None:
+            return
+        self._pending.join()
+        self._pending = None
+        error, self._pending_error = self._pending_error, None
+        if error is not None:
+            raise error
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None and self._pending.is_alive()
+
+    def _prepare(self, tmp: Path) -> None:
+        if _rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        _barrier()
+
+    def _background_group(self):
+        """A gloo group of the checkpoint's ranks for the background writes: collectives of the training thread
+        and of the writer must never share a group (their order would differ between ranks)."""
+        if self._side_group is None and dist.is_initialized():
+            ranks = None if self.process_group is None else dist.get_process_group_ranks(self.process_group)
+            self._side_group = dist.new_group(ranks=ranks, backend="gloo")
+        return self._side_group
+
+    def _finish_background(self, future, step, tmp, final, meta, needed, group) -> None:
+        try:
+            future.result()
+            faults.point("save")
+            self._commit(step, tmp, final, meta, group)
+            if dist.is_initialized():
+                dist.barrier(group=group)  # every rank's wait() returns after the rename
+        except (OSError, CheckpointException, Exception) as e:
+            self._pending_error = self._save_error(e, step, tmp, final, needed)
+
+    def _commit(self, step: int, tmp: Path, final: Path, meta: dict[str, Any], group) -> None:
+        """Hash every rank's files, write meta.json (rank 0) and rename ``tmp`` to ``final`` atomically."""
+        digests = self._gather_digests(tmp, group)
+        if _rank() != 0:
+            return
+        files = {k: v for part in digests for k, v in part.items()}
+        missing = {p.name for p in tmp.iterdir()} - files.keys() - {META}
+        files.update(describe(tmp, missing))  # anything no rank claimed (another DCP file naming)
+        with open(tmp / META, "w") as f:
+            f.write(json.dumps({"step": step, **meta, "hash": HASH, "files": dict(sorted(files.items()))}, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step (e.g. the final save after a periodic one)
+            old = final.with_name(final.name + ".old")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(self.root)
+        self._prune()
+
+    def _save_error(self, e: BaseException, step: int, tmp: Path, final: Path, needed: int) -> CheckpointError:
+        """One line for a failed save; nothing partial stays behind (a resume would ignore it anyway)."""
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        # a full disk shows as ENOSPC, or inside DCP as a torn file ("unexpected pos"): judge by the free space
+        full = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or _free_bytes(self.root) < needed
+        if not full:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else _first_line(e)
+            return CheckpointError(
+                f"could not write checkpoint {final} ({why}); fix {self.root} or choose another --out"
+            )
+        return CheckpointError(
+            f"no space left in {self.root} while saving step {step}: the checkpoint needs about "
+            f"{_mib(needed)} ({_free(self.root)} free); the previous checkpoint is intact, "
+            "free space or choose another --out, then --resume"
+        )
 
     def _needed(self, state: dict[str, Any]) -> int:
         """Bytes a save will write: the newest checkpoint's size, or the tensors of ``state`` if there is none."""
@@ -212,17 +284,17 @@ class CheckpointManager:
                 "then --resume"
             )
 
-    def _gather_digests(self, tmp: Path) -> list[dict]:
+    def _gather_digests(self, tmp: Path, group) -> list[dict]:
         """Each rank hashes the files it wrote (DCP's ``__{r}_*``, its ``rank{r}.pt``, rank 0 ``.metadata``)."""
-        pg_rank = dist.get_rank(self.process_group) if dist.is_initialized() else 0
+        pg_rank = dist.get_rank(group) if dist.is_initialized() else 0
         mine = {f"rank{_rank()}.pt"} | {p.name for p in tmp.glob(f"__{pg_rank}_*")}
         if pg_rank == 0:
             mine.add(".metadata")
         part = describe(tmp, mine)
         if not dist.is_initialized():
             return [part]
-        parts: list = [None] * dist.get_world_size(self.process_group)
-        dist.all_gather_object(parts, part, group=self.process_group)
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, part, group=group)
         return parts
 
     def _prune(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import types
 import typing
 from pathlib import Path
@@ -23,13 +24,22 @@ from foldtrain.model.hf_config import resolve_init_from
 from foldtrain.model.presets import PRESETS
 
 
+def _key(attr: str) -> str:
+    """The public name of a field: ``async_`` is ``async`` (a field cannot be named after a Python keyword)."""
+    return attr[:-1] if attr.endswith("_") and keyword.iskeyword(attr[:-1]) else attr
+
+
+def _attr(name: str) -> str:
+    return name + "_" if keyword.iskeyword(name) else name
+
+
 def all_keys(cfg: Config | None = None) -> list[str]:
     cfg = cfg or Config()
     keys = []
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
-            keys += [f"{f.name}.{g.name}" for g in dataclasses.fields(value)]
+            keys += [f"{f.name}.{_key(g.name)}" for g in dataclasses.fields(value)]
         else:
             keys.append(f.name)
     return keys
@@ -95,7 +105,8 @@ def set_value(cfg: Config, key: str, raw: Any) -> None:
     obj = cfg
     for p in parts[:-1]:
         obj = getattr(obj, p)
-    setattr(obj, parts[-1], _convert(key, raw, _field_type(obj, parts[-1])))
+    attr = _attr(parts[-1])
+    setattr(obj, attr, _convert(key, raw, _field_type(obj, attr)))
 
 
 def load_toml(cfg: Config, path: str | Path) -> None:
@@ -153,7 +164,7 @@ def _is_bool(key: str) -> bool:
     obj = cfg
     for p in parts[:-1]:
         obj = getattr(obj, p)
-    return _field_type(obj, parts[-1]) is bool
+    return _field_type(obj, _attr(parts[-1])) is bool
 
 
 def build_config(args: list[str] | None = None, config_file: str | None = None, validate_now: bool = True) -> Config:
@@ -218,7 +229,7 @@ def to_toml(cfg: Config) -> str:
         v = getattr(cfg, f.name)
         if dataclasses.is_dataclass(v):
             tables.append(f"[{f.name}]")
-            tables += [f"{g.name} = {fmt(getattr(v, g.name))}" for g in dataclasses.fields(v)]
+            tables += [f"{_key(g.name)} = {fmt(getattr(v, g.name))}" for g in dataclasses.fields(v)]
             tables.append("")
         else:
             top.append(f"{f.name} = {fmt(v)}")

@@ -94,6 +94,8 @@ class CheckpointConfig:
     signals: str = "TERM,USR1"  # comma-separated signal names (with or without SIG)
     # abort (exit 76) if the save after a signal is not complete this long after it; 0: no limit
     signal_timeout_s: float = 90.0
+    # --checkpoint.async (a Python keyword, hence the underscore): stage to host memory, write in the background
+    async_: bool = False
 
 
 @dataclass

@@ -199,7 +199,15 @@ def train_steps(
             log.log(record, advance=t.log_every if done % t.log_every == 0 else done % t.log_every)
         stop = preempt.stop_agreed()  # one int all-reduce: every rank stops after the same step
         if stop or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == end:
-            path = plan.ckpt.save(done, engine.state_dict(), {**meta, "data_step": done}, extra=engine.extra_state())
+            # the last save and a preemption's save are written at once; the others may go to the background
+            background = cfg.checkpoint.async_ and not stop and done != end
+            path = plan.ckpt.save(
+                done,
+                engine.state_dict(),
+                {**meta, "data_step": done},
+                extra=engine.extra_state(),
+                background=background,
+            )
         if stop and done < end:
             log.info(
                 f"preempted: {preempt.describe()} received; saved {path} after step {done} of {t.steps}; "

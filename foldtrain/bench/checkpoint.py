@@ -95,14 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {params / 1e6:.0f}M parameters, checkpoint {size / 2**30:.2f} GiB, {saves} saves in {a.steps} steps")
     print("| mode | loop s (median) | stall per save s | save() blocks s (median) |")
     print("|---|---|---|---|")
+    stall = {m: (statistics.median(loops[m]) - base) / saves if m != "none" else 0.0 for m in MODES}
     for mode in MODES:
-        loop = statistics.median(loops[mode])
-        stall = (loop - base) / saves if mode != "none" else 0.0
         block = statistics.median(blocked[mode]) if blocked[mode] else 0.0
-        print(f"| {mode} | {loop:.2f} | {stall:.2f} | {block:.2f} |")
-    sync = (statistics.median(loops["sync"]) - base) / saves
-    asyn = (statistics.median(loops["async"]) - base) / saves
-    if sync > 0:
-        print(f"async stall / sync stall: {asyn / sync:.2f}")
-    shutil.rmtree(root, ignore_errors=True) if a.dir is None else None
+        print(f"| {mode} | {statistics.median(loops[mode]):.2f} | {stall[mode]:.2f} | {block:.2f} |")
+    if stall["sync"] > 0:
+        print(f"async stall / sync stall: {stall['async'] / stall['sync']:.2f}")
+    if a.dir is None:
+        shutil.rmtree(root, ignore_errors=True)
     return 0

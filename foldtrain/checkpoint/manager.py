@@ -147,8 +147,8 @@ class CheckpointManager:
         self.wait()
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f"step_{step:08d}.tmp"
-        self._check_space(step, state)
         needed = self._needed(state)
+        self._check_space(step, needed)
         try:
             self._prepare(tmp)
             save_rank_state(tmp / f"rank{_rank()}.pt", extra or {})
@@ -212,7 +212,7 @@ class CheckpointManager:
             self._commit(step, tmp, final, meta, group)
             if dist.is_initialized():
                 dist.barrier(group=group)  # every rank's wait() returns after the rename
-        except (OSError, CheckpointException, Exception) as e:
+        except (Exception, CheckpointException) as e:  # reported on the training thread by wait()
             self._pending_error = self._save_error(e, step, tmp, final, needed)
 
     def _commit(self, step: int, tmp: Path, final: Path, meta: dict[str, Any], group) -> None:
@@ -266,9 +266,8 @@ class CheckpointManager:
                 pass
         return _state_bytes(state)
 
-    def _check_space(self, step: int, state: dict[str, Any]) -> None:
-        """Refuse a save that cannot fit, before anything is written."""
-        needed = self._needed(state)
+    def _check_space(self, step: int, needed: int) -> None:
+        """Refuse a save of ``needed`` bytes that cannot fit, before anything is written."""
         try:
             probe = self.root if self.root.is_dir() else self.root.parent
             free = shutil.disk_usage(probe).free

@@ -30,6 +30,22 @@ A cluster file (copy a preset and edit it; every number is required and positive
     optim_gparams = 0.3      # optional: optimizer step, G parameters/s (absent: memory-bound at mem_bw_gbs)
     loss_buffers = 3         # optional: fp32 (b, L, V) tensors resident at the loss (absent: 3, the live ones)
     action_overhead_us = 40  # optional: the pipeline executor's own CPU time per action of a rank's list (absent: 0)
+    launch_us = 5            # optional: host time to launch one kernel in eager mode; a pass takes at least
+                             # its kernels x this (absent: 0)
+    attention_efficiency = 0.6      # optional: fused attention forward, fraction of peak at long sequences
+    attention_bwd_efficiency = 0.5  # optional: its backward (absent: attention runs as two matrix products)
+    attention_half_seq = 512        # optional: sequence length at which attention reaches half of those (absent: 0)
+    norm_gbs = 1500          # optional: achieved bandwidth of layer norm (absent: elem_gbs)
+    gelu_gbs = 1700          # optional: of GELU (absent: elem_gbs)
+    softmax_gbs = 1600       # optional: of softmax and cross-entropy (absent: elem_gbs)
+    adamw_gbs = 1500         # optional: of the fused AdamW step (absent: mem_bw_gbs)
+    [gemm.bf16]              # optional, per dtype: measured matrix products (M x K) @ (K x N); a product of
+    shapes = [[8192, 2304, 768]]   # one of these shapes runs at its measured rate, others on the curve
+    tflops = [250.0]
+    [attention.bf16]         # optional, per dtype: measured fused attention at (batch, heads, seq, head_dim)
+    shapes = [[8, 12, 1024, 64]]
+    fwd_tflops = [180.0]
+    bwd_tflops = [150.0]
     [intra]                  # between ranks of one node (NVLink, or loopback here)
     bw_gbs = 300             # GB/s per rank and direction
     latency_us = 5           # one message, point to point
@@ -39,6 +55,11 @@ A cluster file (copy a preset and edit it; every number is required and positive
     bw_gbs = 200             # GB/s per node and direction
     latency_us = 10
     collective_latency_us = 10  # optional, as for intra
+    p2p_gbs = 25             # optional, [intra] or [inter]: point-to-point send/recv bandwidth (absent: bw_gbs)
+    reduce_scatter_busbw_gbs = 180  # optional: bus bandwidth of a reduce-scatter (absent: bw_gbs)
+    all_gather_busbw_gbs = 180      # optional: of an all-gather (absent: bw_gbs)
+
+``bw_gbs`` is the all-reduce's bus bandwidth (nccl-tests' busbw: algorithm bandwidth x 2 (n-1) / n).
 
 Efficiency of a matrix product whose smallest dimension is ``n``:
 ``efficiency * n / (n + half_size)``.
@@ -48,7 +69,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from foldtrain.config.load import tomllib  # tomli on Python 3.10
@@ -75,14 +96,30 @@ FIELDS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class Link:
-    bw: float  # bytes/s
+    bw: float  # bytes/s: all-reduce bus bandwidth
     latency: float  # s: one message, point to point
     hop: float = 0.0  # s: one step of a collective with every rank of the run communicating (0: latency)
+    p2p_bw: float = 0.0  # bytes/s of a send/recv (0: bw)
+    rs_bw: float = 0.0  # bytes/s bus bandwidth of a reduce-scatter (0: bw)
+    ag_bw: float = 0.0  # bytes/s bus bandwidth of an all-gather (0: bw)
 
     @property
     def coll(self) -> float:
         """The per-step latency of a collective (a ring's hop, a tree's level)."""
         return self.hop or self.latency
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Rates measured at given shapes (``foldtrain calibrate --device cuda``): ``dtype -> {shape: value}``."""
+
+    rates: dict = field(default_factory=dict)
+
+    def get(self, dtype: str, shape: tuple) -> float:
+        return self.rates.get(dtype, {}).get(tuple(int(x) for x in shape), 0.0)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted((d, tuple(sorted(v.items()))) for d, v in self.rates.items())))
 
 
 @dataclass(frozen=True)
@@ -116,6 +153,17 @@ class Cluster:
     oversubscribed: float = 1.0
     # core-seconds per rank of one step of a collective (with shared_cores: taken from compute); 0: free
     collective_cpu: float = 0.0
+    launch: float = 0.0  # s of host time to launch one kernel (eager mode); 0: free
+    attn_eff: float = 0.0  # fused attention forward, fraction of peak at long sequences; 0: two matrix products
+    attn_bwd_eff: float = 0.0  # its backward
+    attn_half_seq: float = 0.0  # sequence length at which fused attention reaches half of attn_eff
+    norm_bw: float = 0.0  # bytes/s of layer norm; 0: elem_bw
+    gelu_bw: float = 0.0  # bytes/s of GELU; 0: elem_bw
+    softmax_bw: float = 0.0  # bytes/s of softmax and cross-entropy; 0: elem_bw
+    adamw_bw: float = 0.0  # bytes/s of the fused AdamW step; 0: mem_bw
+    gemm: Measured = field(default_factory=Measured)  # FLOP/s at (M, N, K), per dtype
+    attn_fwd: Measured = field(default_factory=Measured)  # FLOP/s at (batch, heads, seq, head_dim), per dtype
+    attn_bwd: Measured = field(default_factory=Measured)
 
     def matmul_efficiency(self, n: float, rows: bool = False) -> float:
         """Efficiency of a product whose smallest dimension is ``n`` (``rows``: that dimension is its rows)."""
@@ -136,8 +184,46 @@ def _bad(src: str, key: str, problem: str) -> ConfigError:
     )
 
 
-def from_dict(data: dict, src: str = "<dict>") -> Cluster:
-    """Validate ``data`` (a parsed cluster file) and build the :class:`Cluster`."""
+# optional fields: "section.key" -> (Cluster or Link attribute, file unit per attribute unit, default in file units)
+OPTIONAL: dict[str, tuple[str, float, float]] = {
+    "node.shared_cores": ("shared_cores", 1.0, 0.0),
+    "node.comm_cpu_ns": ("comm_cpu", 1e9, 0.0),
+    "node.collective_cpu_us": ("collective_cpu", 1e6, 0.0),
+    "node.oversubscribed_efficiency": ("oversubscribed", 1.0, 1.0),
+    "device.runtime_gb": ("runtime", 1e-9, 0.0),
+    "device.backward_ratio": ("backward_ratio", 1.0, 2.0),
+    "device.elem_gbs": ("elem_bw", 1e-9, 0.0),
+    "device.softmax_gelems": ("softmax_rate", 1e-9, 0.0),
+    "device.loss_buffers": ("loss_buffers", 1.0, 3.0),
+    "device.rows_half_size": ("rows_half_size", 1.0, 0.0),
+    "device.head_weight_gelems": ("head_weight_rate", 1e-9, 0.0),
+    "device.optim_gparams": ("optim_rate", 1e-9, 0.0),
+    "device.action_overhead_us": ("action_overhead", 1e6, 0.0),
+    "device.launch_us": ("launch", 1e6, 0.0),
+    "device.attention_efficiency": ("attn_eff", 1.0, 0.0),
+    "device.attention_bwd_efficiency": ("attn_bwd_eff", 1.0, 0.0),
+    "device.attention_half_seq": ("attn_half_seq", 1.0, 0.0),
+    "device.norm_gbs": ("norm_bw", 1e-9, 0.0),
+    "device.gelu_gbs": ("gelu_bw", 1e-9, 0.0),
+    "device.softmax_gbs": ("softmax_bw", 1e-9, 0.0),
+    "device.adamw_gbs": ("adamw_bw", 1e-9, 0.0),
+}
+LINK_OPTIONAL: dict[str, tuple[str, float]] = {
+    "collective_latency_us": ("hop", 1e6),
+    "p2p_gbs": ("p2p_bw", 1e-9),
+    "reduce_scatter_busbw_gbs": ("rs_bw", 1e-9),
+    "all_gather_busbw_gbs": ("ag_bw", 1e-9),
+}
+FRACTIONS = ("node.oversubscribed_efficiency", "device.attention_efficiency", "device.attention_bwd_efficiency")
+POSITIVE = ("device.backward_ratio", "device.loss_buffers", "node.oversubscribed_efficiency")
+# measured tables: [section.dtype] with shapes = [[...], ...] and one list of TFLOP/s per rate
+TABLES: dict[str, tuple[int, tuple[tuple[str, str], ...]]] = {
+    "gemm": (3, (("tflops", "gemm"),)),  # (M, N, K)
+    "attention": (4, (("fwd_tflops", "attn_fwd"), ("bwd_tflops", "attn_bwd"))),  # (batch, heads, seq, head_dim)
+}
+
+
+def _required(data: dict, src: str) -> dict[str, float]:
     vals: dict[str, float] = {}
     for sec, keys in FIELDS.items():
         table = data.get(sec)
@@ -158,52 +244,67 @@ def from_dict(data: dict, src: str = "<dict>") -> Cluster:
             f"cluster file {src}: field device.efficiency {vals['device.efficiency']} is a fraction of peak; "
             "give a value in (0, 1]"
         )
-    gpus = vals["node.gpus"]
-    if not gpus.is_integer():
-        raise ConfigError(f"cluster file {src}: field node.gpus must be a whole number, got {gpus}")
+    if not vals["node.gpus"].is_integer():
+        raise ConfigError(f"cluster file {src}: field node.gpus must be a whole number, got {vals['node.gpus']}")
+    return vals
+
+
+def _link(data: dict, sec: str, vals: dict[str, float], src: str) -> Link:
+    extra = {attr: _optional(data, sec, k, src) / unit for k, (attr, unit) in LINK_OPTIONAL.items()}
+    return Link(vals[f"{sec}.bw_gbs"] * 1e9, vals[f"{sec}.latency_us"] * 1e-6, **extra)
+
+
+def _tables(data: dict, src: str) -> dict[str, Measured]:
+    """The measured tables (``[gemm.bf16]``, ``[attention.fp16]``, ...) as :class:`Measured` rates in FLOP/s."""
+    out: dict[str, dict] = {attr: {} for _, rates in TABLES.values() for _, attr in rates}
+    for sec, (dims, rates) in TABLES.items():
+        for dtype, table in data.get(sec, {}).items():
+            where = f"cluster file {src}: [{sec}.{dtype}]"
+            if dtype not in ("fp32", "bf16", "fp16") or not isinstance(table, dict):
+                raise ConfigError(f"{where} is not a table of fp32, bf16 or fp16; name one of those dtypes")
+            shapes = table.get("shapes", [])
+            ok = all(isinstance(sh, list) and len(sh) == dims and all(isinstance(x, int) for x in sh) for sh in shapes)
+            for key, attr in rates:
+                vals = table.get(key, [])
+                good = isinstance(vals, list) and len(vals) == len(shapes)
+                if (
+                    not ok
+                    or not good
+                    or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 for v in vals)
+                ):
+                    raise ConfigError(
+                        f"{where}: give shapes = a list of {dims} whole numbers each and {key} = as many positive "
+                        "TFLOP/s"
+                    )
+                out[attr][dtype] = {tuple(sh): v * 1e12 for sh, v in zip(shapes, vals)}
+    return {attr: Measured(rates) for attr, rates in out.items()}
+
+
+def from_dict(data: dict, src: str = "<dict>") -> Cluster:
+    """Validate ``data`` (a parsed cluster file) and build the :class:`Cluster`."""
+    vals = _required(data, src)
+    optional = {}
+    for key, (attr, unit, default) in OPTIONAL.items():
+        sec, k = key.split(".")
+        v = _optional(data, sec, k, src, default=default, positive=key in POSITIVE)
+        if key in FRACTIONS and v > 1:
+            raise ConfigError(f"cluster file {src}: field {key} {v} is a fraction; give a value in (0, 1]")
+        optional[attr] = v / unit
     return Cluster(
         name=str(data.get("name", Path(src).stem)),
-        gpus_per_node=int(gpus),
+        gpus_per_node=int(vals["node.gpus"]),
         memory=vals["device.memory_gb"] * 1e9,
         tflops={d: vals[f"device.{d}_tflops"] * 1e12 for d in ("fp32", "bf16", "fp16")},
         mem_bw=vals["device.mem_bw_gbs"] * 1e9,
         efficiency=vals["device.efficiency"],
         half_size=vals["device.half_size"],
         layer_overhead=vals["device.layer_overhead_us"] * 1e-6,
-        intra=Link(
-            vals["intra.bw_gbs"] * 1e9,
-            vals["intra.latency_us"] * 1e-6,
-            _optional(data, "intra", "collective_latency_us", src) * 1e-6,
-        ),
-        inter=Link(
-            vals["inter.bw_gbs"] * 1e9,
-            vals["inter.latency_us"] * 1e-6,
-            _optional(data, "inter", "collective_latency_us", src) * 1e-6,
-        ),
+        intra=_link(data, "intra", vals, src),
+        inter=_link(data, "inter", vals, src),
         source=src,
-        runtime=_optional(data, "device", "runtime_gb", src) * 1e9,
-        backward_ratio=_optional(data, "device", "backward_ratio", src, default=2.0, positive=True),
-        shared_cores=_optional(data, "node", "shared_cores", src),
-        elem_bw=_optional(data, "device", "elem_gbs", src) * 1e9,
-        softmax_rate=_optional(data, "device", "softmax_gelems", src) * 1e9,
-        loss_buffers=_optional(data, "device", "loss_buffers", src, default=3.0, positive=True),
-        rows_half_size=_optional(data, "device", "rows_half_size", src),
-        head_weight_rate=_optional(data, "device", "head_weight_gelems", src) * 1e9,
-        optim_rate=_optional(data, "device", "optim_gparams", src) * 1e9,
-        comm_cpu=_optional(data, "node", "comm_cpu_ns", src) * 1e-9,
-        action_overhead=_optional(data, "device", "action_overhead_us", src) * 1e-6,
-        oversubscribed=_fraction(data, "node", "oversubscribed_efficiency", src),
-        collective_cpu=_optional(data, "node", "collective_cpu_us", src) * 1e-6,
+        **optional,
+        **_tables(data, src),
     )
-
-
-def _fraction(data: dict, sec: str, k: str, src: str) -> float:
-    v = _optional(data, sec, k, src, default=1.0, positive=True)
-    if v > 1:
-        raise ConfigError(
-            f"cluster file {src}: field {sec}.{k} {v} is a fraction of the cores' throughput; give a value in (0, 1]"
-        )
-    return v
 
 
 def _optional(data: dict, sec: str, k: str, src: str, default: float = 0.0, positive: bool = False) -> float:
@@ -237,12 +338,19 @@ def load_cluster(name_or_file: str) -> Cluster:
     return from_dict(data, str(p))
 
 
+def _number(k: str, v: float, integer: bool = False) -> str:
+    if integer:
+        return f"{k} = {int(v)}"
+    txt = f"{v:.6g}"
+    return f"{k} = {txt}" + ("" if any(ch in txt for ch in ".en") else ".0")
+
+
 def to_toml(c: Cluster, comments: dict[str, str] | None = None) -> str:
-    """A cluster file for ``c`` (``comments``: ``"section.field" -> source``)."""
+    """A cluster file for ``c`` (``comments``: ``"section.field" -> source``); optional fields at their default
+    are left out, except those the CPU calibration always writes."""
     comments = comments or {}
     vals = {
         "node.gpus": c.gpus_per_node,
-        "node.shared_cores": c.shared_cores,
         "device.memory_gb": c.memory / 1e9,
         "device.fp32_tflops": c.tflops["fp32"] / 1e12,
         "device.bf16_tflops": c.tflops["bf16"] / 1e12,
@@ -251,49 +359,57 @@ def to_toml(c: Cluster, comments: dict[str, str] | None = None) -> str:
         "device.efficiency": c.efficiency,
         "device.half_size": c.half_size,
         "device.layer_overhead_us": c.layer_overhead * 1e6,
-        "device.runtime_gb": c.runtime / 1e9,
-        "device.backward_ratio": c.backward_ratio,
-        "device.elem_gbs": c.elem_bw / 1e9,
-        "device.softmax_gelems": c.softmax_rate / 1e9,
-        "device.loss_buffers": c.loss_buffers,
-        "device.rows_half_size": c.rows_half_size,
-        "device.head_weight_gelems": c.head_weight_rate / 1e9,
-        "device.optim_gparams": c.optim_rate / 1e9,
-        "node.comm_cpu_ns": c.comm_cpu * 1e9,
-        "device.action_overhead_us": c.action_overhead * 1e6,
-        "node.oversubscribed_efficiency": c.oversubscribed,
-        "node.collective_cpu_us": c.collective_cpu * 1e6,
-        "intra.bw_gbs": c.intra.bw / 1e9,
-        "intra.latency_us": c.intra.latency * 1e6,
-        "inter.bw_gbs": c.inter.bw / 1e9,
-        "inter.latency_us": c.inter.latency * 1e6,
-        "intra.collective_latency_us": c.intra.hop * 1e6,
-        "inter.collective_latency_us": c.inter.hop * 1e6,
     }
+    for sec in ("intra", "inter"):
+        link = getattr(c, sec)
+        vals[f"{sec}.bw_gbs"] = link.bw / 1e9
+        vals[f"{sec}.latency_us"] = link.latency * 1e6
+        for k, (attr, unit) in LINK_OPTIONAL.items():
+            if getattr(link, attr) or k == "collective_latency_us":
+                vals[f"{sec}.{k}"] = getattr(link, attr) * unit
+    for key, (attr, unit, default) in OPTIONAL.items():
+        v = getattr(c, attr) * unit
+        if v != default or key in ALWAYS_WRITTEN:
+            vals[key] = v
     lines = [f'name = "{c.name}"']
-    for sec, keys in FIELDS.items():
-        keys = keys + {
-            "device": (
-                "runtime_gb",
-                "backward_ratio",
-                "elem_gbs",
-                "softmax_gelems",
-                "loss_buffers",
-                "rows_half_size",
-                "head_weight_gelems",
-                "optim_gparams",
-                "action_overhead_us",
-            ),
-            "node": ("shared_cores", "comm_cpu_ns", "collective_cpu_us", "oversubscribed_efficiency"),
-            "intra": ("collective_latency_us",),
-            "inter": ("collective_latency_us",),
-        }.get(sec, ())
+    for sec in FIELDS:
         lines += ["", f"[{sec}]"]
-        for k in keys:
-            v = vals[f"{sec}.{k}"]
-            txt = f"{k} = {v:.6g}" if not isinstance(v, int) else f"{k} = {v}"
-            if "." not in txt.split("=")[1] and sec != "node" and "e" not in txt.split("=")[1]:
-                txt += ".0"
-            note = comments.get(f"{sec}.{k}")
-            lines.append(txt + (f"  # {note}" if note else ""))
-    return "\n".join(lines) + "\n"
+        for key, v in vals.items():
+            if key.startswith(sec + "."):
+                k = key.split(".", 1)[1]
+                note = comments.get(key)
+                lines.append(_number(k, v, integer=key == "node.gpus") + (f"  # {note}" if note else ""))
+    return "\n".join(lines + _table_lines(c, comments)) + "\n"
+
+
+# the optional fields the CPU calibration measures: written even where they equal their default
+ALWAYS_WRITTEN = (
+    "node.shared_cores",
+    "node.comm_cpu_ns",
+    "node.collective_cpu_us",
+    "node.oversubscribed_efficiency",
+    "device.runtime_gb",
+    "device.backward_ratio",
+    "device.elem_gbs",
+    "device.softmax_gelems",
+    "device.loss_buffers",
+    "device.rows_half_size",
+    "device.head_weight_gelems",
+    "device.optim_gparams",
+    "device.action_overhead_us",
+)
+
+
+def _table_lines(c: Cluster, comments: dict[str, str]) -> list[str]:
+    lines: list[str] = []
+    for sec, (_, rates) in TABLES.items():
+        first: Measured = getattr(c, rates[0][1])
+        for dtype, by_shape in first.rates.items():
+            shapes = list(by_shape)
+            note = comments.get(f"{sec}.{dtype}")
+            lines += ["", f"[{sec}.{dtype}]" + (f"  # {note}" if note else "")]
+            lines.append("shapes = [" + ", ".join("[" + ", ".join(str(x) for x in sh) + "]" for sh in shapes) + "]")
+            for key, attr in rates:
+                m: Measured = getattr(c, attr)
+                lines.append(f"{key} = [" + ", ".join(f"{m.get(dtype, sh) / 1e12:.4g}" for sh in shapes) + "]")
+    return lines

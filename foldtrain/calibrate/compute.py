@@ -159,7 +159,7 @@ def fit_head(peak: float, half: float, rows_half: float, times: list) -> tuple[f
             ]
         )
         cm = CostModel(resolve_setup(cfg), c)
-        rows.append((tokens * vocab, vocab * d, t - 3 * cm.t_head_f))
+        rows.append((tokens * vocab, vocab * d, t - cm.t_head_gemms))
     (a1, b1, r1), (a2, b2, r2) = rows
     det = a1 * b2 - a2 * b1
     per_logit, per_weight = (r1 * b2 - r2 * b1) / det, (a1 * r2 - a2 * r1) / det
@@ -266,6 +266,7 @@ def fit_elem_bw(peak: float, half: float, overhead: float, blocks: list, rows_ha
     equal the measured ones: their time beyond the matrix products and the fixed cost, over the
     element-wise bytes the model counts (mean over ``RATIO_SHAPES``); 0 when nothing is left."""
     from foldtrain.config import build_config
+    from foldtrain.sim import ops
     from foldtrain.sim.costs import CostModel
     from foldtrain.sim.setup import resolve_setup
 
@@ -293,7 +294,7 @@ def fit_elem_bw(peak: float, half: float, overhead: float, blocks: list, rows_ha
         cm = CostModel(resolve_setup(cfg), c)
         left = fwd - cm.t_block_f
         if left > 0:
-            fits.append(2 * cm.act_bytes_block(recompute=False) / left)
+            fits.append(cm.memory_bytes(ops.block_forward(cm.shape_for_attention())) / left)
     return sum(fits) / len(fits) if fits else 0.0
 
 

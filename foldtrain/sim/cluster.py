@@ -22,7 +22,8 @@ A cluster file (copy a preset and edit it; every number is required and positive
     half_size = 256          # matrix dimension at which the efficiency is half of that
     layer_overhead_us = 60   # fixed cost per transformer block and pass (kernel launches, Python)
     runtime_gb = 1.0         # optional: memory the framework takes per rank (CUDA context, ...)
-    backward_ratio = 2.0     # optional: a block's backward time / its forward time (FLOPs: 2)
+    backward_ratio = 1.9     # optional: a block's backward time / its forward time, measured (absent: the
+                             # backward's operations priced one by one)
     elem_gbs = 2039          # optional: effective bandwidth of element-wise work (absent: mem_bw_gbs)
     softmax_gelems = 50      # optional: log-softmax forward + backward, G elements/s (absent: memory-bound)
     rows_half_size = 256     # optional: half_size of products with few rows (tokens) (absent: half_size)
@@ -136,7 +137,7 @@ class Cluster:
     inter: Link
     source: str = ""
     runtime: float = 0.0  # bytes per rank the framework itself takes (CUDA context, interpreter)
-    backward_ratio: float = 2.0  # a block's backward / forward time (2: the FLOP ratio)
+    backward_ratio: float = 0.0  # a block's backward / forward time, measured (0: priced per operation)
     shared_cores: float = 0.0  # > 0: all ranks share this many CPU cores (an emulated cluster on one machine)
     elem_bw: float = 0.0  # bytes/s of element-wise work (norms, GELU, softmax, residuals); 0: mem_bw
     softmax_rate: float = 0.0  # elements/s of the loss's log-softmax forward + backward; 0: memory-bound at mem_bw
@@ -191,7 +192,7 @@ OPTIONAL: dict[str, tuple[str, float, float]] = {
     "node.collective_cpu_us": ("collective_cpu", 1e6, 0.0),
     "node.oversubscribed_efficiency": ("oversubscribed", 1.0, 1.0),
     "device.runtime_gb": ("runtime", 1e-9, 0.0),
-    "device.backward_ratio": ("backward_ratio", 1.0, 2.0),
+    "device.backward_ratio": ("backward_ratio", 1.0, 0.0),
     "device.elem_gbs": ("elem_bw", 1e-9, 0.0),
     "device.softmax_gelems": ("softmax_rate", 1e-9, 0.0),
     "device.loss_buffers": ("loss_buffers", 1.0, 3.0),
@@ -215,7 +216,7 @@ LINK_OPTIONAL: dict[str, tuple[str, float]] = {
     "all_gather_busbw_gbs": ("ag_bw", 1e-9),
 }
 FRACTIONS = ("node.oversubscribed_efficiency", "device.attention_efficiency", "device.attention_bwd_efficiency")
-POSITIVE = ("device.backward_ratio", "device.loss_buffers", "node.oversubscribed_efficiency")
+POSITIVE = ("device.loss_buffers", "node.oversubscribed_efficiency")
 # measured tables: [section.dtype] with shapes = [[...], ...] and one list of TFLOP/s per rate
 TABLES: dict[str, tuple[int, tuple[tuple[str, str], ...]]] = {
     "gemm": (3, (("tflops", "gemm"),)),  # (M, N, K)

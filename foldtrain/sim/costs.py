@@ -31,7 +31,9 @@ weighted by the number of identical ranks of its node doing the same at the same
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
+from . import ops
 from .cluster import Cluster
 from .setup import Setup
 
@@ -64,6 +66,21 @@ def model_params(s: Setup) -> float:
     return s.n_layer * (12 * d * d + 13 * d) + s.vocab * d + s.context * d + 2 * d
 
 
+def block_shape(s: Setup) -> ops.BlockShape:
+    """One tensor-parallel rank's micro-batch as :mod:`.ops` describes it."""
+    return ops.BlockShape(
+        b=s.micro_batch,
+        L=s.seq,
+        d=s.d_model,
+        heads=s.n_head,
+        t=s.tp,
+        e=s.act_bytes,
+        attention=s.attention,
+        dropout=s.dropout,
+        seq_parallel=s.seq_parallel,
+    )
+
+
 def rank_segments(s: Setup, p: int) -> list[int]:
     return [c * s.pp + p for c in range(s.virtual)]
 
@@ -74,28 +91,85 @@ class CostModel:
     def __init__(self, s: Setup, c: Cluster):
         self.s, self.c = s, c
         self.peak = c.peak(s.dtype)
-        b, L, d, t = s.micro_batch, s.seq, s.d_model, s.tp
-        tokens = b * L
-        self.tokens = tokens
-        eff = c.matmul_efficiency
-        width = d / t if t > 1 else d
-        head_dim = d / s.n_head
-        lin = 24 * d * d / t * tokens / (self.peak * eff(min(tokens, width), rows=tokens < width))
-        attn = 4 * L * d / t * tokens / (self.peak * eff(min(L, head_dim)))
-        # element-wise traffic: Korthikanti et al.'s activation bytes per block, written and read once
-        elem = 2 * self.act_bytes_block(recompute=False) / (c.elem_bw or c.mem_bw)
-        self.t_block_f = lin + attn + elem + c.layer_overhead
-        n_head = min(tokens, d, s.vocab / t)
-        self.t_head_f = 2 * d * s.vocab / t * tokens / (self.peak * eff(n_head, rows=tokens == n_head and tokens < d))
-        # the loss's log-softmax over fp32 logits, forward and backward: memory-bound on a GPU (read and
-        # write the logits in each of the head's three passes); a CPU is bound by exp() instead (calibrated)
-        logits = tokens * s.vocab / t
-        self.t_softmax = logits / c.softmax_rate if c.softmax_rate > 0 else 3 * 2 * logits * 4 / c.mem_bw
-        if c.head_weight_rate > 0:  # calibrated on a CPU: streaming the head's weight and accumulating its gradient
-            self.t_softmax += d * s.vocab / t / c.head_weight_rate
-        self.t_embed_f = tokens * d * (s.act_bytes + 4) / c.mem_bw
+        self.shape = block_shape(s)
+        self.tokens = self.shape.tokens
+        self.t_block_f = self.pass_time(ops.block_forward(self.shape_for_attention()))
+        self.t_block_b = (
+            c.backward_ratio * self.t_block_f
+            if c.backward_ratio > 0
+            else self.pass_time(ops.block_backward(self.shape_for_attention()))
+        )
+        self.t_head = self.head_time()
+        self.t_embed_f = self.tokens * s.d_model * (s.act_bytes + 4) / c.mem_bw
         # tensor-parallel all-reduces of the (b, L, d) activation, on the node's link (tp never spans nodes)
-        self.t_tp_ar = self.ring_allreduce_time(tokens * d * s.act_bytes, t, c.intra.bw, c.intra.coll) if t > 1 else 0.0
+        t = s.tp
+        nbytes = self.tokens * s.d_model * s.act_bytes
+        self.t_tp_ar = self.ring_allreduce_time(nbytes, t, c.intra.bw, c.intra.coll) if t > 1 else 0.0
+
+    # ---------------------------------------------------------------- the operations' prices
+    def shape_for_attention(self) -> ops.BlockShape:
+        """Fused attention needs a model of its kernel (calibrated, or the preset's efficiency); without one
+        it is priced as what it computes: two batched products around a softmax."""
+        c, sh = self.c, self.shape
+        fused = c.attn_eff > 0 or c.attn_fwd.get(self.s.dtype, ops.attention_shape(sh)) > 0
+        return sh if sh.attention != "flash" or fused else replace(sh, attention="unfused")
+
+    def gemm_rate(self, op: ops.Op) -> float:
+        """FLOP/s of a product: measured at its shape, else the efficiency curve of its smallest dimension
+        (``rows``: that dimension is its rows, the micro-batch's tokens)."""
+        measured = self.c.gemm.get(self.s.dtype, op.shape)
+        if measured > 0:
+            return measured
+        m, n, k = op.shape
+        smallest = min(m, n, k)
+        return self.peak * self.c.matmul_efficiency(smallest, rows=m == smallest and m < min(n, k))
+
+    def attention_rate(self, op: ops.Op) -> float:
+        table = self.c.attn_bwd if op.name.endswith(".bwd") else self.c.attn_fwd
+        measured = table.get(self.s.dtype, op.shape)
+        if measured > 0:
+            return measured
+        eff = self.c.attn_bwd_eff if op.name.endswith(".bwd") else self.c.attn_eff
+        L, half = op.shape[2], self.c.attn_half_seq
+        return self.peak * (eff or self.c.attn_eff) * (L / (L + half) if half > 0 else 1.0)
+
+    def bandwidth(self, kind: str) -> float:
+        c = self.c
+        own = {"norm": c.norm_bw, "gelu": c.gelu_bw, "softmax": c.softmax_bw}.get(kind, 0.0)
+        return own or c.elem_bw or c.mem_bw
+
+    def op_time(self, op: ops.Op) -> float:
+        if op.kind == "gemm":
+            return op.flops / self.gemm_rate(op)
+        if op.kind == "attention":
+            return op.flops / self.attention_rate(op)
+        return op.bytes / self.bandwidth(op.kind)
+
+    def pass_time(self, todo: list[ops.Op]) -> float:
+        """A pass over ``todo``: the device's time for its kernels, or the host's time to launch them if that
+        is longer (eager mode: the host runs ahead of the device while kernels are longer than a launch),
+        plus the fixed cost per block and pass."""
+        device = sum(self.op_time(op) for op in todo)
+        host = sum(op.kernels for op in todo) * self.c.launch
+        return max(device, host) + self.c.layer_overhead
+
+    def head_time(self) -> float:
+        """The fused head, forward and backward in the last segment's forward; on a CPU calibration the loss
+        runs at its measured rate (``softmax_gelems``) instead of by bytes, and streaming the head's weight
+        and accumulating its gradient costs ``head_weight_gelems`` beyond the products."""
+        c, s = self.c, self.s
+        todo = ops.head_ops(self.shape, s.vocab)
+        self.t_head_gemms = sum(self.op_time(op) for op in todo if op.kind == "gemm")
+        cols = s.vocab / s.tp
+        weight = s.d_model * cols / c.head_weight_rate if c.head_weight_rate > 0 else 0.0
+        if c.softmax_rate <= 0:
+            return self.pass_time(todo) - c.layer_overhead + weight
+        norms = sum(self.op_time(op) for op in todo if op.kind == "norm")
+        return self.t_head_gemms + self.tokens * cols / c.softmax_rate + weight + norms
+
+    def memory_bytes(self, todo: list[ops.Op]) -> float:
+        """Bytes the memory-bound kernels of ``todo`` move (what ``calibrate`` fits ``elem_gbs`` against)."""
+        return sum(op.bytes for op in todo if op.kind not in ("gemm", "attention"))
 
     # ---------------------------------------------------------------- memory sizes
     def act_bytes_block(self, recompute: bool) -> float:
@@ -117,13 +191,13 @@ class CostModel:
         if seg == 0:
             t += self.t_embed_f + (self.t_tp_ar if s.tp > 1 else 0.0)
         if seg == s.segments - 1:
-            t += 3 * self.t_head_f + self.t_softmax  # fused head: forward and backward of head and loss
+            t += self.t_head  # fused head: forward and backward of head and loss
         return t
 
     def backward(self, seg: int) -> float:
         s = self.s
         n = s.layers[seg]
-        per = self.c.backward_ratio * self.t_block_f + 2 * self.t_tp_ar
+        per = self.t_block_b + 2 * self.t_tp_ar
         if s.ac:
             per += self.t_block_f + 2 * self.t_tp_ar
         t = n * per
@@ -137,7 +211,7 @@ class CostModel:
         n = segment_params(s, seg) * shard
         if self.c.optim_rate > 0:  # calibrated (a CPU: AdamW's arithmetic binds it, not its bytes)
             return n * per / 28 / self.c.optim_rate + self.c.layer_overhead
-        return n * per / self.c.mem_bw + self.c.layer_overhead
+        return n * per / (self.c.adamw_bw or self.c.mem_bw) + self.c.layer_overhead
 
     # ---------------------------------------------------------------- bytes
     def activation_bytes(self) -> float:

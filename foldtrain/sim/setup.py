@@ -66,6 +66,9 @@ class Setup:
     cycle_s: float = 0.0  # allreduce: Horovod's cycle time (a bucket also closes this long after the last launch)
     # Megatron's scatter/gather: each TP rank sends 1/tp of an activation (not foldtrain's executor)
     p2p_scatter: bool = False
+    attention: str = "flash"  # foldtrain's SDPA; "unfused" for other systems' runs (two products, a softmax)
+    dropout: bool = False  # --model.dropout > 0: dropout kernels in every block
+    seq_parallel: bool = False  # Megatron's sequence parallelism (other systems' runs): norms split over tp
 
     @property
     def world(self) -> int:
@@ -196,4 +199,5 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         wire_factor=0.5 if strat == "allreduce" and compressed else 1.0,
         fp16_scaler=cfg.precision.startswith("fp16"),
         clip=cfg.optim.grad_clip > 0,
+        dropout=m.dropout > 0,
     )

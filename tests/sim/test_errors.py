@@ -32,7 +32,7 @@ def test_unknown_preset_and_cluster(capsys):
         (lambda d: d["intra"].update(bw_gbs="fast"), "intra.bw_gbs", "is not a number"),
         (lambda d: d["inter"].update(latency_us=0), "inter.latency_us", "must be positive"),
         (lambda d: d["node"].update(gpus=-8), "node.gpus", "must be positive"),
-        (lambda d: d["device"].update(backward_ratio=0), "device.backward_ratio", "must be a positive number"),
+        (lambda d: d["device"].update(backward_ratio=-1), "device.backward_ratio", "must be a non-negative number"),
     ],
 )
 def test_bad_cluster_fields_name_the_field(edit, field, problem):

@@ -173,14 +173,16 @@ class CostModel:
 
     # ---------------------------------------------------------------- memory sizes
     def act_bytes_block(self, recompute: bool) -> float:
-        """Activation bytes one block keeps for its backward, per micro-batch (Korthikanti et al. 2022, no
-        sequence parallelism), scaled from their 2-byte numbers to this precision; with recomputation only
-        the block's input."""
+        """Activation bytes one block keeps for its backward, per micro-batch (Korthikanti et al. 2022, their
+        2-byte numbers scaled to this precision): ``L b d (10 + 24/t + 5 a L / (d t))``, with sequence
+        parallelism ``34/t`` for the first two terms, with selective recomputation without the attention
+        core's ``5 a L / (d t)``; with full recomputation only the block's input."""
         s = self.s
         b, L, d, a, t = s.micro_batch, s.seq, s.d_model, s.n_head, s.tp
         if recompute:
-            return L * b * d * s.act_bytes
-        half = L * b * d * (10 + 24 / t + 5 * a * L / (d * t))
+            return L * b * d * s.act_bytes / (t if s.seq_parallel else 1)
+        core = 0.0 if s.selective else 5 * a * L / (d * t)
+        half = L * b * d * ((34 / t if s.seq_parallel else 10 + 24 / t) + core)
         return half * s.act_bytes / 2
 
     # ---------------------------------------------------------------- compute
@@ -200,6 +202,8 @@ class CostModel:
         per = self.t_block_b + 2 * self.t_tp_ar
         if s.ac:
             per += self.t_block_f + 2 * self.t_tp_ar
+        elif s.selective:  # the attention core again (Korthikanti et al.'s selective recomputation)
+            per += self.pass_time(ops.attention_forward(self.shape_for_attention())) - self.c.layer_overhead
         t = n * per
         if seg == 0:
             t += 2 * self.t_embed_f

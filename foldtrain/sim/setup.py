@@ -69,6 +69,7 @@ class Setup:
     attention: str = "flash"  # foldtrain's SDPA; "unfused" for other systems' runs (two products, a softmax)
     dropout: bool = False  # --model.dropout > 0: dropout kernels in every block
     seq_parallel: bool = False  # Megatron's sequence parallelism (other systems' runs): norms split over tp
+    selective: bool = False  # selective recomputation of the attention core (other systems' runs)
 
     @property
     def world(self) -> int:

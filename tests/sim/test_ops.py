@@ -1,0 +1,105 @@
+"""The per-operation cost model: what each operation computes or moves, and how a cluster prices it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from foldtrain.config import build_config
+from foldtrain.sim import ops
+from foldtrain.sim.cluster import Measured, from_dict
+from foldtrain.sim.costs import CostModel
+from foldtrain.sim.setup import resolve_setup
+
+from .conftest import cluster_dict
+
+approx = pytest.approx
+
+
+def _setup(*args):
+    cfg = build_config(["--model.preset", "gpt2-small", "--train.seq_len", "128", "--precision", "bf16", *args])
+    return resolve_setup(cfg)
+
+
+def test_a_blocks_products_and_attention_count_megatrons_flops():
+    """Forward: 24 d^2 per token and rank over t for the four products; causal fused attention half of
+    4 L d / t per token; the backward's products twice the forward's, its attention 2.5 times."""
+    s = ops.BlockShape(b=4, L=256, d=512, heads=8, t=2)
+    fwd = ops.block_forward(s)
+    lin = sum(op.flops for op in fwd if op.kind == "gemm")
+    att = sum(op.flops for op in fwd if op.kind == "attention")
+    assert lin == approx(24 * 512**2 * s.tokens / 2)
+    assert att == approx(4 * 256 * 512 * s.tokens / 2 / 2)
+    bwd = ops.block_backward(s)
+    assert sum(op.flops for op in bwd if op.kind == "gemm") == approx(2 * lin)
+    assert sum(op.flops for op in bwd if op.kind == "attention") == approx(2.5 * att)
+    unfused = dataclasses.replace(s, attention="unfused")
+    assert sum(op.flops for op in ops.block_forward(unfused) if op.kind == "gemm") == approx(
+        lin + 2 * att
+    )  # all of the scores
+    assert (s.tokens, 3 * 512 // 2, 512) in ops.gemm_shapes(s, 1000)
+    assert (1000 // 2, 512, s.tokens) in ops.gemm_shapes(s, 1000)  # the head's weight gradient
+    assert ops.attention_shape(s) == (4, 4, 256, 64)
+
+
+def test_sequence_parallelism_and_dropout_change_the_memory_bound_bytes():
+    s = ops.BlockShape(b=2, L=128, d=256, heads=4, t=4)
+    base = sum(op.bytes for op in ops.memory_forward(s))
+    sp = sum(op.bytes for op in ops.memory_forward(dataclasses.replace(s, seq_parallel=True)))
+    drop = sum(op.bytes for op in ops.memory_forward(dataclasses.replace(s, dropout=True)))
+    gelu = 2 * s.tokens * 4 * 256 * 2 / 4
+    assert sp - gelu == approx((base - gelu) / 4)  # norms and residuals split over the 4 ranks; GELU already is
+    assert drop > base
+
+
+def test_a_measured_shape_runs_at_its_rate_others_on_the_curve():
+    s = _setup("--train.global_batch", "1")
+    c = from_dict(cluster_dict(), "c.toml")
+    cm = CostModel(s, c)
+    qkv = ops.linear_forward(cm.shape)[0]
+    assert cm.gemm_rate(qkv) == approx(100e12)  # the test cluster's curve: efficiency 1, no half size
+    measured = dataclasses.replace(c, gemm=Measured({"bf16": {qkv.shape: 25e12}}))
+    cm2 = CostModel(s, measured)
+    assert cm2.op_time(qkv) == approx(qkv.flops / 25e12)
+    assert cm2.t_block_f > cm.t_block_f
+
+
+def test_fused_attention_has_its_own_kernel_model_else_two_products_and_a_softmax():
+    s = _setup("--train.global_batch", "2")
+    c = from_dict(cluster_dict(), "c.toml")
+    assert CostModel(s, c).shape_for_attention().attention == "unfused"
+    fused = from_dict(cluster_dict(device__attention_efficiency=0.5, device__attention_half_seq=128), "c.toml")
+    cm = CostModel(s, fused)
+    att = ops.attention_forward(cm.shape_for_attention())
+    assert [op.kind for op in att] == ["attention"]
+    assert cm.op_time(att[0]) == approx(att[0].flops / (100e12 * 0.5 * 128 / 256))
+
+
+def test_a_pass_takes_at_least_its_kernels_launches():
+    """Eager mode: the host launches every kernel; with launches far longer than the kernels the pass is
+    host-bound and takes kernels x launch_us."""
+    s = _setup("--train.global_batch", "1")
+    slow = from_dict(cluster_dict(device__launch_us=1000, device__attention_efficiency=0.5), "c.toml")
+    cm = CostModel(s, slow)
+    kernels = sum(op.kernels for op in ops.block_forward(cm.shape))
+    assert cm.t_block_f == approx(kernels * 1e-3, rel=1e-6)
+    fast = from_dict(cluster_dict(device__launch_us=0.001, device__attention_efficiency=0.5), "c.toml")
+    assert CostModel(s, fast).t_block_f < kernels * 1e-3 / 10
+
+
+def test_memory_bound_kernels_run_at_their_own_bandwidth():
+    s = _setup("--train.global_batch", "1")
+    cm = CostModel(s, from_dict(cluster_dict(device__norm_gbs=10), "c.toml"))
+    norm = next(op for op in ops.memory_forward(cm.shape) if op.kind == "norm")
+    gelu = next(op for op in ops.memory_forward(cm.shape) if op.kind == "gelu")
+    assert cm.op_time(norm) == approx(norm.bytes / 10e9)
+    assert cm.op_time(gelu) == approx(gelu.bytes / 1000e9)  # no gelu_gbs, no elem_gbs: mem_bw_gbs
+
+
+def test_selective_recomputation_pays_the_attention_core_again_and_drops_its_activations():
+    s = _setup("--train.global_batch", "1", "--parallel.pp", "2")
+    c = from_dict(cluster_dict(), "c.toml")
+    base, sel = CostModel(s, c), CostModel(dataclasses.replace(s, selective=True), c)
+    assert sel.backward(0) > base.backward(0)
+    assert sel.act_bytes_block(False) < base.act_bytes_block(False)

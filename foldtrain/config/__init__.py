@@ -34,7 +34,7 @@ from foldtrain.config.schema import (
     ParallelConfig,
     TrainConfig,
 )
-from foldtrain.config.validate import dp_workers, validate, validate_world
+from foldtrain.config.validate import dataparallel_rows, dp_workers, validate, validate_world
 
 __all__ = [
     "AC_MODES",
@@ -55,6 +55,7 @@ __all__ = [
     "TrainConfig",
     "all_keys",
     "build_config",
+    "dataparallel_rows",
     "dp_workers",
     "load_toml",
     "parse_overrides",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-STRATEGIES = ("none", "ps", "sharded-ps", "allreduce", "ddp", "horovod", "fsdp")
+STRATEGIES = ("none", "ps", "sharded-ps", "allreduce", "ddp", "horovod", "fsdp", "dataparallel")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-master", "fp16-master")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "fold")
 DP_SYNCS = ("after-flush", "per-chunk")

@@ -147,6 +147,9 @@ def validate_world(cfg: Config, world_size: int) -> None:
             f"--dp.ps_servers {d.ps_servers} leaves no worker among {world_size} ranks; "
             "use fewer servers or launch more ranks"
         )
+    if d.strategy == "dataparallel":
+        check_dataparallel(cfg, world_size)
+        return
     from foldtrain.schedules.layout import uses_3d_engine, validate_layout
 
     if uses_3d_engine(cfg):  # mesh sizes, schedule, chunk split, tensor-parallel divisibility
@@ -161,8 +164,58 @@ def validate_world(cfg: Config, world_size: int) -> None:
         )
 
 
+def check_dataparallel(cfg: Config, world_size: int) -> None:
+    """``--dp.strategy dataparallel`` (``torch.nn.DataParallel``): one process, the CUDA devices it sees."""
+    p = cfg.parallel
+    if world_size > 1:
+        raise ConfigError(
+            f"--dp.strategy dataparallel is torch.nn.DataParallel, one process driving every GPU, but {world_size} "
+            "processes were launched; start one process without torchrun, or use --dp.strategy ddp under torchrun"
+        )
+    if p.pp * p.tp > 1:
+        raise ConfigError(
+            f"--dp.strategy dataparallel replicates the whole model on every GPU and cannot be combined with "
+            f"--parallel.pp {p.pp} / tp {p.tp}; set them to 1, or use --dp.strategy none with the 3D engine"
+        )
+    if cfg.train.device == "cpu":
+        raise ConfigError(
+            "--dp.strategy dataparallel drives CUDA devices but --train.device is cpu; "
+            "use --train.device auto or cuda, or --dp.strategy none on the CPU"
+        )
+    import torch  # here only: the other checks need no torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible == 0:
+        raise ConfigError(
+            "--dp.strategy dataparallel needs CUDA devices (torch.nn.DataParallel drives GPUs) but none is visible; "
+            "use --dp.strategy none on this machine"
+        )
+    if p.dp > visible:
+        raise ConfigError(
+            f"--parallel.dp {p.dp} asks dataparallel for {p.dp} GPUs but {visible} are visible; "
+            f"use --parallel.dp {visible} or less (without it: all {visible})"
+        )
+    dataparallel_rows(cfg, p.dp if p.dp > 1 else visible)
+
+
+def dataparallel_rows(cfg: Config, devices: int) -> tuple[int, int]:
+    """``(forwards per step, rows per device)`` of ``dataparallel`` over ``devices`` GPUs: each forward takes
+    ``--train.micro_batch`` rows (default: the whole global batch) and scatters them evenly over the devices."""
+    t = cfg.train
+    rows = t.micro_batch or t.global_batch
+    if t.global_batch % rows or rows % devices:
+        raise ConfigError(
+            f"--dp.strategy dataparallel scatters each forward's {rows} rows (--train.micro_batch, default the "
+            f"global batch {t.global_batch}) over {devices} GPUs; pick a micro-batch that is a multiple of {devices} "
+            f"and divides --train.global_batch"
+        )
+    return t.global_batch // rows, rows // devices
+
+
 def dp_workers(cfg: Config, world_size: int) -> int:
     """Number of ranks that compute gradients on distinct data (parameter servers excluded)."""
+    if cfg.dp.strategy == "dataparallel":
+        return 1  # one process computes the whole global batch, scattered over its GPUs
     if cfg.parallel.pp * cfg.parallel.tp > 1 or cfg.parallel.dp > 1:
         return cfg.parallel.dp
     if cfg.dp.strategy == "ps":

@@ -54,9 +54,10 @@ class Layout:
 
 
 def uses_3d_engine(cfg) -> bool:
-    """Whether the run goes through the 3D (pipeline) engine: any parallel dimension above 1."""
+    """Whether the run goes through the 3D (pipeline) engine: any parallel dimension above 1 (``--parallel.dp``
+    alone is the GPU count of ``--dp.strategy dataparallel``, which runs the replicated engine)."""
     p = cfg.parallel
-    return p.pp * p.tp > 1 or p.dp > 1
+    return p.pp * p.tp > 1 or (p.dp > 1 and cfg.dp.strategy != "dataparallel")
 
 
 def chunk_layers(

@@ -4,13 +4,15 @@
 with the same rules as ``foldtrain train``: the 3D engine's layout (``validate_layout``) when
 any of ``--parallel.dp/pp/tp`` is above 1 with ``--dp.strategy none``; otherwise the
 data-parallel engines, where ``--parallel.dp`` is the number of data-parallel workers (plus
-``--dp.ps_servers`` dedicated servers) and ``--parallel.pp/tp`` must stay 1.
+``--dp.ps_servers`` dedicated servers; with ``dataparallel``, the GPUs of its one process, each
+``micro_batch`` rows of a forward's) and ``--parallel.pp/tp`` must stay 1.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from foldtrain.config import dataparallel_rows
 from foldtrain.errors import ConfigError
 from foldtrain.model.presets import padded_vocab
 from foldtrain.schedules.layout import chunk_layers, resolve_microbatches, validate_layout
@@ -132,6 +134,8 @@ def _pipeline_shape(cfg, full_check: bool) -> tuple[int, int, int, tuple[int, ..
 def _dp_shape(cfg, strategy: str) -> tuple[int, int]:
     """A data-parallel engine's (or one process's) ``(micro-batches, micro-batch)`` per worker."""
     t, workers = cfg.train, cfg.parallel.dp
+    if strategy == "dataparallel":  # one process: each forward's rows scattered over the devices
+        return dataparallel_rows(cfg, workers)
     if strategy == "none" and workers > 1:
         raise ConfigError(
             f"--parallel.dp {workers} needs a data-parallel strategy or the 3D engine; this should not happen"

@@ -17,7 +17,8 @@ all-reduce, twice that, not modelled), optimizer on ``1/N``;
 ``ps``: the server's link receives ``N-1`` (colocated) or ``N/K`` (``K`` dedicated servers)
 gradients, the server steps, and sends as many parameter copies back; with
 ``--dp.ps_staleness > 0`` a worker only waits for its own push and pull, and the step is
-bounded below by the server's capacity (``N`` gradients in and out, ``N`` optimizer steps).
+bounded below by the server's capacity (``N`` gradients in and out, ``N`` optimizer steps);
+``dataparallel`` (one process driving ``N`` GPUs): :mod:`.dataparallel`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from foldtrain.schedules import Op, StepPolicy, build_schedule, step_policy
 
 from .cluster import Cluster
 from .costs import CostModel, Placement, model_params, segment_params
+from .dataparallel import simulate_dataparallel
 from .events import Sim, run_schedule
 from .memory import GB, format_breakdown, rank_memory
 from .setup import Setup, resolve_setup
@@ -351,7 +353,33 @@ class Result:
         }
 
 
+def _mfu(s: Setup, c: Cluster, step: float) -> float:
+    flops = 6 * model_params(s) * s.tokens_per_step + 12 * s.n_layer * s.seq * s.d_model * s.tokens_per_step
+    return flops / (step * s.dp * s.pp * s.tp * c.peak(s.dtype)) if step > 0 else 0.0
+
+
+def _dataparallel_result(s: Setup, c: Cluster, check_memory: bool, keep_events: bool) -> Result:
+    """``--dp.strategy dataparallel`` (one process, :mod:`.dataparallel`), as a :class:`Result`."""
+    d = simulate_dataparallel(s, c, check_memory)
+    summ = summarize(d.events, skip_first=False)[-1]
+    return Result(
+        setup=s,
+        cluster=c,
+        step_time=d.step_time,
+        tokens_per_s=s.tokens_per_step / d.step_time,
+        mfu=_mfu(s, c, d.step_time),
+        bubble=summ["bubble_mean"],
+        all_rank_idle=summ["all_idle"],
+        exposed_dp=d.comm,
+        memory=d.memory,
+        events=d.events if keep_events else [],
+        notes=d.notes,
+    )
+
+
 def simulate_setup(s: Setup, c: Cluster, *, check_memory: bool = True, keep_events: bool = False) -> Result:
+    if s.strategy == "dataparallel":
+        return _dataparallel_result(s, c, check_memory, keep_events)
     sched = build_schedule(
         "1f1b" if s.mode == "dp" else s.schedule, s.pp, s.virtual, s.microbatches, s.dp_sync, s.defer
     )
@@ -396,16 +424,12 @@ def simulate_setup(s: Setup, c: Cluster, *, check_memory: bool = True, keep_even
     evs = [r.events for r in sim.ranks]
     last = [[e for e in r if e["step"] == iters - 1] for r in evs]
     summ = summarize(last, skip_first=False)[-1] if any(last) else {}
-    tokens = s.tokens_per_step
-    flops = 6 * model_params(s) * tokens + 12 * s.n_layer * s.seq * s.d_model * tokens
-    devices = s.dp * s.pp * s.tp
-    mfu = flops / (step * devices * c.peak(s.dtype)) if step > 0 else 0.0
     return Result(
         setup=s,
         cluster=c,
         step_time=step,
-        tokens_per_s=tokens / step if step > 0 else 0.0,
-        mfu=mfu,
+        tokens_per_s=s.tokens_per_step / step if step > 0 else 0.0,
+        mfu=_mfu(s, c, step),
         bubble=summ.get("bubble_mean", 0.0),
         all_rank_idle=summ.get("all_idle", 0.0),
         exposed_dp=summ.get("reduce_wait_max", 0.0),

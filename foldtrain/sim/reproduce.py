@@ -33,12 +33,35 @@ def _run(cluster, args: list[str], **replace) -> Result:
 
 HP3C = [  # label, strategy, precision, sequences per GPU (the paper's batches)
     ("single GPU", "none", "fp32", 4),
-    ("SPS (DataParallel ~ central server)", "ps", "fp32", 1),
+    ("SPS (torch.nn.DataParallel)", "dataparallel", "fp32", 1),
     ("DPS (DDP)", "ddp", "fp32", 2),
     ("Horovod (ring all-reduce, fusion)", "allreduce", "fp32", 4),
     ("DPS + Apex O2", "ddp", "fp16-master", 4),
     ("Horovod + Apex O1", "allreduce", "fp16", 4),
 ]
+
+
+HP3C_MODEL = ["--model.preset", "bai2022", "--train.seq_len", "512"]
+
+
+def sps_break_even(c) -> tuple[float, float, float]:
+    """The host work per block and pass (``layer_overhead``) at which SPS on 4 GPUs is as fast as one GPU
+    paying the same, by bisection: ``(seconds, SPS's GPU utilisation, the single GPU's)`` there. The single
+    GPU's share is its step without host work over its step with it (the event engine counts the host work
+    of a pass inside the pass's compute)."""
+    single = [*HP3C_MODEL, "--train.global_batch", "4"]
+    sps_args = [*single, "--dp.strategy", "dataparallel", "--parallel.dp", "4"]
+    at = lambda h: dataclasses.replace(c, layer_overhead=h)  # noqa: E731
+    faster = lambda h: _run(at(h), sps_args).tokens_per_s > _run(at(h), single).tokens_per_s  # noqa: E731
+    lo, hi = c.layer_overhead, 1.0
+    if faster(lo):
+        for _ in range(40):
+            mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if faster(mid) else (lo, mid)
+    else:
+        hi = lo
+    device_only = _run(at(0.0), single).step_time
+    return hi, 1 - _run(at(hi), sps_args).bubble, device_only / _run(at(hi), single).step_time
 
 
 def hp3c(lines: list[str]) -> None:
@@ -48,7 +71,9 @@ def hp3c(lines: list[str]) -> None:
         "",
         "GPT-2 `bai2022` (12 layers, d 768, context 512, vocab 26.7k, ~106M parameters), AdamW, sequences of 512; "
         "the paper's batch per GPU (SPS: 4 in total, DPS: 2 per GPU, the others 4 per GPU). "
-        "GPU utilisation = share of the step the device computes.",
+        "GPU utilisation = share of the step the device computes, mean over the GPUs (SPS: their kernels only; "
+        "the other rows count a pass's host work within the pass, as the simulator's engine times it). "
+        "SPS is `--dp.strategy dataparallel`: one process drives the GPUs of one node, so it has no 2-node row.",
         "",
         "| strategy | GPUs | nodes | tokens/s | vs single GPU | GPU utilisation | peak memory GB | fits 16 GB |",
         "|---|---|---|---|---|---|---|---|",
@@ -56,25 +81,12 @@ def hp3c(lines: list[str]) -> None:
     res = {}
     for label, strat, prec, per in HP3C:
         for n in (1, 4, 8):
-            if strat == "none" and n > 1:
+            if (strat == "none" and n > 1) or (strat == "dataparallel" and n > c.gpus_per_node):
                 continue
-            workers = n
-            args = [
-                "--model.preset",
-                "bai2022",
-                "--train.seq_len",
-                "512",
-                "--precision",
-                prec,
-                "--train.global_batch",
-                str(per * workers if strat != "ps" else 4 * (n // 4 or 1)),
-            ]
+            args = [*HP3C_MODEL, "--precision", prec, "--train.global_batch", str(per * n)]
             if strat != "none" and n > 1:
-                args += ["--dp.strategy", strat, "--parallel.dp", str(workers)]
-            if n == 1 and strat != "none":
-                args += ["--train.global_batch", str(per)]
-            r = _run(c, args)
-            res[(label, n)] = r
+                args += ["--dp.strategy", strat, "--parallel.dp", str(n)]
+            res[(label, n)] = _run(c, args)
     base = res[("single GPU", 1)].tokens_per_s
     for (label, n), r in res.items():
         lines.append(
@@ -118,7 +130,14 @@ def hp3c(lines: list[str]) -> None:
     ]
     for f, sim, ok in rows:
         lines.append(f"| {f} | {sim} | {'yes' if ok else '**no**'} |")
-    lines.append("")
+    h, sps_util, one_util = sps_break_even(c)
+    lines += [
+        "",
+        f"SPS on 4 GPUs would be as slow as one GPU only if the host's work per block and pass were "
+        f"{h * 1e6:,.0f} µs (the preset: {c.layer_overhead * 1e6:,.0f} µs), with the single GPU paying it too; "
+        f"SPS's GPU utilisation would then be {sps_util:.0%}, the single GPU's {one_util:.0%}.",
+        "",
+    ]
 
 
 # --------------------------------------------------------------------------- Fold3D

@@ -1,6 +1,9 @@
 """``foldtrain calibrate --out FILE [--network RATE --nodes N --ranks_per_node R]``: measure this machine.
 
-Writes a cluster file (:mod:`foldtrain.sim.cluster`) for ``foldtrain simulate --cluster FILE``:
+Writes a cluster file (:mod:`foldtrain.sim.cluster`) for ``foldtrain simulate --cluster FILE``. With
+``--device cuda`` (or ``--device cpu --probes kernels``, its twin on a CPU) the per-operation probes of
+:mod:`.device` measure it: each kernel of a step at the models' shapes (:mod:`.gpu`) and the collectives among
+torchrun's ranks (:mod:`.nccl`). Otherwise (``--probes fitted``, the CPU default), the CPU cost model's fit:
 
 * compute: matrix products ``(512 x n) @ (n x 4n)`` for ``n`` in 32..512 per dtype, run by
   ``min(N x R, cores)`` processes at once (each on a core of its own, as busy as the runs'

@@ -11,6 +11,8 @@ from foldtrain.errors import FoldtrainError
 
 from .comm import _comm_probe, check_network_prerequisites, links, measure_loopback, measure_network
 from .compute import DTYPES, HEAD_SHAPES, RATIO_SHAPES, SIZES, measure_compute, measure_oversubscription
+from .device import parse_options
+from .device import run as device_run
 from .executor import measure_action_overhead
 from .memory import LOSS_SHAPE, LOSS_TOKENS, measure_loss_buffers
 
@@ -39,17 +41,65 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         description="measure this machine and write a cluster file for foldtrain simulate --cluster FILE",
     )
     ap.add_argument("--out", required=True, help="cluster TOML file to write")
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: this machine's cores and gloo; cuda: its GPUs and NCCL (torchrun: one process per GPU)",
+    )
+    ap.add_argument(
+        "--probes",
+        choices=("fitted", "kernels"),
+        help="fitted (the default on cpu): the CPU cost model fitted to real blocks; kernels (on cuda): each "
+        "operation's kernel at the models' shapes and the collectives among torchrun's ranks",
+    )
     ap.add_argument("--network", help="emulated link rate between nodes, e.g. 1gbit (needs root and iproute2)")
     ap.add_argument("--nodes", type=int, default=1, help="emulated nodes (with --network)")
-    ap.add_argument("--ranks_per_node", type=int, default=2, help="ranks per node the runs will have")
+    ap.add_argument(
+        "--ranks_per_node",
+        type=int,
+        help="fitted: ranks per node the runs will have (default 2); kernels: torchrun's ranks per node "
+        "(default its --nproc_per_node)",
+    )
     ap.add_argument("--name", default="", help="cluster name (default: the file's stem)")
+    kernels = ap.add_argument_group("kernels", "the shapes --probes kernels measures (comma-separated lists)")
+    kernels.add_argument("--preset", default="gpt2-small", help="model presets the runs will train")
+    kernels.add_argument("--precision", default="bf16", help="fp32, bf16, fp16; the first sets the fitted curves")
+    kernels.add_argument("--tp", default="1", help="tensor-parallel sizes")
+    kernels.add_argument("--micro_batch", default="8", help="micro-batch sizes")
+    kernels.add_argument("--seq", default="", help="sequence lengths (default: each preset's context)")
+    kernels.add_argument("--vocab_multiple", type=int, default=1, help="as --model.vocab_multiple")
+    kernels.add_argument(
+        "--links", default="", help="cluster preset for the links a launch cannot measure (default: by device name)"
+    )
     a = ap.parse_args(argv)
+    a.probes = a.probes or ("kernels" if a.device == "cuda" else "fitted")
+    if a.device == "cuda" and a.probes == "fitted":
+        raise FoldtrainError("calibrate --probes fitted fits the CPU cost model; on --device cuda drop --probes")
+    if a.probes == "kernels":
+        return _check_kernels(a)
+    a.ranks_per_node = 2 if a.ranks_per_node is None else a.ranks_per_node
     if a.nodes < 1 or a.ranks_per_node < 1:
         raise FoldtrainError(f"--nodes and --ranks_per_node must be >= 1, got {a.nodes} and {a.ranks_per_node}")
     if a.network:
         if a.nodes < 2:
             raise FoldtrainError("calibrate --network needs --nodes 2 or more to measure a link between nodes")
         check_network_prerequisites()
+    return a
+
+
+def _check_kernels(a: argparse.Namespace) -> argparse.Namespace:
+    """``--probes kernels``: a GPU must be visible for ``--device cuda``; the shapes must make sense."""
+    if a.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            build = "built without CUDA" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+            raise FoldtrainError(
+                f"calibrate --device cuda: no CUDA device is visible (torch {torch.__version__}, {build}); "
+                "run it on a machine with an NVIDIA GPU, or use --device cpu"
+            )
+    a.kernels = parse_options(a)
     return a
 
 
@@ -205,6 +255,8 @@ def main(argv: list[str]) -> int:
         _comm_probe()
         return 0
     a = parse_args(argv)
+    if a.probes == "kernels":
+        return device_run(a.kernels, argv, a.out, a.name)
     from foldtrain.sim.cluster import to_toml
 
     m = run_probes(a)

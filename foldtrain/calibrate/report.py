@@ -20,7 +20,8 @@ def versions(device) -> str:
     if device.type == "cuda":
         out += f", CUDA {torch.version.cuda}"
         try:
-            out += ", NCCL " + ".".join(str(x) for x in torch.cuda.nccl.version())
+            v = torch.cuda.nccl.version()  # a tuple; an int in older torch
+            out += ", NCCL " + (".".join(map(str, v)) if isinstance(v, tuple) else str(v))
         except (AttributeError, RuntimeError):
             out += ", NCCL unknown"
     return out

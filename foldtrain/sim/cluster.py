@@ -19,7 +19,11 @@ A cluster file (copy a preset and edit it; every number is required and positive
     fp16_tflops = 312
     mem_bw_gbs = 2039        # device memory bandwidth, GB/s (optimizer step)
     efficiency = 0.7         # best fraction of peak a large matrix product reaches
-    half_size = 256          # matrix dimension at which the efficiency is half of that
+    half_size = 256          # matrix dimension at which the efficiency is half of that (without sms)
+    sms = 108                # optional: streaming multiprocessors; a product then runs at efficiency x
+                             # the share of the SMs its tiles' last wave keeps busy x K / (K + gemm_k_half)
+    gemm_k_half = 512        # optional, with sms (absent: 0)
+    kernel_us = 3            # optional: device time every kernel takes beyond its work (absent: 0)
     layer_overhead_us = 60   # fixed cost per transformer block and pass (kernel launches, Python)
     runtime_gb = 1.0         # optional: memory the framework takes per rank (CUDA context, ...)
     backward_ratio = 1.9     # optional: a block's backward time / its forward time, measured (absent: the
@@ -36,6 +40,7 @@ A cluster file (copy a preset and edit it; every number is required and positive
     attention_efficiency = 0.6      # optional: fused attention forward, fraction of peak at long sequences
     attention_bwd_efficiency = 0.5  # optional: its backward (absent: attention runs as two matrix products)
     attention_half_seq = 512        # optional: sequence length at which attention reaches half of those (absent: 0)
+    attention_half_head_dim = 48    # optional: the same for the head dimension (absent: 0)
     norm_gbs = 1500          # optional: achieved bandwidth of layer norm (absent: elem_gbs)
     gelu_gbs = 1700          # optional: of GELU (absent: elem_gbs)
     softmax_gbs = 1600       # optional: of softmax and cross-entropy (absent: elem_gbs)
@@ -62,8 +67,10 @@ A cluster file (copy a preset and edit it; every number is required and positive
 
 ``bw_gbs`` is the all-reduce's bus bandwidth (nccl-tests' busbw: algorithm bandwidth x 2 (n-1) / n).
 
-Efficiency of a matrix product whose smallest dimension is ``n``:
-``efficiency * n / (n + half_size)``.
+Efficiency of a matrix product (M x K) @ (K x N) without ``sms`` (a CPU): ``efficiency * n / (n + half_size)`` of
+its smallest dimension ``n``. With ``sms`` (a GPU): the output is cut into tiles (the best of cuBLAS's
+256x128 ... 64x64 for the shape), which run in waves of ``sms``; ``efficiency * tiles / (waves * sms) *
+K / (K + gemm_k_half)``.
 """
 
 from __future__ import annotations
@@ -158,10 +165,14 @@ class Cluster:
     attn_eff: float = 0.0  # fused attention forward, fraction of peak at long sequences; 0: two matrix products
     attn_bwd_eff: float = 0.0  # its backward
     attn_half_seq: float = 0.0  # sequence length at which fused attention reaches half of attn_eff
+    attn_half_hd: float = 0.0  # head dimension at which fused attention reaches half of attn_eff
     norm_bw: float = 0.0  # bytes/s of layer norm; 0: elem_bw
     gelu_bw: float = 0.0  # bytes/s of GELU; 0: elem_bw
     softmax_bw: float = 0.0  # bytes/s of softmax and cross-entropy; 0: elem_bw
     adamw_bw: float = 0.0  # bytes/s of the fused AdamW step; 0: mem_bw
+    sms: float = 0.0  # streaming multiprocessors: > 0 prices products by their tiles' waves (a GPU)
+    gemm_k_half: float = 0.0  # inner dimension at which a product's tiles reach half of their rate
+    kernel_time: float = 0.0  # s of device time every kernel takes beyond its work (ramp-up, tail)
     gemm: Measured = field(default_factory=Measured)  # FLOP/s at (M, N, K), per dtype
     attn_fwd: Measured = field(default_factory=Measured)  # FLOP/s at (batch, heads, seq, head_dim), per dtype
     attn_bwd: Measured = field(default_factory=Measured)
@@ -185,6 +196,8 @@ def _bad(src: str, key: str, problem: str) -> ConfigError:
     )
 
 
+# required fields a GPU preset may set to 0 (the per-operation model prices kernel launches one by one)
+MAY_BE_ZERO = ("device.layer_overhead_us",)
 # optional fields: "section.key" -> (Cluster or Link attribute, file unit per attribute unit, default in file units)
 OPTIONAL: dict[str, tuple[str, float, float]] = {
     "node.shared_cores": ("shared_cores", 1.0, 0.0),
@@ -204,10 +217,14 @@ OPTIONAL: dict[str, tuple[str, float, float]] = {
     "device.attention_efficiency": ("attn_eff", 1.0, 0.0),
     "device.attention_bwd_efficiency": ("attn_bwd_eff", 1.0, 0.0),
     "device.attention_half_seq": ("attn_half_seq", 1.0, 0.0),
+    "device.attention_half_head_dim": ("attn_half_hd", 1.0, 0.0),
     "device.norm_gbs": ("norm_bw", 1e-9, 0.0),
     "device.gelu_gbs": ("gelu_bw", 1e-9, 0.0),
     "device.softmax_gbs": ("softmax_bw", 1e-9, 0.0),
     "device.adamw_gbs": ("adamw_bw", 1e-9, 0.0),
+    "device.sms": ("sms", 1.0, 0.0),
+    "device.gemm_k_half": ("gemm_k_half", 1.0, 0.0),
+    "device.kernel_us": ("kernel_time", 1e6, 0.0),
 }
 LINK_OPTIONAL: dict[str, tuple[str, float]] = {
     "collective_latency_us": ("hop", 1e6),
@@ -237,7 +254,7 @@ def _required(data: dict, src: str) -> dict[str, float]:
             v = table[k]
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise _bad(src, key, f"is not a number ({v!r})")
-            if not math.isfinite(v) or v <= 0:
+            if not math.isfinite(v) or v < 0 or (v == 0 and key not in MAY_BE_ZERO):
                 raise _bad(src, key, f"must be positive, got {v}")
             vals[key] = float(v)
     if vals["device.efficiency"] > 1:

@@ -81,6 +81,21 @@ def block_shape(s: Setup) -> ops.BlockShape:
     )
 
 
+# output tiles cuBLAS chooses among for half-precision products (NVIDIA, "Matrix Multiplication Background
+# User's Guide": larger tiles reuse more data, smaller ones fill more SMs)
+TILES = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128), (64, 64))
+
+
+def wave_efficiency(m: int, n: int, batch: int, sms: float) -> float:
+    """Share of the SMs a product's tiles keep busy over its waves, for the best tile: ``tiles / (waves x
+    sms)`` (a last, partial wave leaves SMs idle: wave quantization)."""
+    best = 0.0
+    for tm, tn in TILES:
+        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        best = max(best, tiles / (math.ceil(tiles / sms) * sms))
+    return best
+
+
 def rank_segments(s: Setup, p: int) -> list[int]:
     return [c * s.pp + p for c in range(s.virtual)]
 
@@ -121,8 +136,11 @@ class CostModel:
         if measured > 0:
             return measured
         m, n, k = op.shape
+        c = self.c
+        if c.sms > 0:
+            return self.peak * c.efficiency * wave_efficiency(m, n, op.batch, c.sms) * k / (k + c.gemm_k_half)
         smallest = min(m, n, k)
-        return self.peak * self.c.matmul_efficiency(smallest, rows=m == smallest and m < min(n, k))
+        return self.peak * c.matmul_efficiency(smallest, rows=m == smallest and m < min(n, k))
 
     def attention_rate(self, op: ops.Op) -> float:
         table = self.c.attn_bwd if op.name.endswith(".bwd") else self.c.attn_fwd
@@ -130,8 +148,9 @@ class CostModel:
         if measured > 0:
             return measured
         eff = self.c.attn_bwd_eff if op.name.endswith(".bwd") else self.c.attn_eff
-        L, half = op.shape[2], self.c.attn_half_seq
-        return self.peak * (eff or self.c.attn_eff) * (L / (L + half) if half > 0 else 1.0)
+        L, hd = op.shape[2], op.shape[3]
+        seq, head = self.c.attn_half_seq, self.c.attn_half_hd
+        return self.peak * (eff or self.c.attn_eff) * (L / (L + seq) if seq > 0 else 1.0) * hd / (hd + head)
 
     def bandwidth(self, kind: str) -> float:
         c = self.c
@@ -139,11 +158,12 @@ class CostModel:
         return own or c.elem_bw or c.mem_bw
 
     def op_time(self, op: ops.Op) -> float:
+        fixed = op.kernels * self.c.kernel_time
         if op.kind == "gemm":
-            return op.flops / self.gemm_rate(op)
+            return op.flops / self.gemm_rate(op) + fixed
         if op.kind == "attention":
-            return op.flops / self.attention_rate(op)
-        return op.bytes / self.bandwidth(op.kind)
+            return op.flops / self.attention_rate(op) + fixed
+        return op.bytes / self.bandwidth(op.kind) + fixed
 
     def pass_time(self, todo: list[ops.Op]) -> float:
         """A pass over ``todo``: the device's time for its kernels, or the host's time to launch them if that

@@ -28,7 +28,7 @@ RUNS = Path(__file__).with_name("gpu_runs.toml")
 CMD = "python -m foldtrain.sim.validation.gpu"
 # the GPU as published -> (preset, device memory GB)
 GPUS = {
-    "a100-40gb": ("dgx-a100", 40.0),
+    "a100-40gb": ("dgx-a100-40gb", 40.0),
     "a100-80gb": ("dgx-a100", 80.0),
     "h100-80gb-sxm": ("dgx-h100", 80.0),
     "h800": ("dgx-h100", 80.0),
@@ -86,6 +86,12 @@ def cluster_for(run: dict) -> Cluster:
     return dataclasses.replace(c, gpus_per_node=run["gpus_per_node"], memory=memory * 1e9, inter=inter, intra=intra)
 
 
+# a published data-parallel strategy -> the closest one the simulator models: FSDP's full sharding as ZeRO-2
+# (gradients reduce-scattered during the backward, the optimizer step sharded, parameters all-gathered for the
+# next step; FSDP's per-block all-gathers are not modelled yet), ZeRO-1 as DDP's overlapped all-reduce
+DP_STRATEGIES = {"fsdp-full-shard": "ddp", "ddp-zero1": "ddp"}
+
+
 def run_args(run: dict) -> list[str]:
     """``foldtrain simulate`` options of the run's model and layout."""
     args = {
@@ -105,6 +111,10 @@ def run_args(run: dict) -> list[str]:
         "precision": run["precision"],
         "ac": "full" if run["recompute"] == "full" else "none",
     }
+    strategy = DP_STRATEGIES.get(run.get("dp_strategy", ""))
+    if strategy:  # a data-parallel engine: no pipeline schedule
+        args["dp.strategy"] = strategy
+        del args["parallel.virtual"], args["parallel.schedule"]
     return [x for k, v in args.items() for x in (f"--{k}", str(v))]
 
 

@@ -165,13 +165,35 @@ class CostModel:
             return op.flops / self.attention_rate(op) + fixed
         return op.bytes / self.bandwidth(op.kind) + fixed
 
-    def pass_time(self, todo: list[ops.Op]) -> float:
-        """A pass over ``todo``: the device's time for its kernels, or the host's time to launch them if that
-        is longer (eager mode: the host runs ahead of the device while kernels are longer than a launch),
-        plus the fixed cost per block and pass."""
+    def pass_parts(self, todo: list[ops.Op]) -> tuple[float, float]:
+        """``(device, host)`` seconds of a pass over ``todo``: the device's time for its kernels; the host's
+        time to launch them plus its fixed cost per block and pass."""
         device = sum(self.op_time(op) for op in todo)
-        host = sum(op.kernels for op in todo) * self.c.launch
-        return max(device, host) + self.c.layer_overhead
+        return device, sum(op.kernels for op in todo) * self.c.launch + self.c.layer_overhead
+
+    def pass_time(self, todo: list[ops.Op], overhead: bool = True) -> float:
+        """A pass: on a GPU the longer of the device's and the host's parts (eager mode: the host runs ahead
+        of the device while kernels are longer than a launch); without launches (a CPU) the host is the
+        device, and its fixed cost adds to the work. ``overhead=False``: kernels only, no fixed cost."""
+        device, host = self.pass_parts(todo)
+        if not overhead:
+            host -= self.c.layer_overhead
+        if self.c.launch <= 0:
+            return device + host
+        return max(device, host)
+
+    def forward_parts(self, seg: int) -> tuple[float, float]:
+        """``(device, host)`` of segment ``seg``'s forward (``forward(seg)`` when the host's part is free):
+        the blocks' kernels, tensor-parallel all-reduces, the embedding and the head as device time, the
+        blocks' launches and fixed costs as the host's."""
+        s = self.s
+        dev, host = self.pass_parts(ops.block_forward(self.shape_for_attention()))
+        d, h = s.layers[seg] * (dev + 2 * self.t_tp_ar), s.layers[seg] * host
+        if seg == 0:
+            d += self.t_embed_f
+        if seg == s.segments - 1:
+            d += self.t_head  # a few long kernels: device time
+        return d, h
 
     def head_time(self) -> float:
         """The fused head, forward and backward in the last segment's forward; on a CPU calibration the loss
@@ -183,7 +205,7 @@ class CostModel:
         cols = s.vocab / s.tp
         weight = s.d_model * cols / c.head_weight_rate if c.head_weight_rate > 0 else 0.0
         if c.softmax_rate <= 0:
-            return self.pass_time(todo) - c.layer_overhead + weight
+            return self.pass_time(todo, overhead=False) + weight
         norms = sum(self.op_time(op) for op in todo if op.kind == "norm")
         return self.t_head_gemms + self.tokens * cols / c.softmax_rate + weight + norms
 
@@ -223,7 +245,7 @@ class CostModel:
         if s.ac:
             per += self.t_block_f + 2 * self.t_tp_ar
         elif s.selective:  # the attention core again (Korthikanti et al.'s selective recomputation)
-            per += self.pass_time(ops.attention_forward(self.shape_for_attention())) - self.c.layer_overhead
+            per += self.pass_time(ops.attention_forward(self.shape_for_attention()), overhead=False)
         t = n * per
         if seg == 0:
             t += 2 * self.t_embed_f

@@ -9,8 +9,8 @@ the next part:
   pipelines the bytes along a ring, so the source sends each byte once: ``bytes / bw`` plus ``N - 1`` hops
   per bucket);
 * **forward**: every replica runs in its own Python thread, and the threads share the interpreter's lock,
-  so the host work of launching a pass (``Cluster.layer_overhead`` per block, what the cost model charges
-  for it) is paid once per device, one device after another: the pass takes
+  so the host work of launching a pass (the cost model's host part: ``launch_us`` per kernel and
+  ``layer_overhead`` per block) is paid once per device, one device after another: the pass takes
   ``max(device + host, N x host)``, the devices computing ``device`` of it;
 * **gather**: the replicas' logits ``(b, L, V)`` copied to device 0 (``N - 1`` copies into device 0's link,
   at the link's point-to-point bandwidth), and in the backward their gradient scattered back as many;
@@ -81,10 +81,9 @@ def _link(c: Cluster, nbytes: float, hops: float, p2p: bool = False) -> float:
 def phases(s: Setup, c: Cluster) -> Phases:
     """The parts of one forward-backward over ``s.dp`` devices, ``s.micro_batch`` rows each."""
     n = s.dp
-    cm, dev = CostModel(s, c), CostModel(s, dataclasses.replace(c, layer_overhead=0.0))
-    f, f_dev = cm.forward(0), dev.forward(0)
+    cm, dev = CostModel(s, c), CostModel(s, dataclasses.replace(c, layer_overhead=0.0, launch=0.0))
+    f, (f_dev, host) = cm.forward(0), cm.forward_parts(0)  # host: launching the pass's kernels, its fixed costs
     b, b_dev = cm.backward(0), dev.backward(0)
-    host = f - f_dev  # what the cost model charges for launching a pass (layer_overhead per block)
     weights = model_params(s) * s.weight_bytes
     grads = model_params(s) * s.grad_bytes
     rows_in = (n - 1) * s.micro_batch * s.seq * TOKEN_BYTES

@@ -10,8 +10,8 @@ runs out of time is a FAIL row and the next one runs; one that takes the worker 
 limit) is a FAIL row too, and a fresh worker goes on with the rest.
 
 Without a GPU it says so in one line and runs the dry check: the same checks at CPU scale (``tiny`` shapes, a
-few steps, ``--help`` or ``--dry_run`` for the commands that need a GPU), so that every code path runs; it
-then exits 0. With a GPU it exits 1 if any row failed.
+few steps, the CPU twin of ``calibrate``'s GPU probes, gloo instead of NCCL, ``--dry_run`` for the
+benchmarks), so that every code path runs; it then exits 0. With a GPU it exits 1 if any row failed.
 """
 
 from __future__ import annotations

@@ -457,25 +457,32 @@ def check_memory(ctx: Ctx) -> list[dict]:
     return rows
 
 
-def check_calibrate(ctx: Ctx) -> list[dict]:
-    """``foldtrain calibrate --device cuda --out FILE`` through the command line (its help in the dry mode,
-    and a preset's file stands in for its output)."""
-    out = ctx.out / "cluster.toml"
-    tail_args = ["--help"] if ctx.dry else ["--device", "cuda", "--out", str(out)]
-    t0 = time.perf_counter()
-    rc, text = run_cmd([sys.executable, "-m", "foldtrain", "calibrate", *tail_args], ctx.left() - 3)
-    took = time.perf_counter() - t0
-    if ctx.dry:
-        from foldtrain.sim.cluster import PRESET_DIR
+def calibrate_args(ctx: Ctx) -> list[str]:
+    """``foldtrain calibrate``'s arguments: the kernels of the measured runs' shapes (on the CPU in the dry mode,
+    the per-operation probes' CPU twin)."""
+    runs = [ctx.state[label] for label in ctx.scale.speed if label in ctx.state]
+    presets = sorted({m["preset"] for m in runs}) or sorted({p for p, _ in ctx.scale.speed.values()})
+    args = ["--device", "cpu", "--probes", "kernels"] if ctx.dry else ["--device", "cuda"]
+    args += ["--preset", ",".join(presets), "--precision", "bf16", "--seq", str(ctx.scale.speed_seq)]
+    if runs:
+        args += ["--micro_batch", ",".join(str(b) for b in sorted({m["micro_batch"] for m in runs}))]
+    return [*args, "--out", str(ctx.out / "cluster.toml")]
 
-        out = ctx.work / "cluster.toml"
-        out.write_text((PRESET_DIR / "dgx-h100.toml").read_text())
+
+def check_calibrate(ctx: Ctx) -> list[dict]:
+    """``foldtrain calibrate --device cuda`` through the command line, at the measured runs' shapes."""
+    out = ctx.out / "cluster.toml"
+    out.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    rc, text = run_cmd([sys.executable, "-m", "foldtrain", "calibrate", *calibrate_args(ctx)], ctx.left() - 3)
+    took = time.perf_counter() - t0
     ok = rc == 0 and out.is_file()
     if ok:
         ctx.state["cluster"] = str(out)
     status = "timed out" if rc is None else f"exit {rc}"
     what = f"{status} in {took:.0f} s" + (f", wrote {out.name}" if ok else f": {tail(text, 2)}")
-    return [row("foldtrain calibrate --device cuda", what, "exit 0 and a cluster file", ok)]
+    name = "foldtrain calibrate --device " + ("cpu --probes kernels" if ctx.dry else "cuda")
+    return [row(name, what, "exit 0 and a cluster file", ok)]
 
 
 def check_simulate(ctx: Ctx) -> list[dict]:

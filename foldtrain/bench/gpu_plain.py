@@ -60,11 +60,6 @@ def free_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class PlainLoop:
     """A textbook training loop over foldtrain's GPT (its initial weights, its data, its AdamW settings)."""
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from foldtrain.bench.gpu_acceptance import CHECKS, FAULT_ENV
+from foldtrain.bench.gpu_acceptance import CHECKS, FAULT_ENV, MULTI, Report, parse_args, plan
 from foldtrain.bench.gpu_checks import key_bias_free, longest_run
 from foldtrain.bench.gpu_plain import device_peak_tflops, probe_micro_batches
 
@@ -133,3 +133,14 @@ def test_overflow_runs_and_key_biases():
     bias = torch.arange(2 * 3 * 2.0)
     assert key_bias_free("parts.1.attn.qkv.bias", bias, 2).tolist() == [0, 1, 4, 5, 6, 7, 10, 11]
     assert key_bias_free("parts.1.attn.proj.bias", bias, 2) is bias
+
+
+def test_one_gpu_runs_the_single_device_checks_and_reports_the_others_as_not_run(tmp_path):
+    info = {"date": "", "mode": "", "dry": False, "device": "", "torch": "", "python": "", "command": ""}
+    report = Report(tmp_path, {**info, "budget_s": 450.0, "t0": 0.0})
+    names = plan(parse_args([str(tmp_path)]), 1, report)
+    assert names == [c for c in CHECKS if c not in MULTI]
+    assert [r["id"] for r in report.rows] == list(MULTI)
+    assert all(r["ok"] is None and not r["ran"] and "needs 2 GPUs" in r["measured"] for r in report.rows)
+    assert plan(parse_args([str(tmp_path)]), 2, report) == list(CHECKS)
+    assert plan(parse_args([str(tmp_path), "--checks", "simulate"]), 1, report) == ["data", "simulate"]

@@ -72,6 +72,7 @@ class Setup:
     dropout: bool = False  # --model.dropout > 0: dropout kernels in every block
     seq_parallel: bool = False  # Megatron's sequence parallelism (other systems' runs): norms split over tp
     selective: bool = False  # selective recomputation of the attention core (other systems' runs)
+    reshard_after_forward: bool = True  # fsdp: --dp.reshard_after_forward
 
     @property
     def world(self) -> int:
@@ -111,11 +112,6 @@ def _dp_strategy(cfg) -> str:
         )
     if d.ps_servers and strategy != "ps":
         raise ConfigError("--dp.ps_servers only applies to --dp.strategy ps; remove it or choose ps")
-    if strategy == "fsdp":
-        raise ConfigError(
-            "the simulator does not model --dp.strategy fsdp yet; simulate --dp.strategy sharded-ps for an "
-            "estimate (ZeRO-2: the same gradient reduce-scatter, without FSDP's per-block all-gathers)"
-        )
     return strategy
 
 
@@ -205,4 +201,5 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         fp16_scaler=cfg.precision.startswith("fp16"),
         clip=cfg.optim.grad_clip > 0,
         dropout=m.dropout > 0,
+        reshard_after_forward=d.reshard_after_forward,
     )

@@ -18,7 +18,8 @@ all-reduce, twice that, not modelled), optimizer on ``1/N``;
 gradients, the server steps, and sends as many parameter copies back; with
 ``--dp.ps_staleness > 0`` a worker only waits for its own push and pull, and the step is
 bounded below by the server's capacity (``N`` gradients in and out, ``N`` optimizer steps);
-``dataparallel`` (one process driving ``N`` GPUs): :mod:`.dataparallel`.
+``dataparallel`` (one process driving ``N`` GPUs): :mod:`.dataparallel`; ``fsdp`` (FSDP2, per-unit
+all-gathers and reduce-scatters): :mod:`.fsdp`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .cluster import Cluster
 from .costs import CostModel, Placement, model_params, segment_params
 from .dataparallel import simulate_dataparallel
 from .events import Sim, run_schedule
+from .fsdp import simulate_fsdp
 from .memory import GB, format_breakdown, rank_memory
 from .setup import Setup, resolve_setup
 
@@ -358,9 +360,12 @@ def _mfu(s: Setup, c: Cluster, step: float) -> float:
     return flops / (step * s.dp * s.pp * s.tp * c.peak(s.dtype)) if step > 0 else 0.0
 
 
-def _dataparallel_result(s: Setup, c: Cluster, check_memory: bool, keep_events: bool) -> Result:
-    """``--dp.strategy dataparallel`` (one process, :mod:`.dataparallel`), as a :class:`Result`."""
-    d = simulate_dataparallel(s, c, check_memory)
+PHASE_MODELS = {"dataparallel": simulate_dataparallel, "fsdp": simulate_fsdp}  # their own step, not the engine's
+
+
+def _phase_result(s: Setup, c: Cluster, check_memory: bool, keep_events: bool) -> Result:
+    """A strategy of :data:`PHASE_MODELS` (:mod:`.dataparallel`, :mod:`.fsdp`), as a :class:`Result`."""
+    d = PHASE_MODELS[s.strategy](s, c, check_memory)
     summ = summarize(d.events, skip_first=False)[-1]
     return Result(
         setup=s,
@@ -378,8 +383,8 @@ def _dataparallel_result(s: Setup, c: Cluster, check_memory: bool, keep_events: 
 
 
 def simulate_setup(s: Setup, c: Cluster, *, check_memory: bool = True, keep_events: bool = False) -> Result:
-    if s.strategy == "dataparallel":
-        return _dataparallel_result(s, c, check_memory, keep_events)
+    if s.strategy in PHASE_MODELS:
+        return _phase_result(s, c, check_memory, keep_events)
     sched = build_schedule(
         "1f1b" if s.mode == "dp" else s.schedule, s.pp, s.virtual, s.microbatches, s.dp_sync, s.defer
     )

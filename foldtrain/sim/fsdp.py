@@ -25,8 +25,8 @@ Per micro-batch, in FSDP2's order (``torch/distributed/fsdp/_fully_shard/_fsdp_p
   gradients are reduce-scattered once per step, in the last backward; the all-gathers happen in every
   micro-batch (the parameters are resharded after each backward).
 
-Collectives: one link lane per rank, all-gathers and reduce-scatters one after another in issue order (one
-NCCL communicator; when they are bandwidth-bound the total is what sharing the link would give). Each is a
+Collectives: one link lane per rank, all-gathers and reduce-scatters one after another in issue order (both go
+through the one process group, whose NCCL collectives run on one internal stream per device). Each is a
 ring: ``(N-1)/N x bytes / busbw + (N-1) x hop`` (half of ``CostModel.ring_allreduce_time``'s all-reduce; no
 separate summation term, as there), with the link's ``ag_bw`` / ``rs_bw`` bus bandwidth (``bw`` when 0) and
 ``coll`` hop; the node's NIC when the ranks span nodes (``Placement.dp_spans_nodes``; the ring crosses a node

@@ -126,7 +126,8 @@ def predict(run: dict) -> Result:
         dropout=bool(run.get("dropout", False)),
         seq_parallel=bool(run.get("sequence_parallel", False)),
         selective=run["recompute"] == "selective",
-        p2p_scatter=run.get("system", "").lower().startswith(("megatron", "nemo")),
+        # Megatron-LM's scatter/gather of pipeline activations over the TP ranks (not DeepSpeed's pipeline engine)
+        p2p_scatter=run.get("system", "") in ("Megatron-LM", "NeMo"),
         master=True,  # half-precision weights with fp32 masters, as these systems train
     )
     return simulate_setup(s, cluster_for(run), check_memory=False)

@@ -45,15 +45,15 @@ HP3C_MODEL = ["--model.preset", "bai2022", "--train.seq_len", "512"]
 
 
 def sps_break_even(c) -> tuple[float, float, float]:
-    """The host work per block and pass (``layer_overhead``) at which SPS on 4 GPUs is as fast as one GPU
-    paying the same, by bisection: ``(seconds, SPS's GPU utilisation, the single GPU's)`` there. The single
-    GPU's share is its step without host work over its step with it (the event engine counts the host work
-    of a pass inside the pass's compute)."""
+    """The host time per kernel launch (``launch_us``) at which SPS on 4 GPUs is as fast as one GPU paying
+    the same, by bisection: ``(seconds, SPS's GPU utilisation, the single GPU's)`` there. The single GPU's
+    share is its step without host work over its step with it (the event engine counts a launch-bound
+    pass's host time inside the pass)."""
     single = [*HP3C_MODEL, "--train.global_batch", "4"]
     sps_args = [*single, "--dp.strategy", "dataparallel", "--parallel.dp", "4"]
-    at = lambda h: dataclasses.replace(c, layer_overhead=h)  # noqa: E731
+    at = lambda h: dataclasses.replace(c, launch=h)  # noqa: E731
     faster = lambda h: _run(at(h), sps_args).tokens_per_s > _run(at(h), single).tokens_per_s  # noqa: E731
-    lo, hi = c.layer_overhead, 1.0
+    lo, hi = c.launch, 1.0
     if faster(lo):
         for _ in range(40):
             mid = (lo * hi) ** 0.5
@@ -133,8 +133,8 @@ def hp3c(lines: list[str]) -> None:
     h, sps_util, one_util = sps_break_even(c)
     lines += [
         "",
-        f"SPS on 4 GPUs would be as slow as one GPU only if the host's work per block and pass were "
-        f"{h * 1e6:,.0f} µs (the preset: {c.layer_overhead * 1e6:,.0f} µs), with the single GPU paying it too; "
+        f"SPS on 4 GPUs would be as slow as one GPU only if the host took {h * 1e6:,.1f} µs to launch a kernel "
+        f"(the preset: {c.launch * 1e6:,.1f} µs), with the single GPU paying it too; "
         f"SPS's GPU utilisation would then be {sps_util:.0%}, the single GPU's {one_util:.0%}.",
         "",
     ]

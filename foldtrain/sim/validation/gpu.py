@@ -86,10 +86,10 @@ def cluster_for(run: dict) -> Cluster:
     return dataclasses.replace(c, gpus_per_node=run["gpus_per_node"], memory=memory * 1e9, inter=inter, intra=intra)
 
 
-# a published data-parallel strategy -> the closest one the simulator models: FSDP's full sharding as ZeRO-2
-# (gradients reduce-scattered during the backward, the optimizer step sharded, parameters all-gathered for the
-# next step; FSDP's per-block all-gathers are not modelled yet), ZeRO-1 as DDP's overlapped all-reduce
-DP_STRATEGIES = {"fsdp-full-shard": "ddp", "ddp-zero1": "ddp"}
+# a published data-parallel strategy -> the one the simulator models: FSDP's full sharding with half-precision
+# parameters gathered (MPT's "PURE" mixed precision: foldtrain's fsdp under bf16-master), ZeRO-1 as DDP's
+# overlapped all-reduce (the sharded optimizer step is not modelled)
+DP_STRATEGIES = {"fsdp-full-shard": ("fsdp", "bf16-master"), "ddp-zero1": ("ddp", "")}
 
 
 def run_args(run: dict) -> list[str]:
@@ -111,9 +111,10 @@ def run_args(run: dict) -> list[str]:
         "precision": run["precision"],
         "ac": "full" if run["recompute"] == "full" else "none",
     }
-    strategy = DP_STRATEGIES.get(run.get("dp_strategy", ""))
+    strategy, precision = DP_STRATEGIES.get(run.get("dp_strategy", ""), ("", ""))
     if strategy:  # a data-parallel engine: no pipeline schedule
         args["dp.strategy"] = strategy
+        args["precision"] = precision or args["precision"]
         del args["parallel.virtual"], args["parallel.schedule"]
     return [x for k, v in args.items() for x in (f"--{k}", str(v))]
 
@@ -244,12 +245,24 @@ def constants(presets: list[str]) -> list[str]:
     return out
 
 
+def by_system(rows: list[Row]) -> list[str]:
+    """The median and worst error of each system's runs."""
+    out = []
+    for system in sorted({r.run.get("system", "") for r in rows}):
+        errs = [abs(r.error) for r in rows if r.run.get("system", "") == system]
+        out.append(
+            f"| {system} runs ({len(errs)}): median / worst absolute error "
+            f"| {statistics.median(errs):.1%} / {max(errs):.1%} | |"
+        )
+    return out
+
+
 def render(rows: list[Row], seconds: float) -> str:
     s = summary(rows)
     lines = [
         "# The simulator against published GPU training runs",
         "",
-        f"Regenerate with `{CMD}` (a few seconds; nothing runs on a GPU). Each run below was made by another "
+        f"Regenerate with `{CMD}` (under a minute; nothing runs on a GPU). Each run below was made by another "
         "system on A100/H100-class clusters and published with its configuration; `foldtrain simulate` predicts "
         "it from that configuration on the preset of its GPU, with the node's GPUs and network as published. "
         "No constant was fitted to these runs: the presets' numbers come from datasheets and published "
@@ -269,6 +282,7 @@ def render(rows: list[Row], seconds: float) -> str:
         f"| median absolute error | {s['median']:.1%} | <= 10% |",
         f"| worst absolute error | {s['worst']:.1%} | <= 20% |",
         f"| Spearman rank correlation (model TFLOP/s per GPU) | {s['spearman']:.2f} | |",
+        *by_system(rows),
         "",
         *sources(rows),
         *constants(sorted({GPUS[r.run["gpu"]][0] for r in rows})),
@@ -285,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     t0 = time.time()
     rows = evaluate(load_runs(Path(a.runs)))
-    Path(a.out).write_text(render(rows, time.time() - t0))
+    body, path, marker = render(rows, time.time() - t0), Path(a.out), "<!-- discussion -->"
+    if path.is_file() and marker in path.read_text():  # the hand-written discussion below the marker stays
+        body += "\n" + path.read_text()[path.read_text().index(marker) :]
+    path.write_text(body)
     s = summary(rows)
     print(f"wrote {a.out}: {s['runs']} runs, median error {s['median']:.1%}, worst {s['worst']:.1%}")
     return 0

@@ -26,7 +26,8 @@ commands:
   bench      benchmarks (see `foldtrain bench --help`)
   simulate   predict a train configuration on a cluster (--cluster NAME|FILE, --json, --profile DIR)
   plan       search the layouts of a model on a cluster (--model.preset, --cluster, --gpus, --out)
-  calibrate  measure this machine into a cluster file (--out FILE [--network RATE --nodes N --ranks_per_node R])
+  calibrate  measure this machine into a cluster file (--out FILE [--device cuda --preset P --precision bf16]
+             [--network RATE --nodes N --ranks_per_node R])
 """
 
 

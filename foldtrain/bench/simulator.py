@@ -37,6 +37,7 @@ from foldtrain.config import build_config
 from foldtrain.sim.cluster import Cluster
 from foldtrain.sim.report import write_profile
 from foldtrain.sim.simulate import simulate
+from foldtrain.sim.validation import spearman
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (docs/ lives there)
 CMD = "foldtrain bench simulator"
@@ -143,19 +144,6 @@ def bench(kind: str, args: list[str], out: Path) -> list[dict]:
     if p.returncode != 0:
         raise SystemExit(f"bench {kind} failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
     return json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else []
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    def ranks(x):
-        order = sorted(range(len(x)), key=lambda i: x[i])
-        r = [0.0] * len(x)
-        for k, i in enumerate(order):
-            r[i] = k
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    n = len(a)
-    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1)) if n > 2 else float("nan")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -294,7 +294,7 @@ def fit_elem_bw(peak: float, half: float, overhead: float, blocks: list, rows_ha
         cm = CostModel(resolve_setup(cfg), c)
         left = fwd - cm.t_block_f
         if left > 0:
-            fits.append(cm.memory_bytes(ops.block_forward(cm.shape_for_attention())) / left)
+            fits.append(cm.memory_bytes(ops.block_forward(cm.priced)) / left)
     return sum(fits) / len(fits) if fits else 0.0
 
 

@@ -126,9 +126,6 @@ class Measured:
     def get(self, dtype: str, shape: tuple) -> float:
         return self.rates.get(dtype, {}).get(tuple(int(x) for x in shape), 0.0)
 
-    def __hash__(self) -> int:
-        return hash(tuple(sorted((d, tuple(sorted(v.items()))) for d, v in self.rates.items())))
-
 
 @dataclass(frozen=True)
 class Cluster:

@@ -108,12 +108,16 @@ class CostModel:
         self.peak = c.peak(s.dtype)
         self.shape = block_shape(s)
         self.tokens = self.shape.tokens
-        self.t_block_f = self.pass_time(ops.block_forward(self.shape_for_attention()))
+        self.priced = self.shape_for_attention()  # the block as its operations are priced
+        self.block_f_parts = self.pass_parts(ops.block_forward(self.priced))
+        self.t_block_f = self._pass(*self.block_f_parts)
         self.t_block_b = (
             c.backward_ratio * self.t_block_f
             if c.backward_ratio > 0
-            else self.pass_time(ops.block_backward(self.shape_for_attention()))
+            else self.pass_time(ops.block_backward(self.priced))
         )
+        # Korthikanti et al.'s selective recomputation: the attention core again in the backward
+        self.t_attn_recompute = self.pass_time(ops.attention_forward(self.priced), overhead=False)
         self.t_head = self.head_time()
         self.t_embed_f = self.tokens * s.d_model * (s.act_bytes + 4) / c.mem_bw
         # tensor-parallel all-reduces of the (b, L, d) activation, on the node's link (tp never spans nodes)
@@ -176,18 +180,17 @@ class CostModel:
         of the device while kernels are longer than a launch); without launches (a CPU) the host is the
         device, and its fixed cost adds to the work. ``overhead=False``: kernels only, no fixed cost."""
         device, host = self.pass_parts(todo)
-        if not overhead:
-            host -= self.c.layer_overhead
-        if self.c.launch <= 0:
-            return device + host
-        return max(device, host)
+        return self._pass(device, host - (0.0 if overhead else self.c.layer_overhead))
+
+    def _pass(self, device: float, host: float) -> float:
+        return device + host if self.c.launch <= 0 else max(device, host)
 
     def forward_parts(self, seg: int) -> tuple[float, float]:
         """``(device, host)`` of segment ``seg``'s forward (``forward(seg)`` when the host's part is free):
         the blocks' kernels, tensor-parallel all-reduces, the embedding and the head as device time, the
         blocks' launches and fixed costs as the host's."""
         s = self.s
-        dev, host = self.pass_parts(ops.block_forward(self.shape_for_attention()))
+        dev, host = self.block_f_parts
         d, h = s.layers[seg] * (dev + 2 * self.t_tp_ar), s.layers[seg] * host
         if seg == 0:
             d += self.t_embed_f
@@ -244,8 +247,8 @@ class CostModel:
         per = self.t_block_b + 2 * self.t_tp_ar
         if s.ac:
             per += self.t_block_f + 2 * self.t_tp_ar
-        elif s.selective:  # the attention core again (Korthikanti et al.'s selective recomputation)
-            per += self.pass_time(ops.attention_forward(self.shape_for_attention()), overhead=False)
+        elif s.selective:
+            per += self.t_attn_recompute
         t = n * per
         if seg == 0:
             t += 2 * self.t_embed_f

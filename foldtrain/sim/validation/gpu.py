@@ -23,6 +23,7 @@ from foldtrain.errors import ConfigError
 from ..cluster import PRESET_DIR, Cluster, load_cluster
 from ..setup import resolve_setup
 from ..simulate import Result, simulate_setup
+from . import spearman
 
 RUNS = Path(__file__).with_name("gpu_runs.toml")
 CMD = "python -m foldtrain.sim.validation.gpu"
@@ -132,21 +133,6 @@ def predict(run: dict) -> Result:
         master=True,  # half-precision weights with fp32 masters, as these systems train
     )
     return simulate_setup(s, cluster_for(run), check_memory=False)
-
-
-def spearman(xs: list[float], ys: list[float]) -> float:
-    def ranks(v: list[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        for pos, i in enumerate(order):
-            r[i] = float(pos)
-        return r
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return cov / var if var else 0.0
 
 
 @dataclasses.dataclass

@@ -18,7 +18,9 @@ size: every micro-batch loss is divided by the micro-batch count ``M``, gradient
 data-parallel ranks, the tied embedding / output-projection gradients summed over their two
 copies, then one global-norm clip and AdamW. In fp32 it matches the single-process ``ReplicatedEngine`` to rounding.
 ``bf16`` / ``fp16`` autocast work (fp16 with the dynamic ``LossScaler``: one overflow decision over
-all ranks, every chunk skips together); the ``*-master`` modes are refused by the layout check.
+all ranks, every chunk skips together). In the ``*-master`` modes the chunks hold half-precision weights,
+activations travel between stages in that precision, and each chunk's fp32 master copy owns AdamW, the
+gradient norm and the checkpoint (:mod:`.pipeline_steps`).
 
 ``--profile``: every rank records its actions in a :class:`foldtrain.profile.Timeline`; after each
 step the timelines are gathered on rank 0 (a collective), ``stats()`` reports the step's mean
@@ -98,7 +100,7 @@ class PipelineEngine:
         self.states = ChunkStates(
             full_params,
             self.n_parts,
-            self.chunks,
+            self.steps.owners,  # the weights of record: the fp32 masters in the master precisions
             self.steps.optimizers,
             self.steps.lr_schedulers,
             self.steps.schedule,
@@ -150,7 +152,7 @@ class PipelineEngine:
             topo,
             self.device,
             self.tied.get(lay.segments - 1),
-            bool(self.pipeline_schedule.deferred_chunks(topo.pp_rank)),
+            self.pipeline_schedule.deferred_chunks(topo.pp_rank),
             p2p.wait_collective,
         )
         if lay.tp > 1:
@@ -168,7 +170,7 @@ class PipelineEngine:
             queue=queue,
             precision=self.precision,
             loss_fn=loss_fn,
-            act_dtype=torch.float32,
+            act_dtype=self.precision.param_dtype,  # half in the master precisions, as the model computes
             d_model=self.shape.d_model,
             timeline=self.timeline,
             sync=torch.cuda.synchronize if (self.cfg.profile and self.device.type == "cuda") else None,
@@ -281,6 +283,7 @@ class PipelineEngine:
 
     def load_state_dict(self, sd: dict) -> None:
         self.iteration = self.states.load_state_dict(sd)
+        self.steps.masters_to_chunks()
 
     def extra_state(self) -> dict:
         return {}

@@ -4,9 +4,16 @@ A chunk steps as soon as its own gradients are reduced (Fold3D's per-chunk reduc
 deferred steps of ``--fold.defer_reduce``); the executor decides when (:mod:`foldtrain.schedules.rules`)
 and calls :class:`ChunkOptimizers` through the
 :class:`~foldtrain.parallel.pipeline.executor.ChunkStepper` protocol.
+
+In the master precisions (``bf16-master``, ``fp16-master``) the chunks compute, communicate and reduce in
+half precision, and each chunk has an fp32 copy (its *owner*: same names, same layout, DTensors under TP)
+that AdamW steps. A chunk's reduced gradients move to its owner once they are final (``_pull``): the
+overflow check, the norm and the clip then work in fp32, as the single-process engine does on its masters.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.distributed as dist
@@ -19,19 +26,24 @@ from foldtrain.parallel.pipeline.p2p import local_part
 class ChunkOptimizers:
     """Per-chunk optimizers and LR schedules, the fp16 verdict and the iteration's gradient norm."""
 
-    def __init__(self, chunks: dict, cfg, precision, topo, device, head_copy, any_deferred: bool, wait_collective):
+    def __init__(self, chunks: dict, cfg, precision, topo, device, head_copy, deferred, wait_collective):
         """``head_copy``: the last segment's copy of the tied weight (left out of norms: the embedding's
-        copy counts the tied weight once), or ``None``; ``wait_collective(work, what)``: a bounded wait."""
+        copy counts the tied weight once), or ``None``; ``deferred``: this rank's chunks whose reduction
+        is deferred into the next iteration; ``wait_collective(work, what)``: a bounded wait."""
         self.chunks = chunks
         self.cfg = cfg
         self.precision = precision
         self.topo = topo
         self.device = device
-        self.head_copy = head_copy
-        self.any_deferred = any_deferred
+        self.deferred = frozenset(deferred)
+        self.any_deferred = bool(self.deferred)
         self.wait_collective = wait_collective
+        # the modules AdamW steps: the chunks themselves, or their fp32 masters
+        self.owners = {s: _fp32_copy(c) for s, c in chunks.items()} if precision.master else chunks
+        self.pairs = {s: list(zip(chunks[s].parameters(), self.owners[s].parameters())) for s in chunks}
+        self.head_copy = next((m for s in chunks for p, m in self.pairs[s] if p is head_copy), None)
         self.schedule = WarmupCosine(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.steps)
-        self.optimizers = {s: build_optimizer(list(c.named_parameters()), cfg.optim) for s, c in chunks.items()}
+        self.optimizers = {s: build_optimizer(list(o.named_parameters()), cfg.optim) for s, o in self.owners.items()}
         self.lr_schedulers = {
             s: torch.optim.lr_scheduler.LambdaLR(o, self.schedule) for s, o in self.optimizers.items()
         }
@@ -40,25 +52,48 @@ class ChunkOptimizers:
         self.early_norms_sq: dict[int, torch.Tensor] = {}  # chunks stepped early: their squared norms
 
     def _params(self) -> list:
-        return [p for s in sorted(self.chunks) for p in self.chunks[s].parameters()]
+        return [p for s in sorted(self.owners) for p in self.owners[s].parameters()]
+
+    @torch.no_grad()
+    def _pull(self, s: int) -> None:
+        """Master precisions: chunk ``s``'s gradients, final when this is called, move to its fp32 owner."""
+        if self.owners is self.chunks:
+            return
+        for p, m in self.pairs[s]:
+            if p.grad is not None:
+                m.grad, p.grad = p.grad.float(), None
+
+    @torch.no_grad()
+    def masters_to_chunks(self, segments=None) -> None:
+        """Master precisions: the chunks (all, or ``segments``) take their owners' weights."""
+        if self.owners is not self.chunks:
+            for s in self.chunks if segments is None else segments:
+                for p, m in self.pairs[s]:
+                    p.copy_(m)
 
     def step(self, s: int) -> None:
+        self._pull(s)
         if self.step_ok:
             self.optimizers[s].step()
+            self.masters_to_chunks((s,))
         self.lr_schedulers[s].step()
         self.optimizers[s].zero_grad(set_to_none=True)
 
     def step_early(self, s: int) -> None:
+        self._pull(s)
         self.early_norms_sq[s] = self._chunk_norm_sq(s)
         self.step(s)
 
     def zero_grad(self) -> None:
         for o in self.optimizers.values():
             o.zero_grad(set_to_none=True)
+        if self.owners is not self.chunks:
+            for c in self.chunks.values():
+                c.zero_grad(set_to_none=True)
 
     def _chunk_norm_sq(self, s: int) -> torch.Tensor:
         """Squared gradient norm of local chunk ``s`` (the head's tied copy left out, as in the global norm)."""
-        grads = [p.grad for p in self.chunks[s].parameters() if p.grad is not None and p is not self.head_copy]
+        grads = [p.grad for p in self.owners[s].parameters() if p.grad is not None and p is not self.head_copy]
         if not grads:
             return torch.zeros((), device=self.device)
         return torch.nn.utils.get_total_norm(grads, foreach=True).float() ** 2
@@ -66,6 +101,9 @@ class ChunkOptimizers:
     def before_steps(self) -> None:
         """Once per iteration before the first (non-deferred) optimizer step: fp16 overflow check,
         global gradient norm (all chunks, pipeline and TP ranks; the tied weight counted once), clip."""
+        for s in self.chunks:  # a deferred chunk's gradients are final here only when the norm waited for them
+            if s not in self.deferred or self.cfg.optim.grad_clip > 0:
+                self._pull(s)
         params = self._params()
         scaler = self.precision.scaler
         if scaler.enabled:
@@ -110,3 +148,10 @@ class ChunkOptimizers:
             work = collectives.all_reduce(sq, group=self.topo.pp_group, async_op=True)
             self.wait_collective(work, "all-reduce of the gradient norm over pipeline ranks")
         return sq.sqrt()[0]
+
+
+def _fp32_copy(chunk: torch.nn.Module) -> torch.nn.Module:
+    """An fp32 copy of a half-precision chunk (same names and layout; DTensors stay DTensors), no gradients."""
+    owner = copy.deepcopy(chunk).float()
+    owner.zero_grad(set_to_none=True)
+    return owner

@@ -200,11 +200,6 @@ def validate_layout(cfg, world_size: int) -> Layout:
             f"--parallel.virtual {v} needs a pipeline (--parallel.pp > 1): several chunks on a single pipeline rank "
             f"only add overhead; set --parallel.virtual 1 or raise --parallel.pp"
         )
-    if cfg.precision.endswith("-master"):
-        raise ConfigError(
-            f"--precision {cfg.precision} (half-precision weights with fp32 masters) "
-            f"is not supported by the 3D engine yet; use --precision bf16 or fp16 (autocast with fp32 weights) or fp32"
-        )
     n_micro, micro = resolve_microbatches(cfg)
 
     build_schedule(p.schedule, pp, v, n_micro, p.dp_sync, cfg.fold.defer_reduce)
@@ -213,10 +208,10 @@ def validate_layout(cfg, world_size: int) -> Layout:
     if cfg.fold.defer_reduce:
         # --optim.grad_clip is fine: the engine completes every reduction (deferred ones too) for the
         # global norm before the first step; the deferred steps stay before their chunks' next forward
-        if cfg.precision == "fp16":
+        if cfg.precision.startswith("fp16"):
             raise ConfigError(
-                "--fold.defer_reduce cannot be combined with --precision fp16: dynamic loss scaling must skip the "
-                "step of every chunk together when any gradient overflows; "
+                f"--fold.defer_reduce cannot be combined with --precision {cfg.precision}: dynamic loss scaling "
+                "must skip the step of every chunk together when any gradient overflows; "
                 "use --precision bf16 or drop --fold.defer_reduce"
             )
     return Layout(dp, pp, tp, v, n_micro, micro, tuple(tuple(x) for x in layers))

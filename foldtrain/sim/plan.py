@@ -73,7 +73,7 @@ def _divisors(n: int) -> list[int]:
 
 def _variants(base, gpus: int, cluster: Cluster):
     m, t = base.model, base.train
-    allow_defer = base.optim.grad_clip == 0 and base.precision != "fp16"
+    allow_defer = base.optim.grad_clip == 0 and not base.precision.startswith("fp16")
     for tp in _divisors(gpus):
         if tp > cluster.gpus_per_node or m.n_head % tp or m.d_model % tp:
             continue

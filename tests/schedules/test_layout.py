@@ -150,7 +150,10 @@ def test_split_errors():
 
 def test_other_layout_errors():
     assert "--dp.strategy ddp cannot be combined" in err(2, "--parallel.pp", "2", "--dp.strategy", "ddp")
-    assert "--precision bf16-master" in err(2, "--parallel.pp", "2", "--precision", "bf16-master")
+    defer = ("--parallel.pp", "2", "--parallel.virtual", "2", "--parallel.schedule", "fold", "--parallel.dp_sync")
+    assert "--precision fp16-master: dynamic loss scaling" in err(
+        2, *defer, "per-chunk", "--fold.defer_reduce", "true", "--precision", "fp16-master"
+    )
     assert "needs a pipeline (--parallel.pp > 1)" in err(2, "--parallel.dp", "2", "--parallel.virtual", "2")
 
 
@@ -164,6 +167,8 @@ def test_chunk_layers():
 
 
 def test_valid_layouts_resolve():
+    for prec in ("bf16-master", "fp16-master"):  # half-precision weights with fp32 masters run in the 3D engine
+        validate_layout(cfg("--parallel.pp", "2", "--precision", prec), 2)
     lay = validate_layout(
         cfg("--parallel.dp", "2", "--parallel.pp", "2", "--parallel.tp", "2", "--parallel.schedule", "gpipe"), 8
     )

@@ -17,6 +17,7 @@ DP_SYNCS = ("after-flush", "per-chunk")
 STEPS = 5
 MICRO = 2  # rows per micro-batch
 M = 4  # micro-batches per data-parallel rank
+M32 = dict(precision="bf16-master", masters_in_fp32=True)  # the masters' machinery with fp32 for the half dtype
 
 
 def valid(schedule: str, v: int) -> bool:
@@ -70,6 +71,13 @@ def equivalence_cases(world: int) -> list[dict]:
             _one((1, 2, 1, 2), "fold", "per-chunk", "ac", ac="full"),
             _one((1, 2, 1, 1), "1f1b", "after-flush", "bf16", precision="bf16"),
             _one((1, 2, 1, 1), "1f1b", "per-chunk", "fp16", precision="fp16"),
+            # half-precision weights with fp32 masters (half activations between stages, half reductions); the
+            # masters' machinery alone at the fp32 tolerance (fp32 in place of the half dtype, both sides)
+            _one((1, 2, 1, 2), "fold", "per-chunk", "bf16m", precision="bf16-master"),
+            _one((1, 2, 1, 2), "fold", "per-chunk", "m32", **M32),
+            _one((1, 2, 1, 1), "1f1b", "after-flush", "fp16m", precision="fp16-master"),
+            _one((1, 1, 2, 1), "gpipe", "after-flush", "bf16m", n_layer=2, m=2, precision="bf16-master"),
+            _one((1, 1, 2, 1), "gpipe", "after-flush", "m32", n_layer=2, m=2, **M32),
             # no clipping: every chunk steps as soon as its reduction lands (executor.early_steps)
             _one((1, 2, 1, 2), "fold", "per-chunk", "noclip", clip=0.0),
             # a vocabulary not divisible by tp: padded to 64 rows, against one process's unpadded 63
@@ -89,11 +97,19 @@ def equivalence_cases(world: int) -> list[dict]:
             # Adam-amplified float noise of that draw, not the tie; 300 words: 3e-6.)
             _one((2, 2, 1, 2), "fold", "per-chunk", "sparsetie", vocab=300),
             _one((2, 2, 1, 2), "fold", "per-chunk", "sparsetie", defer=True, vocab=300),
+            # the master precisions with dp: deferred half-precision reductions, early steps; pp x tp
+            _one((2, 2, 1, 2), "fold", "per-chunk", "bf16m", defer=True, precision="bf16-master"),
+            _one((2, 2, 1, 2), "fold", "per-chunk", "m32", defer=True, **M32),
+            _one((2, 2, 1, 2), "interleaved-1f1b", "per-chunk", "m32", precision="fp16-master", masters_in_fp32=True),
+            _one((4, 1, 1, 1), "gpipe", "per-chunk", "fp16m", precision="fp16-master"),
+            _one((1, 2, 2, 1), "1f1b", "after-flush", "bf16m", n_layer=2, m=2, precision="bf16-master"),
+            _one((1, 2, 2, 1), "1f1b", "after-flush", "m32", n_layer=2, m=2, **M32),
         ]
     if world == 8:  # 8 processes on few cores: 2 micro-batches; the last case pads a 63-word vocabulary to 64
         return [
             *_cases_for((2, 2, 2, 1), n_layer=2, m=2),
             _one((2, 2, 2, 1), "fold", "per-chunk", "pad63", n_layer=2, m=2, vocab_pad=63),
+            _one((2, 2, 2, 1), "1f1b", "per-chunk", "m32", n_layer=2, m=2, **M32),
         ]
     return []
 
@@ -124,6 +140,16 @@ CKPT_CASES = [
         dp_sync="after-flush",
         defer=False,
         n_layer=2,
+    ),
+    # the master precisions: the fp32 masters are the checkpoint's weights, the chunks take them on load
+    dict(
+        id="ckpt-dp2-pp2-tp1-v2-fold-per-chunk-bf16-master",
+        layout=(2, 2, 1, 2),
+        schedule="fold",
+        dp_sync="per-chunk",
+        defer=False,
+        n_layer=8,
+        precision="bf16-master",
     ),
 ]
 

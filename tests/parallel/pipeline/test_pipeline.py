@@ -38,6 +38,14 @@ HALF_TOL = 1e-3  # bf16 / fp16 autocast: both sides autocast, rounding differs i
 # learning rate (bf16: up to 3.9e-3 on an AMD EPYC, while losses and eval stay within HALF_TOL). fp32
 # parameters are held at FP32_TOL like everything else.
 PARAM_TOL = {"fp32": FP32_TOL, "half": 1e-2}
+# Half-precision weights with fp32 masters: the model computes in half precision throughout, so every
+# activation, gradient, reduction and stage-to-stage transfer is rounded (autocast rounds only the matmuls
+# and keeps fp32 gradients). Losses, evaluation and norms then agree to the dtype's precision (bf16
+# 2^-8 = 3.9e-3, fp16 2^-11 = 4.9e-4, observed up to 2.7e-3 and 5e-4); in the parameters Adam turns an
+# ulp of disagreement in a small gradient element into an update of the learning rate's size, so a small
+# tensor (a LayerNorm bias after 5 steps at lr 1e-2) moves by up to 21% (bf16) and 2% (fp16) of its norm.
+# The machinery is held to FP32_TOL by the ``masters_in_fp32`` cases (fp32 in place of the half dtype).
+MASTER_TOL = {"bf16-master": (4e-3, 0.5), "fp16-master": (1e-3, 5e-2)}  # (loss, eval, norm), parameters
 
 
 _RESULTS: dict[int, tuple[dict, str]] = {}
@@ -76,14 +84,16 @@ def test_matches_single_process(suite, world, case):
     """Every step's loss and gradient norm, all final parameters and an evaluation loss equal the
     single-process run."""
     r = result(suite, world, case["id"])
-    half = case.get("precision", "fp32") != "fp32"
-    tol = HALF_TOL if half else FP32_TOL
+    precision = "fp32" if case.get("masters_in_fp32") else case.get("precision", "fp32")
+    tol, param_tol = MASTER_TOL.get(precision) or (
+        (HALF_TOL, PARAM_TOL["half"]) if precision != "fp32" else (FP32_TOL, FP32_TOL)
+    )
     assert r["loss_err"] <= tol, (r["losses"], r["ref_losses"])
     if not case["defer"]:
         assert r["norm_err"] <= tol, (r["norms"], r["ref_norms"])
     if case.get("grad_clip"):  # the case exists to clip: the norm must exceed the threshold on every step
         assert min(r["ref_norms"]) > r["grad_clip"], (r["ref_norms"], r["grad_clip"])
-    assert r["param_err"] <= PARAM_TOL["half" if half else "fp32"], (r["worst_param"], r["param_err"])
+    assert r["param_err"] <= param_tol, (r["worst_param"], r["param_err"])
     assert r["eval_err"] <= tol
     # a padded vocabulary: the embedding and the head (one tensor, two names) had padding rows, which stayed zero
     padded = (2, 0.0) if case.get("vocab_pad") else (0, 0.0)
@@ -124,11 +134,12 @@ def test_checkpoint_resume_and_interchange(suite, case):
     eng.load_state_dict(state)
     data = batches(cfg.train.global_batch, 6)
     losses = [eng.train_step(*data[s]) for s in range(3, 6)]
-    assert max(abs(a - b) / b for a, b in zip(losses, r["losses"][3:])) <= FP32_TOL, (losses, r["losses"][3:])
+    tol, param_tol = MASTER_TOL.get(case.get("precision", "fp32"), (FP32_TOL, FP32_TOL))
+    assert max(abs(a - b) / b for a, b in zip(losses, r["losses"][3:])) <= tol, (losses, r["losses"][3:])
     final = torch.load(root / "params_step6.pt")
-    sd = eng.model.state_dict()
+    sd = eng.state.owner().state_dict()  # the weights of record: the fp32 masters in a master precision
     errs = {k: norm_rel(without_key_bias(k, sd[k], HEADS, D), without_key_bias(k, final[k], HEADS, D)) for k in final}
-    assert max(errs.values()) <= FP32_TOL, max(errs.items(), key=lambda kv: kv[1])
+    assert max(errs.values()) <= param_tol, max(errs.items(), key=lambda kv: kv[1])
 
 
 @pytest.mark.parametrize("case", PROFILE_CASES, ids=[c["id"] for c in PROFILE_CASES])

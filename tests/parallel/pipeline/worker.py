@@ -16,6 +16,7 @@ setting). The config of a case, its batches, that reference run and the comparis
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -94,7 +95,33 @@ def tied_copies_equal(engine) -> bool | None:
     return bool(torch.equal(w, other))
 
 
+@contextlib.contextmanager
+def masters_in_fp32(on: bool):
+    """A master precision with fp32 in place of its half dtype (on both sides: the single-process reference runs
+    under it too): the masters' machinery (fp32 owners, gradient hand-over, steps, copies back) is then held to
+    the fp32 tolerance, which pure half-precision arithmetic cannot be."""
+    import tests.equivalence as eq
+    from foldtrain.optim.precision import Precision
+
+    if not on:
+        yield
+        return
+    saved = Precision.param_dtype
+    Precision.param_dtype = property(lambda self: torch.float32)
+    eq._REF.clear()  # a reference computed under the swap must not serve the real precision, and vice versa
+    try:
+        yield
+    finally:
+        Precision.param_dtype = saved
+        eq._REF.clear()
+
+
 def equivalence_case(case: dict) -> dict | None:
+    with masters_in_fp32(case.get("masters_in_fp32", False)):
+        return _equivalence_case(case)
+
+
+def _equivalence_case(case: dict) -> dict | None:
     cfg = make_cfg(case)
     engine, losses, norms = run_engine(cfg, range(STEPS))
     ev = engine.eval_loss(val_data(cfg.model.vocab_size))

@@ -126,6 +126,7 @@ def make_cfg(c: dict, steps: int = STEPS, out: str = "", **over):
         "optim.min_lr": 1e-3,
         "optim.warmup_steps": 2,
         "optim.grad_clip": clip,
+        "optim.distributed": bool(c.get("zero")),
         "parallel.dp": dp,
         "parallel.pp": pp,
         "parallel.tp": tp,

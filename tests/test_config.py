@@ -75,3 +75,7 @@ def test_world_checks():
     validate(cfg, world_size=2)
     with pytest.raises(ConfigError, match="ps_servers"):
         validate(build_config(["--dp.strategy", "ps", "--dp.ps_servers", "2"]), world_size=2)
+    # the distributed optimizer belongs to the 3D engine; a --dp.strategy run is told which strategy shards
+    with pytest.raises(ConfigError, match="--optim.distributed shards the 3D engine.*sharded-ps or fsdp"):
+        validate(build_config(["--dp.strategy", "ddp", "--optim.distributed", "true"]), world_size=2)
+    validate(build_config(["--parallel.dp", "2", "--optim.distributed", "true", "--train.global_batch", "4"]), 2)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: foldtrain bench {dp,pipeline,overhead,memory,hashing,simulator,planner,data,chaos,checkpoint}
-                       [options]
+USAGE = """usage: foldtrain bench {dp,pipeline,overhead,memory,dist-optim,hashing,simulator,planner,data,chaos,
+                        checkpoint} [options]
 
 benchmarks:
   dp         data-parallel strategies x precisions x 1/2/4 ranks, loopback and an emulated slow network,
@@ -28,6 +28,8 @@ benchmarks:
              emulated nodes, against torch.distributed.pipelining (and DeepSpeed when installed)
   overhead   the single-process trainer against a minimal plain-PyTorch loop (tokens/s, same model and data)
   memory     peak RSS per pipeline rank at the first step against the analytic state it owns
+  dist-optim the 3D engine's optimizer state and masters per rank with and without --optim.distributed,
+             against the simulator's memory model
   hashing    the cost of checkpoint checksums next to the save itself, for several hash functions
   simulator  calibrate this machine, run dp and pipeline benches, and compare the simulator's predictions
   planner    the planner's first choice among the 4-rank layouts this machine runs, against the measured best
@@ -43,12 +45,13 @@ and iproute2 (ip, tc); without them the throttled part is skipped.
 
 
 BENCHMARKS = {
-    name: f"foldtrain.bench.{name}"
+    name: f"foldtrain.bench.{name.replace('-', '_')}"
     for name in (
         "dp",
         "pipeline",
         "overhead",
         "memory",
+        "dist-optim",
         "hashing",
         "simulator",
         "planner",

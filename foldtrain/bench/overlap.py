@@ -21,7 +21,7 @@ gained over reducing after the flush. Undefined when ``T_after_flush <= T_bound`
 from __future__ import annotations
 
 from foldtrain.bench.results import RunResult
-from foldtrain.bench.tables import Ratio
+from foldtrain.bench.tables import Ratio, _ratio
 
 
 def rate_bytes(network: str) -> float | None:
@@ -74,6 +74,7 @@ def pipeline_overlap(runs: list[RunResult], baseline: str = "interleaved-1f1b") 
         name = (
             f"overlap efficiency {r.variant} V={r.info.get('virtual')} {r.info.get('dp_sync')}"
             + (" defer" if r.info.get("defer") else "")
+            + (" zero" if r.info.get("zero") else "")
             + f" [{r.network}]"
         )
         m = r.metrics
@@ -120,7 +121,7 @@ PROFILED_KEYS = (
 
 
 def _same_config(a: RunResult, b: RunResult) -> bool:
-    keys = ("virtual", "dp_sync", "defer")
+    keys = ("virtual", "dp_sync", "defer", "zero")
     return (a.impl, a.variant, a.network, a.precision) == (b.impl, b.variant, b.network, b.precision) and all(
         a.info.get(k) == b.info.get(k) for k in keys
     )
@@ -152,7 +153,11 @@ def defer_ratios(runs: list[RunResult], baseline: str = "interleaved-1f1b") -> l
             (
                 r
                 for r in runs
-                if r.impl == "foldtrain" and r.variant == "fold" and r.info.get("defer") and r.network == net
+                if r.impl == "foldtrain"
+                and r.variant == "fold"
+                and r.info.get("defer")
+                and not r.info.get("zero")
+                and r.network == net
             ),
             None,
         )
@@ -186,4 +191,29 @@ def defer_ratios(runs: list[RunResult], baseline: str = "interleaved-1f1b") -> l
                 )
             else:
                 out.append(Ratio(f"fold+defer / {label} tokens/s [{net}]", None, "not run or failed"))
+    return out
+
+
+def zero_ratios(runs: list[RunResult]) -> list[Ratio]:
+    """Each schedule with the distributed optimizer (``+zero``) against the same schedule without it."""
+    out = []
+    for r in runs:
+        if r.impl != "foldtrain" or not r.info.get("zero"):
+            continue
+        keys = ("virtual", "dp_sync", "defer")
+        base = next(
+            (
+                b
+                for b in runs
+                if b.impl == "foldtrain"
+                and b.variant == r.variant
+                and b.network == r.network
+                and not b.info.get("zero")
+                and all(b.info.get(k) == r.info.get(k) for k in keys)
+            ),
+            None,
+        )
+        label = r.variant + ("+defer" if r.info.get("defer") else "")
+        v, why = _ratio(r, base, names=(f"{label}+zero", label))
+        out.append(Ratio(f"{label}+zero / {label} tokens/s [{r.network}]", v, why))
     return out

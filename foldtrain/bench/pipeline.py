@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from foldtrain.bench import common
-from foldtrain.bench.overlap import defer_ratios, merge_profiled, pipeline_overlap
+from foldtrain.bench.overlap import defer_ratios, merge_profiled, pipeline_overlap, zero_ratios
 from foldtrain.bench.results import RunResult
 from foldtrain.bench.tables import PIPE_HEADERS, pipeline_ratios, pipeline_rows
 from foldtrain.errors import FoldtrainError
@@ -86,13 +86,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_schedule(spec: str, virtual: int) -> tuple[str, int, str, bool]:
-    """``fold`` -> ("fold", V, "per-chunk", False); ``interleaved-1f1b`` -> (..., V, "after-flush", False);
-    ``gpipe`` / ``1f1b`` -> (..., 1, "after-flush", False); ``NAME:DP_SYNC`` overrides the sync;
-    ``fold+defer`` adds ``--fold.defer_reduce``."""
-    spec, plus, what = spec.partition("+")
-    if plus and what != "defer":
-        raise FoldtrainError(f"bench pipeline: unknown schedule option '+{what}'; the only one is +defer (fold+defer)")
+OPTIONS = {"defer": ["--fold.defer_reduce", "true"], "zero": ["--optim.distributed", "true"]}
+
+
+def parse_schedule(spec: str, virtual: int) -> tuple[str, int, str, tuple[str, ...]]:
+    """``fold`` -> ("fold", V, "per-chunk", ()); ``interleaved-1f1b`` -> (..., V, "after-flush", ());
+    ``gpipe`` / ``1f1b`` -> (..., 1, "after-flush", ()); ``NAME:DP_SYNC`` overrides the sync;
+    ``+defer`` adds ``--fold.defer_reduce`` (fold only), ``+zero`` ``--optim.distributed``
+    (e.g. ``fold+defer+zero``)."""
+    spec, *options = spec.split("+")
+    for what in options:
+        if what not in OPTIONS:
+            raise FoldtrainError(
+                f"bench pipeline: unknown schedule option '+{what}'; choose from +defer (fold+defer) and +zero "
+                "(the distributed optimizer)"
+            )
     name, _, sync = spec.partition(":")
     if name not in SCHEDULES:
         raise FoldtrainError(f"bench pipeline: unknown schedule '{name}'; choose from {', '.join(SCHEDULES)}")
@@ -100,7 +108,7 @@ def parse_schedule(spec: str, virtual: int) -> tuple[str, int, str, bool]:
     sync = sync or ("per-chunk" if name == "fold" else "after-flush")
     if sync not in ("after-flush", "per-chunk"):
         raise FoldtrainError(f"bench pipeline: unknown dp_sync '{sync}' in '{spec}'; use after-flush or per-chunk")
-    return name, v, sync, bool(plus)
+    return name, v, sync, tuple(sorted(set(options)))
 
 
 def plan(a, data_path: str, deepspeed_ok: bool = False) -> dict[str, list]:
@@ -146,13 +154,16 @@ def plan(a, data_path: str, deepspeed_ok: bool = False) -> dict[str, list]:
             args = [*base, "--parallel.virtual", str(v), *extra]
             js.append(common_job(Job, res, script, args, loop, a, threads))  # noqa: B023
 
-        for name, v, sync, defer in specs:
-            extra = ["--parallel.schedule", name, "--parallel.dp_sync", sync] + (
-                ["--fold.defer_reduce", "true"] if defer else []
-            )
-            more = {"defer": True, "tag": "defer"} if defer else {}
+        for name, v, sync, options in specs:
+            extra = ["--parallel.schedule", name, "--parallel.dp_sync", sync]
+            more = {}
+            for what in options:
+                extra += OPTIONS[what]
+                more[what] = True
+            if options:
+                more["tag"] = "-".join(options)
             # tokens/s from a run without --profile; the idle figures from a profiled twin (merged after)
-            note = "--fold.defer_reduce" if defer else ""
+            note = " ".join(OPTIONS[w][0] for w in options)
             add("foldtrain", name, v, sync, ["-m", "foldtrain", "train"], extra, note, **more)
             if not a.no_profile:
                 add(
@@ -208,7 +219,7 @@ def main(argv: list[str]) -> int:
                     shutil.copy(g, dst)
                     r.info["gantt"] = str(dst)
         rows = pipeline_rows(results)
-        ratios = pipeline_ratios(results) + defer_ratios(results) + pipeline_overlap(results)
+        ratios = pipeline_ratios(results) + defer_ratios(results) + zero_ratios(results) + pipeline_overlap(results)
         notes += common.run_notes(a, load_before)
         notes += [
             f"world {a.dp * a.pp}: dp={a.dp} across emulated nodes x pp={a.pp} inside each; micro-batches per dp rank: "

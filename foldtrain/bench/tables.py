@@ -405,7 +405,13 @@ def pipeline_ratios(runs: list[RunResult], baseline: str = "interleaved-1f1b") -
 
     def pick(impl: str, variant: str, net: str, sync: str) -> RunResult | None:
         hits = [
-            r for r in runs if r.impl == impl and r.variant == variant and r.network == net and not r.info.get("defer")
+            r
+            for r in runs
+            if r.impl == impl
+            and r.variant == variant
+            and r.network == net
+            and not r.info.get("defer")
+            and not r.info.get("zero")
         ]
         return next((r for r in hits if r.info.get("dp_sync") == sync), hits[0] if hits else None)
 

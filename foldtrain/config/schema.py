@@ -83,6 +83,9 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0: no clipping
+    # the 3D engine: AdamW's moments and the fp32 masters sharded over --parallel.dp (ZeRO-1, Megatron's
+    # distributed optimizer)
+    distributed: bool = False
 
 
 @dataclass

@@ -147,10 +147,17 @@ def validate_world(cfg: Config, world_size: int) -> None:
             f"--dp.ps_servers {d.ps_servers} leaves no worker among {world_size} ranks; "
             "use fewer servers or launch more ranks"
         )
+    from foldtrain.schedules.layout import uses_3d_engine, validate_layout
+
+    if cfg.optim.distributed and not uses_3d_engine(cfg):
+        raise ConfigError(
+            f"--optim.distributed shards the 3D engine's optimizer over --parallel.dp, but this run uses "
+            f"--dp.strategy {d.strategy} without a --parallel layout; use --dp.strategy sharded-ps or fsdp "
+            f"(the optimizer sharded), or --dp.strategy none with --parallel.dp {world_size}"
+        )
     if d.strategy == "dataparallel":
         check_dataparallel(cfg, world_size)
         return
-    from foldtrain.schedules.layout import uses_3d_engine, validate_layout
 
     if uses_3d_engine(cfg):  # mesh sizes, schedule, chunk split, tensor-parallel divisibility
         validate_layout(cfg, world_size)

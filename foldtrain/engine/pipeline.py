@@ -100,10 +100,7 @@ class PipelineEngine:
         self.states = ChunkStates(
             full_params,
             self.n_parts,
-            self.steps.owners,  # the weights of record: the fp32 masters in the master precisions
-            self.steps.optimizers,
-            self.steps.lr_schedulers,
-            self.steps.schedule,
+            self.steps,
             self.precision,
             self.topo,
             self.split_tie,
@@ -151,10 +148,13 @@ class PipelineEngine:
             self.precision,
             topo,
             self.device,
+            self.tied,
             self.tied.get(lay.segments - 1),
             self.pipeline_schedule.deferred_chunks(topo.pp_rank),
             p2p.wait_collective,
         )
+        for s, r in reducers.items():  # the distributed optimizer: chunks reduce-scatter into their slices
+            r.shards = stepper.shards[s] if stepper.shards else None
         if lay.tp > 1:
             from foldtrain.parallel.tensor import tp_loss as loss_fn
         else:
@@ -283,7 +283,6 @@ class PipelineEngine:
 
     def load_state_dict(self, sd: dict) -> None:
         self.iteration = self.states.load_state_dict(sd)
-        self.steps.masters_to_chunks()
 
     def extra_state(self) -> dict:
         return {}

@@ -28,25 +28,18 @@ class ChunkStates:
         self,
         full_params: list[tuple[str, int]],
         n_parts: int,
-        chunks: dict,
-        optimizers: dict,
-        lr_schedulers: dict,
-        schedule,
+        steps,
         precision,
         topo,
         split_tie: bool,
         executor,
     ):
         """``full_params``: (name, ndim) of the full model's parameters in order, the tied weight once
-        (taken before the pipeline split unties it)."""
-        self.chunks, self.optimizers, self.lr_schedulers = chunks, optimizers, lr_schedulers
-        self.schedule, self.precision, self.topo, self.split_tie, self.executor = (
-            schedule,
-            precision,
-            topo,
-            split_tie,
-            executor,
-        )
+        (taken before the pipeline split unties it); ``steps``: the rank's
+        :class:`~foldtrain.engine.pipeline_steps.ChunkOptimizers`, whose ``state_views`` hold the weights of
+        record and AdamW's state under the chunks' names."""
+        self.steps = steps
+        self.precision, self.topo, self.split_tie, self.executor = precision, topo, split_tie, executor
         self.full_decay = [n for n, dim in full_params if dim >= 2]
         self.full_no_decay = [n for n, dim in full_params if dim < 2]
         self.emb_fqn = "parts.0.wte.weight"
@@ -57,11 +50,11 @@ class ChunkStates:
         weight shares the embedding's key (their states are identical), as in a single-process run."""
         return self.emb_fqn if (self.split_tie and fqn == self.head_fqn) else fqn
 
-    def _full_param_groups(self) -> list[dict]:
+    def _full_param_groups(self, optimizers: dict) -> list[dict]:
         """The optimizer's param_groups as the single-process engine saves them (full-model names),
         identical on every rank."""
         groups = []
-        for g in self.optimizers[min(self.optimizers)].param_groups:
+        for g in optimizers[min(optimizers)].param_groups:
             decay = g["weight_decay"] > 0
             hyper = {k: v for k, v in g.items() if k != "params"}
             groups.append({**hyper, "params": list(self.full_decay if decay else self.full_no_decay)})
@@ -71,14 +64,15 @@ class ChunkStates:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         model_sd, optim_state = {}, {}
-        for s, c in self.chunks.items():
+        modules, optimizers = self.steps.state_views()
+        for s, c in modules.items():
             model_sd.update(get_model_state_dict(c))
-            osd = get_optimizer_state_dict(c, self.optimizers[s])
+            osd = get_optimizer_state_dict(c, optimizers[s])
             for fqn, st in osd["state"].items():
                 optim_state[self._save_fqn(fqn)] = st
         return {
             "model": model_sd,
-            "optim": {"state": optim_state, "param_groups": self._full_param_groups()},
+            "optim": {"state": optim_state, "param_groups": self._full_param_groups(optimizers)},
             "lr_scheduler": {"last_epoch": iteration},
             "scaler": self.precision.scaler.state_dict(),
         }
@@ -92,15 +86,17 @@ class ChunkStates:
         )
 
         self.executor.reset()
-        for s, c in self.chunks.items():
+        modules, optimizers = self.steps.state_views()
+        for s, c in modules.items():
             keys = set(c.state_dict().keys())
             set_model_state_dict(c, {k: v for k, v in sd["model"].items() if k in keys})
-            osd = get_optimizer_state_dict(c, self.optimizers[s])
+            osd = get_optimizer_state_dict(c, optimizers[s])
             osd["state"] = {fqn: sd["optim"]["state"][self._save_fqn(fqn)] for fqn in osd["state"]}
-            set_optimizer_state_dict(c, self.optimizers[s], osd)
+            set_optimizer_state_dict(c, optimizers[s], osd)
+        self.steps.load_views(modules, optimizers)  # the chunks (and masters or slices) take the loaded state
         iteration = int(sd["lr_scheduler"]["last_epoch"])
-        for o, sch in zip(self.optimizers.values(), self.lr_schedulers.values()):
-            restore_lr(o, sch, self.schedule, iteration)
+        for s, o in self.steps.optimizers.items():
+            restore_lr(o, self.steps.lr_schedulers[s], self.steps.schedule, iteration)
         self.precision.scaler.load_state_dict(sd["scaler"])
         return iteration
 
@@ -114,7 +110,8 @@ class ChunkStates:
         alive until rank 0 holds everything.
         """
         mine = []
-        for _, c in sorted(self.chunks.items()):
+        modules, _ = self.steps.state_views()
+        for _, c in sorted(modules.items()):
             for k, v in c.state_dict().items():
                 if self.split_tie and k == self.head_fqn:
                     continue  # the last rank's copy of the tied weight: the embedding's value

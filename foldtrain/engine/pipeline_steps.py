@@ -9,6 +9,10 @@ In the master precisions (``bf16-master``, ``fp16-master``) the chunks compute, 
 half precision, and each chunk has an fp32 copy (its *owner*: same names, same layout, DTensors under TP)
 that AdamW steps. A chunk's reduced gradients move to its owner once they are final (``_pull``): the
 overflow check, the norm and the clip then work in fp32, as the single-process engine does on its masters.
+
+With ``--optim.distributed`` (and dp > 1) the owner of a chunk is this data-parallel rank's slice of it
+(:mod:`foldtrain.parallel.pipeline.zero`): the same hand-over of final gradients, a step of the slice, an
+all-gather of the weights; the norm sums every rank's slices.
 """
 
 from __future__ import annotations
@@ -19,17 +23,19 @@ import torch
 import torch.distributed as dist
 
 from foldtrain import collectives
-from foldtrain.optim import WarmupCosine, build_optimizer
+from foldtrain.optim import WarmupCosine, adamw_state, build_optimizer
 from foldtrain.parallel.pipeline.p2p import local_part
+from foldtrain.parallel.pipeline.zero import ChunkShards
 
 
 class ChunkOptimizers:
     """Per-chunk optimizers and LR schedules, the fp16 verdict and the iteration's gradient norm."""
 
-    def __init__(self, chunks: dict, cfg, precision, topo, device, head_copy, deferred, wait_collective):
-        """``head_copy``: the last segment's copy of the tied weight (left out of norms: the embedding's
-        copy counts the tied weight once), or ``None``; ``deferred``: this rank's chunks whose reduction
-        is deferred into the next iteration; ``wait_collective(work, what)``: a bounded wait."""
+    def __init__(self, chunks: dict, cfg, precision, topo, device, tied: dict, head_copy, deferred, wait_collective):
+        """``tied``: segment -> the copy of the tied weight that chunk holds where the pipeline splits the tie;
+        ``head_copy``: the last segment's copy (left out of norms: the embedding's copy counts the tied weight
+        once), or ``None``; ``deferred``: this rank's chunks whose reduction is deferred into the next
+        iteration; ``wait_collective(work, what)``: a bounded wait."""
         self.chunks = chunks
         self.cfg = cfg
         self.precision = precision
@@ -38,12 +44,25 @@ class ChunkOptimizers:
         self.deferred = frozenset(deferred)
         self.any_deferred = bool(self.deferred)
         self.wait_collective = wait_collective
-        # the modules AdamW steps: the chunks themselves, or their fp32 masters
-        self.owners = {s: _fp32_copy(c) for s, c in chunks.items()} if precision.master else chunks
-        self.pairs = {s: list(zip(chunks[s].parameters(), self.owners[s].parameters())) for s in chunks}
-        self.head_copy = next((m for s in chunks for p, m in self.pairs[s] if p is head_copy), None)
         self.schedule = WarmupCosine(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.steps)
-        self.optimizers = {s: build_optimizer(list(o.named_parameters()), cfg.optim) for s, o in self.owners.items()}
+        self.shards = None
+        if cfg.optim.distributed and topo.dp > 1:  # this dp rank's slices own AdamW (ZeRO-1)
+            deferred_bytes = cfg.fold.bucket_mb * 2**20  # a deferred chunk's reduction: the deadline queue's buckets
+            self.shards = {
+                s: ChunkShards(
+                    c, tied.get(s), topo, cfg.optim, head_copy, deferred_bytes if s in self.deferred else None
+                )
+                for s, c in chunks.items()
+            }
+            self.owners, self.pairs, self.head_copy = {}, {}, None
+            self.optimizers = {s: z.optimizer for s, z in self.shards.items()}
+        else:  # the modules AdamW steps: the chunks themselves, or their fp32 masters
+            self.owners = {s: _fp32_copy(c) for s, c in chunks.items()} if precision.master else chunks
+            self.pairs = {s: list(zip(chunks[s].parameters(), self.owners[s].parameters())) for s in chunks}
+            self.head_copy = next((m for s in chunks for p, m in self.pairs[s] if p is head_copy), None)
+            self.optimizers = {
+                s: build_optimizer(list(o.named_parameters()), cfg.optim) for s, o in self.owners.items()
+            }
         self.lr_schedulers = {
             s: torch.optim.lr_scheduler.LambdaLR(o, self.schedule) for s, o in self.optimizers.items()
         }
@@ -51,12 +70,20 @@ class ChunkOptimizers:
         self.last_grad_norm = 0.0
         self.early_norms_sq: dict[int, torch.Tensor] = {}  # chunks stepped early: their squared norms
 
-    def _params(self) -> list:
-        return [p for s in sorted(self.owners) for p in self.owners[s].parameters()]
+    def _record_grads(self) -> list[torch.Tensor]:
+        """The gradients the step reads (local parts): the chunks', their masters' or this rank's slices'."""
+        if self.shards is not None:
+            return [g for s in sorted(self.shards) for g in self.shards[s].grads()]
+        return [
+            local_part(p.grad) for s in sorted(self.owners) for p in self.owners[s].parameters() if p.grad is not None
+        ]
 
     @torch.no_grad()
     def _pull(self, s: int) -> None:
-        """Master precisions: chunk ``s``'s gradients, final when this is called, move to its fp32 owner."""
+        """Chunk ``s``'s gradients, final when this is called, move to its owner (masters or slices)."""
+        if self.shards is not None:
+            self.shards[s].pull()
+            return
         if self.owners is self.chunks:
             return
         for p, m in self.pairs[s]:
@@ -68,14 +95,17 @@ class ChunkOptimizers:
         """Master precisions: the chunks (all, or ``segments``) take their owners' weights."""
         if self.owners is not self.chunks:
             for s in self.chunks if segments is None else segments:
-                for p, m in self.pairs[s]:
+                for p, m in self.pairs.get(s, ()):
                     p.copy_(m)
 
     def step(self, s: int) -> None:
         self._pull(s)
         if self.step_ok:
-            self.optimizers[s].step()
-            self.masters_to_chunks((s,))
+            if self.shards is not None:
+                self.shards[s].step()  # the slice's step, then the all-gather of the chunk's weights
+            else:
+                self.optimizers[s].step()
+                self.masters_to_chunks((s,))
         self.lr_schedulers[s].step()
         self.optimizers[s].zero_grad(set_to_none=True)
 
@@ -92,7 +122,10 @@ class ChunkOptimizers:
                 c.zero_grad(set_to_none=True)
 
     def _chunk_norm_sq(self, s: int) -> torch.Tensor:
-        """Squared gradient norm of local chunk ``s`` (the head's tied copy left out, as in the global norm)."""
+        """Squared gradient norm of local chunk ``s`` (the head's tied copy left out, as in the global norm);
+        with slices, this rank's share of it."""
+        if self.shards is not None:
+            return self.shards[s].norm_sq()
         grads = [p.grad for p in self.owners[s].parameters() if p.grad is not None and p is not self.head_copy]
         if not grads:
             return torch.zeros((), device=self.device)
@@ -104,10 +137,10 @@ class ChunkOptimizers:
         for s in self.chunks:  # a deferred chunk's gradients are final here only when the norm waited for them
             if s not in self.deferred or self.cfg.optim.grad_clip > 0:
                 self._pull(s)
-        params = self._params()
+        grads = self._record_grads()
         scaler = self.precision.scaler
         if scaler.enabled:
-            finite = scaler.unscale_and_check([local_part(p.grad) for p in params if p.grad is not None])
+            finite = scaler.unscale_and_check(grads)
             flag = torch.tensor([1.0 if finite else 0.0], device=self.device)
             collectives.all_reduce(flag, op=dist.ReduceOp.MIN)
             self.step_ok = bool(flag.item() > 0)
@@ -117,21 +150,27 @@ class ChunkOptimizers:
             return
         if not self.step_ok:
             return  # overflow: the step is skipped (as in Engine, the logged norm keeps its last value)
-        norm = self._global_norm([p for p in params if p is not self.head_copy])
+        norm = self._global_norm()
         clip = self.cfg.optim.grad_clip
         if clip > 0:
             coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
             with torch.no_grad():
-                for p in params:
-                    if p.grad is not None:
-                        g = local_part(p.grad)
-                        g.mul_(coef.to(g.device, g.dtype))
+                for g in grads:
+                    g.mul_(coef.to(g.device, g.dtype))
         self.last_grad_norm = float(norm)
 
-    def _global_norm(self, norm_params: list) -> torch.Tensor:
-        """The gradient norm over every chunk of every pipeline and TP rank, the early-stepped chunks'
-        norms (kept before their step) included."""
+    def _global_norm(self) -> torch.Tensor:
+        """The gradient norm over every chunk of every pipeline and TP rank (and data-parallel slice), the
+        early-stepped chunks' norms (kept before their step) included."""
         device = self.device
+        early = sum(self.early_norms_sq.values(), torch.zeros((), device=device))
+        self.early_norms_sq.clear()
+        if self.shards is not None:  # every rank holds a weighted share: one sum over all of them
+            sq = (sum((z.norm_sq() for z in self.shards.values()), early)).reshape(1)
+            work = collectives.all_reduce(sq, async_op=True)
+            self.wait_collective(work, "all-reduce of the gradient norm over every rank's slices")
+            return sq.sqrt()[0]
+        norm_params = [p for s in sorted(self.owners) for p in self.owners[s].parameters() if p is not self.head_copy]
         if self.topo.tp > 1:
             from foldtrain.parallel.tensor import grad_norm
 
@@ -141,13 +180,32 @@ class ChunkOptimizers:
             local = (
                 torch.nn.utils.get_total_norm(grads, foreach=True).float() if grads else torch.zeros((), device=device)
             )
-        early = sum(self.early_norms_sq.values(), torch.zeros((), device=device))
-        self.early_norms_sq.clear()
         sq = (local**2 + early).reshape(1).to(device)
         if self.topo.pp > 1:
             work = collectives.all_reduce(sq, group=self.topo.pp_group, async_op=True)
             self.wait_collective(work, "all-reduce of the gradient norm over pipeline ranks")
         return sq.sqrt()[0]
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_views(self) -> tuple[dict, dict]:
+        """``(modules, optimizers)`` per local chunk holding the weights of record and AdamW's state under the
+        chunk's names: the owners themselves, or (slices) full fp32 copies gathered over dp (collective)."""
+        if self.shards is None:
+            return self.owners, self.optimizers
+        modules, optimizers = {}, {}
+        for s, z in sorted(self.shards.items()):
+            modules[s] = _fp32_copy(self.chunks[s])
+            optimizers[s] = build_optimizer(list(modules[s].named_parameters()), self.cfg.optim)
+            z.fill_view(modules[s], optimizers[s], adamw_state)
+        return modules, optimizers
+
+    def load_views(self, modules: dict, optimizers: dict) -> None:
+        """After a checkpoint was loaded into :meth:`state_views`: the owners and the chunks take it."""
+        if self.shards is None:
+            self.masters_to_chunks()
+            return
+        for s, z in self.shards.items():
+            z.load_view(modules[s], optimizers[s], adamw_state)
 
 
 def _fp32_copy(chunk: torch.nn.Module) -> torch.nn.Module:

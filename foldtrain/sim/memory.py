@@ -47,12 +47,12 @@ def rank_memory(
     n = sum(segment_params(s, g) for g in segs)
     workers = max(s.dp, 1)
     out: dict[str, float] = {"params": n * s.weight_bytes, "grads": n * s.grad_bytes}
-    opt_share = 1.0
-    if s.strategy == "sharded-ps":
-        opt_share = 1.0 / workers
-    elif s.strategy == "ps":
+    opt_share = s.optim_share
+    if s.strategy == "ps":
         opt_share = (1.0 / max(s.servers, 1)) if server else 0.0
     out["optimizer"] = n * 8 * opt_share
+    # the distributed optimizer steps views into fp32 weights, fp32 copies of half ones (its gradient slice is
+    # transient)
     out["masters"] = n * 4 * opt_share if s.master else 0.0
     if s.strategy == "sharded-ps" and s.dp > 1:
         # ZeRO-2: an fp32 gradient shard and fp32 shard weights (whatever the precision); the replica's

@@ -4,7 +4,8 @@ Search space: ``dp x pp x tp = gpus`` (tp within a node, dividing heads and widt
 padded to a multiple of tp),
 ``V`` in 1, 2, 4, 8, the micro-batch size (powers of two dividing a data-parallel rank's rows),
 the schedule (gpipe, 1f1b for V = 1; interleaved-1f1b, fold for V > 1), ``dp_sync``, fold's
-deferral (when the base config allows it: no clipping, no fp16), recomputation, and, where there
+deferral (when the base config allows it: no clipping, no fp16), recomputation, the 3D engine's
+distributed optimizer where dp > 1 (always, when the base config sets ``--optim.distributed``), and, where there
 is neither pipeline nor tensor parallelism, the data-parallel strategies (allreduce, ddp,
 sharded-ps). Every candidate is first estimated in closed form (per-rank compute, the
 ``(V M + P - 1)`` pipeline, exposed reduction) with its activation memory; those that fit are
@@ -47,6 +48,7 @@ class Candidate:
         return (
             f"dp{s.dp} pp{s.pp} tp{s.tp} V{s.virtual} mb={s.micro_batch} {s.schedule}{sync}"
             + (" defer" if s.defer else "")
+            + (" dist-optim" if s.dist_optim else "")
             + (" ac" if s.ac else "")
         )
 
@@ -120,19 +122,21 @@ def _variants(base, gpus: int, cluster: Cluster):
                                     if sc == "fold" and sync == "per-chunk" and v > 1 and allow_defer
                                     else (False,)
                                 ):
-                                    yield dict(
-                                        strategy="none",
-                                        dp=dp,
-                                        pp=pp,
-                                        tp=tp,
-                                        virtual=v,
-                                        schedule=sc,
-                                        dp_sync=sync,
-                                        defer=defer,
-                                        mb=mb,
-                                        M=M,
-                                        ac=ac,
-                                    )
+                                    for dist in (True,) if base.optim.distributed else (False, True)[: 1 + (dp > 1)]:
+                                        yield dict(
+                                            strategy="none",
+                                            dp=dp,
+                                            pp=pp,
+                                            tp=tp,
+                                            virtual=v,
+                                            schedule=sc,
+                                            dp_sync=sync,
+                                            defer=defer,
+                                            mb=mb,
+                                            M=M,
+                                            ac=ac,
+                                            dist=dist,
+                                        )
 
 
 def _make_cfg(base, c: dict):
@@ -153,6 +157,7 @@ def _make_cfg(base, c: dict):
     cfg.fold.defer_reduce = c["defer"]
     cfg.dp.strategy = c["strategy"]
     cfg.dp.ps_servers = 0
+    cfg.optim.distributed = c.get("dist", False)
     return cfg
 
 
@@ -182,7 +187,7 @@ def estimate(s: Setup, c: Cluster) -> tuple[float, float]:
         if key[0] == "nic":  # the node's interface, shared by the stages (x tp ranks) the node holds
             bw = bw / (w * max(1, min(P, c.gpus_per_node // s.tp)))
         g = sum(cm.grad_bytes(x) for x in rank_segments(s, 0))
-        factor = 2 if s.strategy != "sharded-ps" else 1 + s.weight_bytes / s.grad_bytes
+        factor = 2 if s.strategy != "sharded-ps" and not s.dist_optim else 1 + s.weight_bytes / s.grad_bytes
         ring = factor * (s.dp - 1) / s.dp * g / bw + 2 * (s.dp - 1) * lat
         if s.mode == "dp" and s.strategy in ("ddp", "allreduce"):
             ring = max(ring - u, ring / 10)  # buckets start during the last backward
@@ -190,10 +195,10 @@ def estimate(s: Setup, c: Cluster) -> tuple[float, float]:
             hidden = u * M * (V - 1) if V > 1 else 0.0
             ring = max(ring / V, ring - hidden) if not s.defer else ring / V / 2
         t += ring
-    t += sum(cm.optim(x, 1.0 / s.dp if s.strategy == "sharded-ps" else 1.0) for x in rank_segments(s, 0))
+    t += sum(cm.optim(x, s.optim_share) for x in rank_segments(s, 0))
     per_block = cm.act_bytes_block(recompute=s.ac)
     n_par = sum(segment_params(s, x) for x in rank_segments(s, 0))
-    opt = 8 / (s.dp if s.strategy == "sharded-ps" else 1)
+    opt = (8 + (4 if s.master else 0)) * s.optim_share
     buf = s.grad_bytes if s.dp > 1 else 0
     layers0 = s.layers[0]
     mem = n_par * (s.weight_bytes + s.grad_bytes + opt + buf) + _live_chunks(s) * layers0 * per_block + c.runtime

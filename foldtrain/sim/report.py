@@ -12,7 +12,11 @@ from .simulate import Result
 def layout_text(r: Result) -> str:
     s = r.setup
     if s.mode == "3d":
-        sched = f"{s.schedule} dp_sync={s.dp_sync}" + (" defer_reduce" if s.defer else "")
+        sched = (
+            f"{s.schedule} dp_sync={s.dp_sync}"
+            + (" defer_reduce" if s.defer else "")
+            + (" distributed_optimizer" if s.dist_optim else "")
+        )
         return (
             f"dp={s.dp} pp={s.pp} tp={s.tp} V={s.virtual} M={s.microbatches} x {s.micro_batch} seq={s.seq} "
             f"{sched} {s.dtype}" + (" ac=full" if s.ac else "")

@@ -73,6 +73,14 @@ class Setup:
     seq_parallel: bool = False  # Megatron's sequence parallelism (other systems' runs): norms split over tp
     selective: bool = False  # selective recomputation of the attention core (other systems' runs)
     reshard_after_forward: bool = True  # fsdp: --dp.reshard_after_forward
+    # the 3D engine's --optim.distributed with dp > 1: AdamW and fp32 masters on a 1/dp slice of each chunk,
+    # the chunk's weights all-gathered over dp after its step
+    dist_optim: bool = False
+
+    @property
+    def optim_share(self) -> float:
+        """The fraction of a chunk's parameters whose AdamW state (and masters) a rank holds and steps."""
+        return 1.0 / self.dp if self.dp > 1 and (self.dist_optim or self.strategy == "sharded-ps") else 1.0
 
     @property
     def world(self) -> int:
@@ -202,4 +210,5 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         clip=cfg.optim.grad_clip > 0,
         dropout=m.dropout > 0,
         reshard_after_forward=d.reshard_after_forward,
+        dist_optim=three_d and cfg.optim.distributed and p.dp > 1,
     )

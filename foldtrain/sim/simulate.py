@@ -129,7 +129,7 @@ class RunCosts:
                             ("flow", key, weight, (n - 1) / n * b),
                         ]
                     else:
-                        phases = self.ring(p, b)
+                        phases = self.collective(p, b)
                     out.append((ready, phases))
                 if (
                     s.strategy == "sharded-ps"
@@ -169,7 +169,23 @@ class RunCosts:
         g = self.cm.grad_bytes(seg) - (self.tied_params() * s.grad_bytes if self.tie(p, seg) is not None else 0.0)
         cap = s.fold_bucket_bytes
         sizes = [cap] * int(g // cap) + ([g - cap * int(g // cap)] if g % cap > 0 else [])
-        return [self.ring(p, b) for b in sizes]
+        return [self.collective(p, b) for b in sizes]
+
+    def collective(self, p: int, nbytes: float) -> list:
+        """The 3D engine's reduction of ``nbytes``: a ring all-reduce, or with the distributed optimizer a
+        reduce-scatter (its all-gather comes with the chunk's step: :meth:`optim`)."""
+        return self.reduce_scatter(p, nbytes) if self.s.dist_optim else self.ring(p, nbytes)
+
+    def reduce_scatter(self, p: int, nbytes: float) -> list:
+        """A reduce-scatter of ``nbytes`` over rank ``p``'s data-parallel group: n-1 steps, the received
+        parts summed at memory bandwidth, (n-1)/n of the bytes on the link."""
+        n = self.s.dp
+        key, weight, _bw, lat = self.pl.dp_link(p)
+        return [
+            self.steps(n - 1, lat),
+            ("delay", (n - 1) / n * nbytes * 3 / self.c.mem_bw),
+            ("flow", key, weight, (n - 1) / n * nbytes * self.s.wire_factor),
+        ]
 
     def ring(self, p: int, nbytes: float) -> list:
         """A ring all-reduce of ``nbytes`` over rank ``p``'s data-parallel group: 2 (n-1) steps, the
@@ -256,8 +272,12 @@ class RunCosts:
         s = self.s
         if s.strategy == "ps" and s.dp > 1:
             return 0.0  # the server steps (inside the reduction)
-        shard = 1.0 / s.dp if s.strategy == "sharded-ps" and s.dp > 1 else 1.0
-        return self.cm.optim(seg, shard)
+        t = self.cm.optim(seg, s.optim_share)
+        if s.dist_optim:  # the step's all-gather of the chunk's weights over dp (blocking, in the executor)
+            _key, weight, bw, lat = self.pl.dp_link(p)
+            nbytes = segment_params(s, seg) * s.weight_bytes
+            t += (s.dp - 1) / s.dp * nbytes * weight / bw + (s.dp - 1) * lat
+        return t
 
     # -- barriers the action list does not show
     def before_steps(self):

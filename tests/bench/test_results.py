@@ -547,6 +547,7 @@ def test_pipeline_plan():
         pipeline.parse_schedule("zigzag", 2)
     with pytest.raises(FoldtrainError, match="unknown schedule option"):
         pipeline.parse_schedule("fold+later", 2)
+    assert pipeline.parse_schedule("fold+zero+defer", 2) == ("fold", 2, "per-chunk", ("defer", "zero"))
 
 
 def test_overlap_efficiency_from_the_runs():

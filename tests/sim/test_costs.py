@@ -470,3 +470,22 @@ def test_data_parallel_buckets_and_the_engines_scalar_all_reduces():
         from_dict(cluster_dict(device__memory_gb=1000, node__collective_cpu_us=300.0), "c.toml"),
     )
     assert own.reduce_buckets(0, 0)[0][1][0][2] == 0
+
+
+def test_distributed_optimizer_shards_moments_and_masters_and_gathers_the_weights(cluster):
+    """--optim.distributed in the 3D engine: AdamW's moments and the fp32 masters 1/dp per rank (fp32 weights
+    have no masters: the slices are views into them), and each step all-gathers the chunk's weights."""
+    base = ("--parallel.dp", "4", "--parallel.pp", "2", "--train.global_batch", "8")
+    for prec, masters in (("fp32", 0.0), ("bf16-master", 4.0)):
+        one = simulate(_cfg(*base, "--precision", prec), cluster)
+        dist = simulate(_cfg(*base, "--precision", prec, "--optim.distributed", "true"), cluster)
+        for p in range(2):
+            n = one.memory[p]["optimizer"] / 8  # parameters of pipeline rank p
+            assert one.memory[p]["masters"] == approx(masters * n)
+            assert dist.memory[p]["optimizer"] == approx(8 * n / 4)
+            assert dist.memory[p]["masters"] == approx(masters * n / 4)
+        rc, rc1 = RunCosts(dist.setup, cluster), RunCosts(one.setup, cluster)
+        gather = rc.optim(0, 0) - rc1.cm.optim(0, 0.25)
+        _key, weight, bw, lat = rc.pl.dp_link(0)
+        nbytes = rc.cm.grad_bytes(0) / dist.setup.grad_bytes * dist.setup.weight_bytes
+        assert gather == approx(3 / 4 * nbytes * weight / bw + 3 * lat)

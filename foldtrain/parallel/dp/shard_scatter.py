@@ -19,14 +19,10 @@ buffers (measured: one bucket + 16 KiB, docs/benchmarks.md, "Data-parallel strat
 ``grad_optim_mem_mb`` reports the peak). The price is CPU where the link is fast: more collectives, and a
 backward that waits.
 
-The reduce-scatter (``--dp.shard_collective``, default ``auto``) is the backend's own
-(``reduce_scatter_single``: NCCL's ring) except on gloo, whose reduce-scatter is an all-reduce
-followed by a slice: it puts 2(W-1)/W of the bucket on the wire instead of (W-1)/W (measured on
-loopback, 4 ranks: 101 MB for a 16 MB tensor, like ``all_reduce``). There a slice's W pieces go
-through one ``all_to_all_single`` (piece j to rank j, the bandwidth-optimal (W-1)/W) and each rank
-sums the W pieces it received, in fp32: the receive buffer is a whole slice there, 1/W of one with
-the reduce-scatter. ``all_to_all`` / ``reduce_scatter`` force either (the second is how the tests
-run NCCL's bookkeeping on gloo).
+The reduce-scatter (``--dp.shard_collective``, default ``auto``) is the backend's own except on gloo,
+where it is an all-to-all and a local sum (:mod:`foldtrain.parallel.scatter`): the receive buffer is a
+whole slice there, 1/W of one with the reduce-scatter. ``all_to_all`` / ``reduce_scatter`` force either
+(the second is how the tests run NCCL's bookkeeping on gloo).
 """
 
 from __future__ import annotations
@@ -34,38 +30,13 @@ from __future__ import annotations
 import collections
 
 import torch
-import torch.distributed as dist
 
-from foldtrain import collectives
 from foldtrain.parallel.dp.buckets import OrderedLauncher
 from foldtrain.parallel.dp.comm import CommStats, nbytes
 from foldtrain.parallel.dp.shard_layout import Part, ShardLayout
+from foldtrain.parallel.scatter import exchange_rows, recv_elems
 
 MAX_IN_FLIGHT = 2  # reduce-scatter slices in flight: one on the wire while the next is queued behind it
-
-
-def uses_all_to_all(choice: str) -> bool:
-    """``--dp.shard_collective``: ``auto`` is the all-to-all on gloo (whose reduce-scatter is an
-    all-reduce), the backend's reduce-scatter elsewhere (NCCL's ring)."""
-    return choice == "all_to_all" or (choice == "auto" and dist.get_backend() == "gloo")
-
-
-def recv_elems(world: int, width: int, a2a: bool) -> int:
-    """Elements :func:`exchange_rows` receives for W x width rows: all of them by all-to-all, one row otherwise."""
-    return world * width if a2a else width
-
-
-def exchange_rows(
-    rows: torch.Tensor, a2a: bool, into: torch.Tensor | None = None
-) -> tuple[dist.Work, torch.Tensor, bool]:
-    """Start the reduce-scatter of ``rows`` (W x width): (work, buffer, summed). After ``work.wait()``
-    the buffer holds this rank's summed row (``summed``) or, by all-to-all (``a2a``), the W rows to
-    sum (dim 0). ``into``: a flat buffer of :func:`recv_elems` elements to receive into (else a new one)."""
-    if a2a:
-        recv = torch.empty_like(rows) if into is None else into.view(rows.shape)
-        return collectives.all_to_all_single(recv, rows, async_op=True), recv, False
-    out = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device) if into is None else into
-    return collectives.reduce_scatter_single(out, rows.reshape(-1), async_op=True), out, True
 
 
 class Slice:

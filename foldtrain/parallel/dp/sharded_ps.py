@@ -32,7 +32,8 @@ from foldtrain.parallel.dp.comm import nbytes
 from foldtrain.parallel.dp.shard_checkpoint import ShardCheckpoint
 from foldtrain.parallel.dp.shard_gather import GatherQueue
 from foldtrain.parallel.dp.shard_layout import ShardLayout
-from foldtrain.parallel.dp.shard_scatter import ReduceScatterPipeline, uses_all_to_all
+from foldtrain.parallel.dp.shard_scatter import ReduceScatterPipeline
+from foldtrain.parallel.scatter import uses_all_to_all
 
 
 class ShardedPSStrategy(DataParallelStrategy):

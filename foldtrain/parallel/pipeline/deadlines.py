@@ -122,18 +122,26 @@ class DeadlineQueue:
         return self.tl.clock()
 
     # ------------------------------------------------------------------ submitting
-    def submit_deferred(self, segment: int, grads: list[torch.Tensor], deadline: int, dp: int) -> list[ReductionBucket]:
+    def submit_deferred(
+        self, segment: int, grads: list[torch.Tensor], deadline: int, dp: int, buckets: list | None = None
+    ) -> list[ReductionBucket]:
+        """Queue a chunk's deferred reduction: ``grads`` in buckets of ``bucket_bytes`` all-reduced, or the
+        ``buckets`` given (made with the same split: the distributed optimizer's reduce-scatters)."""
         self.device = grads[0].device
-        buckets = [
-            ReductionBucket(segment, k, gs, deadline, dp)
-            for k, gs in enumerate(split_buckets(grads, self.bucket_bytes))
-        ]
+        if buckets is None:
+            buckets = [
+                ReductionBucket(segment, k, gs, deadline, dp)
+                for k, gs in enumerate(split_buckets(grads, self.bucket_bytes))
+            ]
         self.queued += buckets
         self.pump()
         return buckets
 
-    def launch_urgent(self, segment: int, grads: list[torch.Tensor], deadline: int, dp: int, group) -> ReductionBucket:
-        b = ReductionBucket(segment, 0, grads, deadline, dp)
+    def launch_urgent(
+        self, segment: int, grads: list[torch.Tensor], deadline: int, dp: int, group, bucket=None
+    ) -> ReductionBucket:
+        """Issue a chunk's urgent reduction at once: ``grads`` all-reduced as one buffer, or ``bucket``."""
+        b = bucket or ReductionBucket(segment, 0, grads, deadline, dp)
         b.issue(group, self.clock)
         b.order = self.order
         self.order += 1

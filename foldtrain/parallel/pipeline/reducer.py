@@ -57,6 +57,8 @@ class ChunkReducer:
             else None
         )
         self.pending = False  # launched, not yet waited
+        # --optim.distributed: the chunk's ChunkShards; its own gradients are then reduce-scattered into them
+        self.shards = None
 
     def _grads(self, params) -> list[torch.Tensor]:
         """Local gradient tensors, in the parameters' own layouts.
@@ -110,10 +112,16 @@ class ChunkReducer:
         self.deferred = deferred and self.queue is not None and self.queue.group is not None
         if self.dp > 1:
             grads = self._grads(self.params)
+            scatter = self.shards.scatter_buckets(self._grads, deadline, self.dp, self.segment) if self.shards else None
             if self.deferred:
-                self.buckets = self.queue.submit_deferred(self.segment, grads, deadline, self.dp)
+                self.buckets = self.queue.submit_deferred(self.segment, grads, deadline, self.dp, scatter)
             elif self.queue is not None:
-                self.buckets = [self.queue.launch_urgent(self.segment, grads, deadline, self.dp, self.topo.dp_group)]
+                one = scatter[0] if scatter else None
+                if scatter and len(scatter) != 1:
+                    raise RuntimeError(f"segment {self.segment}: an urgent reduction is one bucket, not {len(scatter)}")
+                self.buckets = [
+                    self.queue.launch_urgent(self.segment, grads, deadline, self.dp, self.topo.dp_group, one)
+                ]
             else:
                 b = ReductionBucket(self.segment, 0, grads, deadline, self.dp)
                 b.issue(self.topo.dp_group, lambda: 0.0)

@@ -104,12 +104,32 @@ def equivalence_cases(world: int) -> list[dict]:
             _one((4, 1, 1, 1), "gpipe", "per-chunk", "fp16m", precision="fp16-master"),
             _one((1, 2, 2, 1), "1f1b", "after-flush", "bf16m", n_layer=2, m=2, precision="bf16-master"),
             _one((1, 2, 2, 1), "1f1b", "after-flush", "m32", n_layer=2, m=2, **M32),
+            # the distributed optimizer (AdamW's state and masters sliced over dp): per-chunk and deferred
+            # reductions, early steps, clipping, the tie's copies in their own slices, master precisions
+            _one((2, 2, 1, 2), "fold", "per-chunk", "zero", zero=True),
+            _one((2, 2, 1, 2), "fold", "per-chunk", "zero", defer=True, zero=True),
+            _one((2, 2, 1, 2), "fold", "per-chunk", "zero-clip", defer=True, clip=1.0, zero=True),
+            _one((2, 2, 1, 2), "interleaved-1f1b", "after-flush", "zero", zero=True),
+            _one((4, 1, 1, 1), "gpipe", "per-chunk", "zero", zero=True),
+            _one((2, 2, 1, 2), "fold", "per-chunk", "zero-m32", defer=True, zero=True, **M32),
+            _one(
+                (2, 2, 1, 1),
+                "1f1b",
+                "after-flush",
+                "zero-fp16m32",
+                zero=True,
+                precision="fp16-master",
+                masters_in_fp32=True,
+            ),
+            _one((2, 2, 1, 2), "fold", "per-chunk", "zero-bf16m", zero=True, precision="bf16-master"),
         ]
     if world == 8:  # 8 processes on few cores: 2 micro-batches; the last case pads a 63-word vocabulary to 64
         return [
             *_cases_for((2, 2, 2, 1), n_layer=2, m=2),
             _one((2, 2, 2, 1), "fold", "per-chunk", "pad63", n_layer=2, m=2, vocab_pad=63),
             _one((2, 2, 2, 1), "1f1b", "per-chunk", "m32", n_layer=2, m=2, **M32),
+            _one((2, 2, 2, 1), "fold", "per-chunk", "zero", n_layer=2, m=2, zero=True),
+            _one((2, 2, 2, 1), "1f1b", "per-chunk", "zero-m32", n_layer=2, m=2, zero=True, **M32),
         ]
     return []
 
@@ -150,6 +170,16 @@ CKPT_CASES = [
         defer=False,
         n_layer=8,
         precision="bf16-master",
+    ),
+    # the distributed optimizer: the slices gathered into the single-process names, and back
+    dict(
+        id="ckpt-dp2-pp2-tp1-v2-fold-per-chunk-defer-zero",
+        layout=(2, 2, 1, 2),
+        schedule="fold",
+        dp_sync="per-chunk",
+        defer=True,
+        n_layer=8,
+        zero=True,
     ),
 ]
 

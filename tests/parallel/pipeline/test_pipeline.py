@@ -95,6 +95,10 @@ def test_matches_single_process(suite, world, case):
         assert min(r["ref_norms"]) > r["grad_clip"], (r["ref_norms"], r["grad_clip"])
     assert r["param_err"] <= param_tol, (r["worst_param"], r["param_err"])
     assert r["eval_err"] <= tol
+    # the distributed optimizer: AdamW steps 1/dp of the elements (two buckets per chunk, each padded to dp slices)
+    dp = case["layout"][0]
+    share = r["param_elems"] / dp if case.get("zero") else r["param_elems"]
+    assert share <= r["optim_elems"] <= share + 2 * case["layout"][3] * dp, (r["param_elems"], r["optim_elems"])
     # a padded vocabulary: the embedding and the head (one tensor, two names) had padding rows, which stayed zero
     padded = (2, 0.0) if case.get("vocab_pad") else (0, 0.0)
     assert (r["padding_rows"], r["padding_abs_max"]) == padded, r

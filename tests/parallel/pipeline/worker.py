@@ -134,7 +134,18 @@ def _equivalence_case(case: dict) -> dict | None:
         **compare(cfg, losses, full, ev, norms),
         "tie_rows": tie.last_rows if tie else None,
         "tie_equal": tie_equal,
+        **optimizer_share(engine),
     }
+
+
+def optimizer_share(engine) -> dict:
+    """Rank 0's parameter elements and the elements AdamW steps there (its masters or slices)."""
+    from foldtrain.parallel.pipeline.p2p import local_part
+
+    stepped = sum(
+        local_part(p).numel() for o in engine.steps.optimizers.values() for g in o.param_groups for p in g["params"]
+    )
+    return {"param_elems": sum(local_part(p).numel() for p in engine.model.parameters()), "optim_elems": stepped}
 
 
 def checkpoint_case(case: dict, out: Path) -> dict | None:

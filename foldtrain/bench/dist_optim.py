@@ -1,0 +1,156 @@
+"""The 3D engine's distributed optimizer: per-rank optimizer state and masters, measured, against the default.
+
+One launch of ``dp x pp`` ranks builds the 3D engine twice on the same model and layout, without and with
+``--optim.distributed``, trains two steps each and counts on every rank the bytes of the tensors AdamW
+keeps (its moments, and the fp32 masters: the master precisions' copies, or the distributed optimizer's
+slices). The simulator's memory model (``foldtrain simulate``'s ``optimizer`` + ``masters``) predicts the
+same figures from the configuration alone.
+
+    foldtrain bench dist-optim [--preset gpt2-small] [--dp 2] [--pp 2] [--precision bf16-master]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MB = 2**20
+
+
+def config_args(a) -> list[str]:
+    return [
+        "--model.preset",
+        a.preset,
+        "--model.vocab_size",
+        str(a.vocab),
+        "--parallel.dp",
+        str(a.dp),
+        "--parallel.pp",
+        str(a.pp),
+        "--parallel.virtual",
+        "2",
+        "--parallel.schedule",
+        "fold",
+        "--parallel.dp_sync",
+        "per-chunk",
+        "--train.seq_len",
+        "32",
+        "--train.global_batch",
+        str(4 * a.dp),
+        "--train.micro_batch",
+        "1",
+        "--precision",
+        a.precision,
+        "--train.device",
+        "cpu",
+    ]
+
+
+def optimizer_bytes(engine) -> tuple[int, int]:
+    """``(moments, masters)``: bytes of AdamW's state tensors and of the tensors it steps where those have
+    storage of their own (the master precisions' fp32 copies), not the model's weights (or views into them)."""
+    from foldtrain.parallel.pipeline.p2p import local_part
+
+    moments = masters = 0
+    own = {local_part(p).untyped_storage().data_ptr() for p in engine.model.parameters()}
+    for o in engine.steps.optimizers.values():
+        for group in o.param_groups:
+            for p in group["params"]:
+                st = o.state.get(p, {})
+                moments += sum(local_part(t).nbytes for k, t in st.items() if k != "step")
+                if local_part(p).untyped_storage().data_ptr() not in own:
+                    masters += local_part(p).nbytes
+    return moments, masters
+
+
+def worker(out: Path, argv: list[str]) -> None:
+    """Under torchrun: both engines, two steps each, every rank's bytes gathered on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    from foldtrain.config import build_config
+    from foldtrain.engine.pipeline import PipelineEngine
+    from foldtrain.train.trainer import build_model
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rows = {}
+    for distributed in (False, True):
+        cfg = build_config([*argv, "--optim.distributed", str(distributed).lower()])
+        engine = PipelineEngine(build_model(cfg, meta=True), cfg, torch.device("cpu"))
+        g = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            x = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.train.seq_len + 1), generator=g)
+            rows_x = x[engine.dp_rank :: engine.dp_world]
+            engine.train_step(rows_x[:, :-1].contiguous(), rows_x[:, 1:].contiguous())
+        mine = [engine.topo.dp_rank, engine.topo.pp_rank, *optimizer_bytes(engine)]
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        rows["distributed" if distributed else "default"] = every
+        del engine
+    if dist.get_rank() == 0:
+        (out / "bytes.json").write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def predicted(argv: list[str], distributed: bool) -> list[float]:
+    """The simulator's optimizer + masters bytes per pipeline rank."""
+    from foldtrain.config import build_config
+    from foldtrain.sim.cluster import load_cluster
+    from foldtrain.sim.setup import resolve_setup
+    from foldtrain.sim.simulate import simulate_setup
+
+    cfg = build_config([*argv, "--optim.distributed", str(distributed).lower()])
+    r = simulate_setup(resolve_setup(cfg), load_cluster("dgx-a100"), check_memory=False)
+    return [m["optimizer"] + m["masters"] for m in r.memory]
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv and argv[0] == "--worker":
+        worker(Path(argv[1]), argv[2:])
+        return 0
+    ap = argparse.ArgumentParser(
+        prog="foldtrain bench dist-optim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--preset", default="gpt2-small")
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--precision", default="bf16-master", help="fp32, bf16 or a master precision")
+    a = ap.parse_args(argv)
+    args = config_args(a)
+    out = Path(tempfile.mkdtemp(prefix="ft-distopt-"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.dp * a.pp)]
+    cmd += ["-m", "foldtrain", "bench", "dist-optim", "--worker", str(out), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if r.returncode != 0:
+        raise SystemExit(f"foldtrain bench dist-optim: the run failed:\n{r.stderr[-3000:]}")
+    rows = json.loads((out / "bytes.json").read_text())
+    pred = {k: predicted(args, k == "distributed") for k in rows}
+    print(
+        f"{a.preset} (vocab {a.vocab}), dp {a.dp} x pp {a.pp}, fold V=2, {a.precision}: AdamW's moments + fp32 "
+        "masters per rank (MB), measured after two steps"
+    )
+    print(
+        f"{'dp':>3} {'pp':>3} {'default':>9} {'distributed':>12} {'ratio':>6} {'x dp':>5} "
+        f"{'predicted':>10} {'error':>6}"
+    )
+    worst_ratio = worst_err = 0.0
+    for (d, p, m0, s0), (_, _, m1, s1) in zip(rows["default"], rows["distributed"]):
+        base, dist_ = (m0 + s0) / MB, (m1 + s1) / MB
+        ratio = dist_ / base
+        worst_ratio = max(worst_ratio, ratio * a.dp)
+        errs = [abs(pred[k][p] / MB / x - 1) for k, x in (("default", base), ("distributed", dist_))]
+        worst_err = max(worst_err, *errs)
+        print(
+            f"{d:>3} {p:>3} {base:>9.1f} {dist_:>12.1f} {ratio:>6.3f} {ratio * a.dp:>5.2f} "
+            f"{pred['distributed'][p] / MB:>10.1f} {max(errs):>6.1%}"
+        )
+    print(f"largest distributed / default x dp: {worst_ratio:.3f} (target <= 1, up to the slices' padding)")
+    print(f"largest simulator error (both runs): {worst_err:.1%} (target <= 15%)")
+    return 0

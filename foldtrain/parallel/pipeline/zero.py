@@ -1,0 +1,261 @@
+"""The 3D engine's distributed optimizer (``--optim.distributed``): ZeRO-1 over the data-parallel group.
+
+Each chunk's parameters (their tensor-parallel local parts) are laid end to end in flat *buckets*, each
+padded to a multiple of ``dp``; data-parallel rank ``r`` owns the ``r``-th of ``dp`` equal slices of
+every bucket. AdamW steps only those elements: one optimizer tensor per piece of a parameter inside the
+slice (a *segment*), so weight decay follows the parameter's group as in the single-process optimizer.
+The segments are views into the chunk's fp32 weights, or, where the chunk holds half-precision weights
+(the master precisions), fp32 copies of those elements: a rank holds 1/dp of the chunk's moments and
+masters.
+
+A chunk's own buckets are reduce-scattered (:class:`ScatterBucket`, in place of the all-reduce; on gloo
+an all-to-all and a local sum, :mod:`foldtrain.parallel.scatter`): the chunk's gradients are freed once
+packed, and each rank receives only its slice, averaged. The tied weight's copy is all-reduced with the
+other end's (:mod:`.tie`) and its slice taken from the result (``pull``). A step then steps the segments
+and all-gathers the slices into the chunk's weights (``push``): the bytes of one all-reduce in all, as
+Megatron's distributed optimizer. The gradient norm is a sum over every rank's segments: their elements
+weigh 1, those of a parameter replicated over the TP ranks ``1/tp`` (each TP rank holds an equal copy),
+the head's copy of the tied weight 0 (the embedding's counts it).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from foldtrain import collectives
+from foldtrain.parallel.flat import flatten
+from foldtrain.parallel.pipeline.deadlines import ReductionBucket, split_buckets
+from foldtrain.parallel.pipeline.p2p import local_part
+from foldtrain.parallel.scatter import exchange_rows, uses_all_to_all
+
+
+def _replicated(p) -> bool:
+    placements = getattr(p, "placements", None)
+    return placements is None or all(pl.is_replicate() for pl in placements)
+
+
+def _flat(p) -> torch.Tensor:
+    """The flattened local part of ``p``, sharing its storage, outside autograd."""
+    return local_part(p).detach().view(-1)
+
+
+@dataclass
+class Segment:
+    """Elements ``start:end`` of parameter ``index``'s flattened local part: ``tensor`` is what AdamW steps
+    (a view into the parameter, or its fp32 master copy); ``weight``: the elements' weight in the squared
+    norm; ``decay``: a matrix's elements."""
+
+    index: int
+    start: int
+    end: int
+    at: int  # where the piece starts in this rank's slice
+    tensor: torch.Tensor
+    weight: float
+    decay: bool
+
+
+class FlatShard:
+    """One bucket of a chunk's parameters and this rank's segments of it (see the module docstring)."""
+
+    def __init__(self, params: list, dp: int, dp_rank: int, group, tp: int, head_copy=None):
+        self.params, self.dp, self.group = params, dp, group
+        self.offsets = list(itertools.accumulate([0] + [local_part(p).numel() for p in params]))
+        self.length = -(-self.offsets[-1] // dp)  # elements per rank (the bucket padded to dp slices)
+        self.dtype = local_part(params[0]).dtype
+        lo, hi = dp_rank * self.length, (dp_rank + 1) * self.length
+        self.segments: list[Segment] = []
+        for i, p in enumerate(params):
+            a, b = max(lo, self.offsets[i]) - self.offsets[i], min(hi, self.offsets[i + 1]) - self.offsets[i]
+            if a >= b:
+                continue
+            view = _flat(p)[a:b]
+            tensor = view if view.dtype == torch.float32 else view.float()  # half weights: an fp32 master
+            weight = 0.0 if p is head_copy else (1.0 / tp if tp > 1 and _replicated(p) else 1.0)
+            at = self.offsets[i] + a - lo
+            self.segments.append(Segment(i, a, b, at, tensor, weight, p.dim() >= 2))
+        self.pad = self.length - sum(sg.end - sg.start for sg in self.segments)
+
+    @property
+    def owns_copies(self) -> bool:
+        return self.dtype != torch.float32
+
+    @torch.no_grad()
+    def pull(self) -> None:
+        """This rank's slice of the (reduced) gradients becomes the segments'; the chunk's are freed."""
+        if all(p.grad is None for p in self.params):
+            return  # already pulled
+        for sg in self.segments:
+            g = self.params[sg.index].grad
+            part = _flat(g)[sg.start : sg.end] if g is not None else torch.zeros_like(sg.tensor)
+            sg.tensor.grad = part.to(torch.float32, copy=True)
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def receive(self, mine: torch.Tensor) -> None:
+        """This rank's slice of the reduced gradients (a reduce-scatter's output) becomes the segments'."""
+        for sg in self.segments:
+            sg.tensor.grad = mine[sg.at : sg.at + sg.end - sg.start].to(torch.float32, copy=True)
+
+    def grads(self) -> list[torch.Tensor]:
+        return [sg.tensor.grad for sg in self.segments if sg.tensor.grad is not None]
+
+    def norm_sq(self) -> torch.Tensor:
+        """This rank's weighted share of the squared gradient norm (fp32)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
+        for sg in self.segments:
+            if sg.weight and sg.tensor.grad is not None:
+                total += sg.weight * sg.tensor.grad.pow(2).sum()
+        return total
+
+    def _slice(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """``tensors`` (one per segment) end to end, padded to the slice's length."""
+        parts = [t.detach().reshape(-1).to(dtype) for t in tensors]
+        device = self.params[0].device
+        return torch.cat([*parts, torch.zeros(self.pad, dtype=dtype, device=device)])
+
+    def gather(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Every rank's slice of a bucket-shaped quantity (``tensors``: this rank's, one per segment), in
+        bucket order (a collective over dp)."""
+        mine = self._slice(tensors, dtype)
+        full = torch.empty(self.dp * self.length, dtype=dtype, device=mine.device)
+        collectives.all_gather_single(full, mine, group=self.group)
+        return full
+
+    @torch.no_grad()
+    def unpack(self, full: torch.Tensor, into: list) -> None:
+        """A gathered bucket into ``into`` (the bucket's parameters, or tensors shaped as them)."""
+        for i, t in enumerate(into):
+            _flat(t).copy_(full[self.offsets[i] : self.offsets[i + 1]])
+
+    def push(self) -> None:
+        """The stepped slices, all-gathered, become the chunk's weights (in their dtype)."""
+        self.unpack(self.gather([sg.tensor for sg in self.segments], self.dtype), self.params)
+
+
+class ScatterBucket(ReductionBucket):
+    """A bucket of a chunk's gradients reduce-scattered over dp into this rank's slice of ``shard``."""
+
+    def __init__(self, segment: int, index: int, shard: FlatShard, grads: list[torch.Tensor], deadline: int, dp: int):
+        super().__init__(segment, index, grads, deadline, dp)
+        self.shard = shard
+
+    def issue(self, group, clock) -> None:
+        sh = self.shard
+        packed = flatten(self.grads, self.grads[0].dtype, size=sh.dp * sh.length).div_(self.dp)
+        for p in sh.params:  # packed: the chunk's gradients are no longer needed
+            p.grad = None
+        self.grads = []
+        self.work, self.flat, self.summed = exchange_rows(
+            packed.view(sh.dp, sh.length), uses_all_to_all("auto"), group=group
+        )
+        self.packed = packed  # alive until the collective is done
+        self.t_issue = clock()
+
+    def unpack(self) -> None:
+        # all-to-all: the dp pieces of this rank's slice, summed here (in fp32, as the segments keep them)
+        self.shard.receive(self.flat if self.summed else self.flat.float().sum(0))
+        self.flat = self.work = self.packed = None
+
+
+class ChunkShards:
+    """A chunk's buckets (its own parameters, in the reducer's buckets; the tied weight's copy alone) and the
+    AdamW of their segments. ``bucket_bytes``: a deferred chunk's reduction goes in buckets of this size
+    (:class:`~foldtrain.parallel.pipeline.deadlines.DeadlineQueue`), else in one."""
+
+    def __init__(self, chunk: nn.Module, tied, topo, optim_cfg, head_copy=None, bucket_bytes: float | None = None):
+        params = [p for p in chunk.parameters() if p is not tied]
+        if not params:
+            own = []
+        elif bucket_bytes:  # the deadline queue's split, on the parameters' sizes (the gradients' are the same)
+            local = {id(local_part(p)): p for p in params}
+            own = [[local[id(t)] for t in b] for b in split_buckets([local_part(p) for p in params], bucket_bytes)]
+        else:
+            own = [params]
+        self.index = {id(p): i for i, p in enumerate(chunk.parameters())}  # a parameter's place in the chunk
+        make = lambda g: FlatShard(g, topo.dp, topo.dp_rank, topo.dp_group, topo.tp, head_copy)  # noqa: E731
+        self.own = [make(g) for g in own]
+        self.buckets = self.own + ([make([tied])] if tied is not None else [])
+        segments = [sg for b in self.buckets for sg in b.segments]
+        device = next(chunk.parameters()).device
+        decay = [sg.tensor for sg in segments if sg.decay]
+        # a rank whose slices hold nothing of a group still needs a tensor there (a slice of padding only)
+        no_decay = [sg.tensor for sg in segments if not sg.decay] or [torch.zeros(0, device=device)]
+        groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay}] if decay else []
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+        self.optimizer = torch.optim.AdamW(
+            groups,
+            lr=optim_cfg.lr,
+            betas=(optim_cfg.beta1, optim_cfg.beta2),
+            eps=optim_cfg.eps,
+            **({"fused": True} if device.type in ("cpu", "cuda") else {"foreach": True}),
+        )
+
+    def pull(self) -> None:
+        """Slices of gradients that were all-reduced (the tied copy's) taken from the chunk's."""
+        for b in self.buckets:
+            b.pull()
+
+    def scatter_buckets(self, grads_of, deadline: int, dp: int, segment: int) -> list[ScatterBucket]:
+        """The chunk's own reduction as reduce-scatters; ``grads_of(params)``: their gradients' local parts."""
+        return [ScatterBucket(segment, k, b, grads_of(b.params), deadline, dp) for k, b in enumerate(self.own)]
+
+    def grads(self) -> list[torch.Tensor]:
+        return [g for b in self.buckets for g in b.grads()]
+
+    def norm_sq(self) -> torch.Tensor:
+        return sum((b.norm_sq() for b in self.buckets[1:]), self.buckets[0].norm_sq())
+
+    def step(self) -> None:
+        self.optimizer.step()
+        for b in self.buckets:
+            b.push()
+
+    # ------------------------------------------------------------------ checkpoint views
+    def _bucket_view(self, b: FlatShard, module: nn.Module) -> list:
+        view_params = list(module.parameters())
+        return [view_params[self.index[id(p)]] for p in b.params]
+
+    def fill_view(self, module: nn.Module, optimizer: torch.optim.Optimizer, adamw_state) -> None:
+        """Collective over dp: ``module`` (an fp32 copy of the chunk) and ``optimizer`` (a plain AdamW over it)
+        take the full weights of record and moments, gathered from every rank's slices."""
+        hyper = {k: v for k, v in self.optimizer.param_groups[-1].items() if k not in ("params", "weight_decay")}
+        for g in optimizer.param_groups:  # the current learning rate and the schedule's keys, as the chunk's
+            g.update(hyper)
+        state = self.optimizer.state
+        stepped = [st["step"] for st in state.values() if st]
+        step = stepped[0] if stepped else torch.zeros(())
+        for b in self.buckets:
+            mine = self._bucket_view(b, module)
+            b.unpack(b.gather([sg.tensor for sg in b.segments], torch.float32), mine)
+            for key in ("exp_avg", "exp_avg_sq"):
+                pieces = [
+                    state[sg.tensor][key] if state.get(sg.tensor) else torch.zeros_like(sg.tensor) for sg in b.segments
+                ]
+                b.unpack(b.gather(pieces, torch.float32), [adamw_state(optimizer, v)[key] for v in mine])
+            for v in mine:
+                adamw_state(optimizer, v)["step"].copy_(step)
+
+    @torch.no_grad()
+    def load_view(self, module: nn.Module, optimizer: torch.optim.Optimizer, adamw_state) -> None:
+        """This rank's segments from ``module`` and ``optimizer`` (full, as loaded from a checkpoint); the
+        chunk takes the weights."""
+        for b in self.buckets:
+            mine = self._bucket_view(b, module)
+            for p, v in zip(b.params, mine):
+                local_part(p).copy_(local_part(v))
+            for sg in b.segments:
+                v = mine[sg.index]
+                sg.tensor.copy_(_flat(v)[sg.start : sg.end])  # a view: already written through the chunk
+                st = self.optimizer.state[sg.tensor]
+                if not st:  # AdamW makes its state at its first step; a load before it creates it
+                    st.update(step=torch.zeros((), device=sg.tensor.device), exp_avg=torch.zeros_like(sg.tensor))
+                    st["exp_avg_sq"] = torch.zeros_like(sg.tensor)
+                saved = adamw_state(optimizer, v)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    st[key].copy_(_flat(saved[key])[sg.start : sg.end])
+                st["step"].copy_(saved["step"])

@@ -102,12 +102,16 @@ class ChunkOptimizers:
         self._pull(s)
         if self.step_ok:
             if self.shards is not None:
-                self.shards[s].step()  # the slice's step, then the all-gather of the chunk's weights
+                self.shards[s].step()  # the slice's step; the chunk's weights are all-gathered by its next forward
             else:
                 self.optimizers[s].step()
                 self.masters_to_chunks((s,))
         self.lr_schedulers[s].step()
         self.optimizers[s].zero_grad(set_to_none=True)
+
+    def weights_ready(self, s: int) -> None:
+        if self.shards is not None and self.shards[s].pushed:
+            self.shards[s].land(lambda w: self.wait_collective(w, f"all-gather of chunk {s}'s weights over dp"))
 
     def step_early(self, s: int) -> None:
         self._pull(s)

@@ -60,6 +60,23 @@ def segment_params(s: Setup, seg: int) -> float:
     return n
 
 
+def whole_params(s: Setup, seg: int) -> float:
+    """Parameters of segment ``seg`` that the distributed optimizer leaves unsharded: the tied weight's copy
+    where the pipeline splits the tie (every dp rank has its gradient in full and steps all of it)."""
+    if s.pp > 1 and seg in (0, s.segments - 1):
+        return s.vocab * s.d_model / s.tp
+    return 0.0
+
+
+def optim_share(s: Setup, seg: int) -> float:
+    """The fraction of segment ``seg``'s parameters whose AdamW state a rank holds and steps."""
+    share = s.optim_share
+    if s.dist_optim and share < 1.0:
+        n, whole = segment_params(s, seg), whole_params(s, seg)
+        return ((n - whole) * share + whole) / n
+    return share
+
+
 def model_params(s: Setup) -> float:
     """Parameters of the whole model (tied embedding once, tp = 1)."""
     d = s.d_model

@@ -33,7 +33,7 @@ from foldtrain.profile.analysis import summarize
 from foldtrain.schedules import Op, StepPolicy, build_schedule, step_policy
 
 from .cluster import Cluster
-from .costs import CostModel, Placement, model_params, segment_params
+from .costs import CostModel, Placement, model_params, optim_share, segment_params, whole_params
 from .dataparallel import simulate_dataparallel
 from .events import Sim, run_schedule
 from .fsdp import simulate_fsdp
@@ -272,10 +272,11 @@ class RunCosts:
         s = self.s
         if s.strategy == "ps" and s.dp > 1:
             return 0.0  # the server steps (inside the reduction)
-        t = self.cm.optim(seg, s.optim_share)
-        if s.dist_optim:  # the step's all-gather of the chunk's weights over dp (blocking, in the executor)
+        t = self.cm.optim(seg, optim_share(s, seg))
+        if s.dist_optim:  # the all-gather of the chunk's weights over dp, charged to the step (the engine
+            # overlaps it with the forwards before the chunk's next one: an upper bound)
             _key, weight, bw, lat = self.pl.dp_link(p)
-            nbytes = segment_params(s, seg) * s.weight_bytes
+            nbytes = (segment_params(s, seg) - whole_params(s, seg)) * s.weight_bytes
             t += (s.dp - 1) / s.dp * nbytes * weight / bw + (s.dp - 1) * lat
         return t
 

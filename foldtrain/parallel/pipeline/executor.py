@@ -67,6 +67,10 @@ class ChunkStepper(Protocol):
     def before_steps(self) -> None:
         """Once per iteration, before the first non-deferred step: overflow check, gradient norm, clip."""
 
+    def weights_ready(self, s: int) -> None:
+        """Before chunk ``s``'s weights are read: what its last step still sends them (the distributed
+        optimizer's all-gather) has landed."""
+
 
 @dataclass
 class Iteration:
@@ -206,6 +210,7 @@ class Executor:
         s, m = a.chunk, a.mb
         chunk = self.chunks[s]
         inp = it.xs[m] if s == 0 else it.received_acts.pop((s, m)).requires_grad_(True)
+        self.stepper.weights_ready(s)
         with self._span(f"F c{s} m{m}", "compute", op="F", chunk=s, mb=m):
             with self.precision.forward_context():
                 out = chunk.body(inp) if s == self.last else chunk(inp)
@@ -320,6 +325,8 @@ class Executor:
         self.awaiting_step.clear()
         for r in self.reducers.values():
             r.reset()
+        for s in self.chunks:
+            self.stepper.weights_ready(s)
 
     def flush(self) -> None:
         """Complete every deferred reduction and optimizer step (before reading or saving weights)."""
@@ -329,6 +336,8 @@ class Executor:
             with self._span(f"OS c{s}", "optim", chunk=s, flush=True):
                 self.stepper.step(s)
         self.awaiting_step.clear()
+        for s in self.chunks:
+            self.stepper.weights_ready(s)
 
     # ------------------------------------------------------------------ forward only (evaluation)
     @torch.no_grad()
@@ -342,6 +351,7 @@ class Executor:
         losses: list[torch.Tensor] = []
         sends: list = []
         for s in sorted(self.chunks):
+            self.stepper.weights_ready(s)
             for m in range(n_mb):
                 inp = xs[m] if s == 0 else self._recv_eval(xs, s, m)
                 with self.precision.forward_context():

@@ -61,7 +61,12 @@ class Segment:
 class FlatShard:
     """One bucket of a chunk's parameters and this rank's segments of it (see the module docstring)."""
 
-    def __init__(self, params: list, dp: int, dp_rank: int, group, tp: int, head_copy=None):
+    def __init__(self, params: list, dp: int, dp_rank: int, group, tp: int, head_copy=None, whole: bool = False):
+        """``whole``: every data-parallel rank steps all of the bucket (the tied weight's copy, whose gradient
+        every rank has in full): no collective, and each element weighs 1/dp in the norm's sum over ranks."""
+        share = 1.0 / dp if whole else 1.0
+        self.whole = whole
+        dp, dp_rank = (1, 0) if whole else (dp, dp_rank)
         self.params, self.dp, self.group = params, dp, group
         self.offsets = list(itertools.accumulate([0] + [local_part(p).numel() for p in params]))
         self.length = -(-self.offsets[-1] // dp)  # elements per rank (the bucket padded to dp slices)
@@ -74,7 +79,7 @@ class FlatShard:
                 continue
             view = _flat(p)[a:b]
             tensor = view if view.dtype == torch.float32 else view.float()  # half weights: an fp32 master
-            weight = 0.0 if p is head_copy else (1.0 / tp if tp > 1 and _replicated(p) else 1.0)
+            weight = 0.0 if p is head_copy else share * (1.0 / tp if tp > 1 and _replicated(p) else 1.0)
             at = self.offsets[i] + a - lo
             self.segments.append(Segment(i, a, b, at, tensor, weight, p.dim() >= 2))
         self.pad = self.length - sum(sg.end - sg.start for sg in self.segments)
@@ -121,10 +126,18 @@ class FlatShard:
     def gather(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Every rank's slice of a bucket-shaped quantity (``tensors``: this rank's, one per segment), in
         bucket order (a collective over dp)."""
-        mine = self._slice(tensors, dtype)
-        full = torch.empty(self.dp * self.length, dtype=dtype, device=mine.device)
-        collectives.all_gather_single(full, mine, group=self.group)
+        work, full = self.gather_async(tensors, dtype)
+        if work is not None:
+            work.wait()
         return full
+
+    def gather_async(self, tensors: list[torch.Tensor], dtype: torch.dtype):
+        """:meth:`gather` started: ``(work or None, the buffer it fills)``."""
+        mine = self._slice(tensors, dtype)
+        if self.dp == 1:
+            return None, mine
+        full = torch.empty(self.dp * self.length, dtype=dtype, device=mine.device)
+        return collectives.all_gather_single(full, mine, group=self.group, async_op=True), full
 
     @torch.no_grad()
     def unpack(self, full: torch.Tensor, into: list) -> None:
@@ -132,9 +145,19 @@ class FlatShard:
         for i, t in enumerate(into):
             _flat(t).copy_(full[self.offsets[i] : self.offsets[i + 1]])
 
-    def push(self) -> None:
-        """The stepped slices, all-gathered, become the chunk's weights (in their dtype)."""
-        self.unpack(self.gather([sg.tensor for sg in self.segments], self.dtype), self.params)
+    def push(self):
+        """Start the all-gather of the stepped slices; returns what :meth:`land` takes, or None where the
+        chunk's weights are already the stepped ones (views into them, not split over dp)."""
+        if self.dp == 1 and not self.owns_copies:
+            return None
+        return self.gather_async([sg.tensor for sg in self.segments], self.dtype)
+
+    def land(self, pushed, wait) -> None:
+        """The gathered slices become the chunk's weights (in their dtype); ``wait(work)`` bounds the wait."""
+        work, full = pushed
+        if work is not None:
+            wait(work)
+        self.unpack(full, self.params)
 
 
 class ScatterBucket(ReductionBucket):
@@ -177,9 +200,12 @@ class ChunkShards:
         else:
             own = [params]
         self.index = {id(p): i for i, p in enumerate(chunk.parameters())}  # a parameter's place in the chunk
-        make = lambda g: FlatShard(g, topo.dp, topo.dp_rank, topo.dp_group, topo.tp, head_copy)  # noqa: E731
+        make = lambda g, whole=False: FlatShard(g, topo.dp, topo.dp_rank, topo.dp_group, topo.tp, head_copy, whole)  # noqa: E731
         self.own = [make(g) for g in own]
-        self.buckets = self.own + ([make([tied])] if tied is not None else [])
+        # the tied copy: its gradient is all-reduced in full for the tie, so every rank steps all of it (its
+        # moments unsharded) rather than all-gather it again
+        self.buckets = self.own + ([make([tied], whole=True)] if tied is not None else [])
+        self.pushed: list = []  # (bucket, all-gather in flight) since the step, until the next forward
         segments = [sg for b in self.buckets for sg in b.segments]
         device = next(chunk.parameters()).device
         decay = [sg.tensor for sg in segments if sg.decay]
@@ -211,9 +237,16 @@ class ChunkShards:
         return sum((b.norm_sq() for b in self.buckets[1:]), self.buckets[0].norm_sq())
 
     def step(self) -> None:
+        """Step the slices and start the all-gathers of the chunk's weights (:meth:`land` completes them)."""
         self.optimizer.step()
-        for b in self.buckets:
-            b.push()
+        self.pushed = [(b, x) for b in self.buckets if (x := b.push()) is not None]
+
+    def land(self, wait) -> None:
+        """Before the chunk's weights are read (its next forward, an evaluation, a checkpoint): the
+        all-gathers started by :meth:`step` complete into them."""
+        pushed, self.pushed = self.pushed, []
+        for b, x in pushed:
+            b.land(x, wait)
 
     # ------------------------------------------------------------------ checkpoint views
     def _bucket_view(self, b: FlatShard, module: nn.Module) -> list:
@@ -222,7 +255,7 @@ class ChunkShards:
 
     def fill_view(self, module: nn.Module, optimizer: torch.optim.Optimizer, adamw_state) -> None:
         """Collective over dp: ``module`` (an fp32 copy of the chunk) and ``optimizer`` (a plain AdamW over it)
-        take the full weights of record and moments, gathered from every rank's slices."""
+        take the full weights of record and moments, gathered from every rank's slices (after :meth:`land`)."""
         hyper = {k: v for k, v in self.optimizer.param_groups[-1].items() if k not in ("params", "weight_decay")}
         for g in optimizer.param_groups:  # the current learning rate and the schedule's keys, as the chunk's
             g.update(hyper)

@@ -95,9 +95,11 @@ def test_matches_single_process(suite, world, case):
         assert min(r["ref_norms"]) > r["grad_clip"], (r["ref_norms"], r["grad_clip"])
     assert r["param_err"] <= param_tol, (r["worst_param"], r["param_err"])
     assert r["eval_err"] <= tol
-    # the distributed optimizer: AdamW steps 1/dp of the elements (two buckets per chunk, each padded to dp slices)
+    # the distributed optimizer: AdamW steps 1/dp of the elements (buckets padded to dp slices), the tied
+    # weight's copies (all-reduced in full for the tie) whole
     dp = case["layout"][0]
-    share = r["param_elems"] / dp if case.get("zero") else r["param_elems"]
+    tied = r["tied_elems"]
+    share = (r["param_elems"] - tied) / dp + tied if case.get("zero") else r["param_elems"]
     assert share <= r["optim_elems"] <= share + 2 * case["layout"][3] * dp, (r["param_elems"], r["optim_elems"])
     # a padded vocabulary: the embedding and the head (one tensor, two names) had padding rows, which stayed zero
     padded = (2, 0.0) if case.get("vocab_pad") else (0, 0.0)

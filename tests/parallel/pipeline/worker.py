@@ -145,7 +145,11 @@ def optimizer_share(engine) -> dict:
     stepped = sum(
         local_part(p).numel() for o in engine.steps.optimizers.values() for g in o.param_groups for p in g["params"]
     )
-    return {"param_elems": sum(local_part(p).numel() for p in engine.model.parameters()), "optim_elems": stepped}
+    return {
+        "param_elems": sum(local_part(p).numel() for p in engine.model.parameters()),
+        "tied_elems": sum(local_part(t).numel() for t in engine.tied.values()),
+        "optim_elems": stepped,
+    }
 
 
 def checkpoint_case(case: dict, out: Path) -> dict | None:

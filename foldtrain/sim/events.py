@@ -80,6 +80,10 @@ class Costs(Protocol):
     def optim(self, p: int, c: int) -> float:
         """Seconds of chunk ``c``'s optimizer step."""
 
+    def gather(self, p: int, c: int) -> list[Phase] | None:
+        """The all-gather of chunk ``c``'s weights its step starts (the distributed optimizer), on the rank's
+        reduction stream, which the chunk's next forward waits for; ``None``: none."""
+
     def before_steps(self) -> float | None:
         """Seconds of the ranks' meeting before the first optimizer step, or ``None``: no meeting."""
 
@@ -151,6 +155,8 @@ class Sim:
         self.recv_waiters: dict[tuple, Callable[[float], None]] = {}
         self.red_done: dict[tuple, float] = {}  # (p, chunk, iteration, "dp"|"tie") -> completion
         self.red_waiters: dict[tuple, list] = {}
+        self.gathers: dict[tuple, float | None] = {}  # (p, chunk) -> when its step's all-gather lands (None: not yet)
+        self.gather_waiters: dict[tuple, list] = {}
         self.tie_launch: dict[tuple, float] = {}  # (iteration, side) -> its dp part done
         self.tie_recv: dict[tuple, float] = {}  # (iteration, side) -> the other end's send arrived
         self.barriers: dict[tuple, list] = {}
@@ -300,6 +306,18 @@ class Sim:
         r.launches.append((r.it, label))
 
     def _compute(self, r: RankState, a: Action, rule: Rule) -> bool:
+        if a.op is Op.FORWARD and (r.p, a.chunk) in self.gathers:  # the step's all-gather lands first
+            t_g = self.gathers[(r.p, a.chunk)]
+            if t_g is None:  # still on the stream: re-check when it is done
+                self.gather_waiters.setdefault((r.p, a.chunk), []).append(
+                    lambda t: self.at(self.now, lambda: self.step(r))
+                )
+                return False
+            del self.gathers[(r.p, a.chunk)]
+            if t_g > r.t:
+                self.ev(r, f"AG c{a.chunk}", "reduce_wait", r.t, t_g, chunk=a.chunk, gather=True)
+                self.resume(r, t_g)
+                return False
         t0 = r.t
         dur = self.costs.compute(r.p, a) + r.debt + self.overhead
         r.debt = 0.0
@@ -457,15 +475,33 @@ class Sim:
         dur = self.costs.optim(r.p, c) + r.debt + self.overhead
         r.debt = 0.0
         if dur <= 0:
+            self._launch_gather(r, c, r.t)
             return True
         t0 = r.t
 
         def stepped(t: float) -> None:
             self.ev(r, f"OS c{c}", "optim", t0, t, chunk=c, **args)
+            self._launch_gather(r, c, t)
             self.resume(r, t)
 
         self.busy(r, dur, stepped)
         return False
+
+    def _launch_gather(self, r: RankState, c: int, t: float) -> None:
+        """The distributed optimizer's all-gather of chunk ``c``'s weights, queued on the reduction stream at
+        the end of its step; its next forward waits for it."""
+        phases = self.costs.gather(r.p, c)
+        if not phases:
+            return
+        key = (r.p, c)
+        self.gathers[key] = None
+
+        def done(start: float, end: float) -> None:
+            self.gathers[key] = end
+            for w in self.gather_waiters.pop(key, []):
+                w(end)
+
+        self.dp_stream[r.p].submit(t, list(phases), done)
 
     def _end_iteration(self, r: RankState) -> None:
         """Pay the executor's remaining host work, wait for this rank's sends, end the step, meet in

@@ -272,13 +272,18 @@ class RunCosts:
         s = self.s
         if s.strategy == "ps" and s.dp > 1:
             return 0.0  # the server steps (inside the reduction)
-        t = self.cm.optim(seg, optim_share(s, seg))
-        if s.dist_optim:  # the all-gather of the chunk's weights over dp, charged to the step (the engine
-            # overlaps it with the forwards before the chunk's next one: an upper bound)
-            _key, weight, bw, lat = self.pl.dp_link(p)
-            nbytes = (segment_params(s, seg) - whole_params(s, seg)) * s.weight_bytes
-            t += (s.dp - 1) / s.dp * nbytes * weight / bw + (s.dp - 1) * lat
-        return t
+        return self.cm.optim(seg, optim_share(s, seg))
+
+    def gather(self, p: int, seg: int) -> list | None:
+        """The distributed optimizer's all-gather of the chunk's sharded weights: n-1 steps, (n-1)/n of the
+        bytes on the link (the tied copy is stepped whole: not gathered)."""
+        s = self.s
+        if not s.dist_optim:
+            return None
+        n = s.dp
+        key, weight, _bw, lat = self.pl.dp_link(p)
+        nbytes = (segment_params(s, seg) - whole_params(s, seg)) * s.weight_bytes
+        return [self.steps(n - 1, lat), ("flow", key, weight, (n - 1) / n * nbytes)]
 
     # -- barriers the action list does not show
     def before_steps(self):
@@ -430,8 +435,9 @@ def simulate_setup(s: Setup, c: Cluster, *, check_memory: bool = True, keep_even
             f"{'' if s.mode == '3d' else 'a sharded strategy, '}or a larger device (foldtrain plan finds one that fits)"
         )
     # Every iteration ends in the loss all-reduce (a barrier) with no reduction in flight, so one
-    # iteration is the steady state; deferred reductions cross into the next one: simulate two.
-    iters = 2 if s.defer else 1
+    # iteration is the steady state; deferred reductions and the distributed optimizer's all-gathers cross
+    # into the next one: simulate two.
+    iters = 2 if s.defer or s.dist_optim else 1
     if keep_events:
         iters += 1
     sim: Sim = run_schedule(sched, costs, iterations=iters, record_from=0 if keep_events else iters - 1)

@@ -41,6 +41,9 @@ class UnitCosts:
     def optim(self, p: int, c: int) -> float:
         return self.t_optim
 
+    def gather(self, p: int, c: int):
+        return None
+
     def before_steps(self):
         return None
 

@@ -15,38 +15,22 @@ import torch
 
 from foldtrain.bench.anchors.common import HALF, autocast_for, loss_fn, lr_at, set_lr
 from foldtrain.model import GPT, GPTShape, analytic_param_count
-
-# Dense bf16 tensor-core peaks (TFLOP/s) from the vendors' datasheets, matched against
-# torch.cuda.get_device_name in this order (the first match wins): H100/H200 SXM and GH200: NVIDIA H100 and
-# H200 datasheets; H100 NVL and PCIe: H100 datasheet; A100 (SXM and PCIe): A100 datasheet; L40S, L4, A10:
-# their datasheets. A device not listed has no MFU (reported as n/a).
-DEVICE_PEAKS_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 NVL", 835.0),
-    ("H100 PCIe", 756.0),
-    ("GH200", 989.0),
-    ("H200", 989.0),
-    ("H100", 989.0),
-    ("A100", 312.0),
-    ("L40S", 362.0),
-    ("L4", 121.0),
-    ("A10", 125.0),
-)
+from foldtrain.model.presets import train_flops_per_token
 
 
 def device_peak_tflops(name: str) -> float | None:
-    """The dense bf16 peak of a device named ``name`` (torch.cuda.get_device_name), or None if not in the table."""
-    for key, peak in DEVICE_PEAKS_TFLOPS:
-        if key.lower() in name.lower():
-            return peak
-    return None
+    """The dense bf16 peak (TFLOP/s) of a device named ``name`` (torch.cuda.get_device_name), from calibrate's
+    datasheet table (:data:`foldtrain.calibrate.gpu.PEAKS`), or None if the table has none (no MFU then)."""
+    from foldtrain.calibrate.gpu import known_peaks
+
+    peak = known_peaks(name)[0].get("bf16")
+    return peak / 1e12 if peak else None
 
 
 def flops_per_token(m, seq_len: int) -> float:
-    """Training FLOPs per token: 6 N for the matrix products of forward and backward (N every parameter,
-    the tied embedding once) plus 12 L T d for attention's scores and weighted sum (the formula the simulator's
-    MFU uses, Narayanan et al. 2021)."""
+    """Training FLOPs per token of model config ``m`` (:func:`foldtrain.model.presets.train_flops_per_token`)."""
     n = analytic_param_count(m.n_layer, m.d_model, m.context, m.vocab_size)
-    return 6.0 * n + 12.0 * m.n_layer * seq_len * m.d_model
+    return train_flops_per_token(n, m.n_layer, seq_len, m.d_model)
 
 
 def oom_error() -> tuple[type[BaseException], ...]:

@@ -30,7 +30,8 @@ SLEEP_CYCLES = 50_000_000  # 25-35 ms of a GPU's clock: longer than the host tak
 # Dense peak TFLOP/s (no sparsity) by device name, first match wins; a dtype left out is measured (the best
 # rate of any product). Sources: NVIDIA H100 Tensor Core GPU Architecture whitepaper (H100 SXM5 989.4 bf16/fp16,
 # 66.9 fp32; H100 PCIe 756.5, 51.2; H200 and GH200 have the H100 SXM5's SMs and clocks), A100 datasheet (312,
-# 19.5), V100 SXM2 datasheet (125 fp16, 15.7 fp32; no bf16 tensor cores), L40S and L4 datasheets.
+# 19.5), V100 SXM2 datasheet (125 fp16, 15.7 fp32; no bf16 tensor cores), L40S, L4 and A10 datasheets. The one
+# table of peaks: the acceptance run's MFU reads it too (foldtrain/bench/gpu_plain.py).
 # The last field: the cluster preset whose links stand in for links calibrate cannot measure.
 PEAKS: tuple[tuple[str, dict[str, float], str], ...] = (
     (r"NVL", {}, "dgx-h100"),  # NVL boards run at lower clocks than their SXM namesakes: measured
@@ -40,6 +41,7 @@ PEAKS: tuple[tuple[str, dict[str, float], str], ...] = (
     (r"V100-SXM2", {"fp16": 125.0, "fp32": 15.7}, "cloud-v100-25g"),
     (r"L40S", {"bf16": 362.05, "fp16": 362.05, "fp32": 91.6}, "dgx-h100"),
     (r"\bL4\b", {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3}, "dgx-h100"),
+    (r"\bA10\b", {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2}, "dgx-a100"),
 )
 DEFAULT_LINKS = "dgx-h100"
 

@@ -42,3 +42,11 @@ def analytic_param_count(n_layer: int, d_model: int, context: int, vocab_size: i
     d = d_model
     per_block = 12 * d * d + 13 * d
     return vocab_size * d + context * d + n_layer * per_block + 2 * d
+
+
+def train_flops_per_token(params: float, n_layer: int, seq_len: int, d_model: int) -> float:
+    """Model FLOPs of one training token: 6 N for the matrix products of forward and backward (N every
+    parameter, the tied embedding once) plus 12 L T d for attention's scores and weighted sum (Narayanan et
+    al. 2021; PaLM's MFU). What every MFU foldtrain reports counts (the simulator's, the acceptance run's,
+    the GPU validation's ``palm``)."""
+    return 6.0 * params + 12.0 * n_layer * seq_len * d_model

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from foldtrain.errors import ConfigError
+from foldtrain.model.presets import train_flops_per_token
 from foldtrain.profile.analysis import summarize
 from foldtrain.schedules import Op, StepPolicy, build_schedule, step_policy
 
@@ -382,7 +383,7 @@ class Result:
 
 
 def _mfu(s: Setup, c: Cluster, step: float) -> float:
-    flops = 6 * model_params(s) * s.tokens_per_step + 12 * s.n_layer * s.seq * s.d_model * s.tokens_per_step
+    flops = train_flops_per_token(model_params(s), s.n_layer, s.seq, s.d_model) * s.tokens_per_step
     return flops / (step * s.dp * s.pp * s.tp * c.peak(s.dtype)) if step > 0 else 0.0
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from foldtrain.config import build_config
 from foldtrain.config.load import tomllib
 from foldtrain.errors import ConfigError
+from foldtrain.model.presets import train_flops_per_token
 
 from ..cluster import PRESET_DIR, Cluster, load_cluster
 from ..setup import resolve_setup
@@ -52,7 +53,7 @@ def flops_per_token(run: dict, formula: str) -> float:
         "megatron": 96 * n * h * h * (1 + s / (6 * h) + v / (16 * n * h)),
         "megatron-mfu": 72 * n * h * h * (1 + s / (6 * h) + v / (12 * n * h)),
         "6n": 6 * params,
-        "palm": 6 * params + 12 * n * h * s,
+        "palm": train_flops_per_token(params, n, s, h),
     }
     if formula not in per:
         raise ConfigError(f"gpu_runs.toml {run['id']}: flops_formula {formula!r} unknown; use one of {sorted(per)}")

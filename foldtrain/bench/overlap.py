@@ -120,8 +120,7 @@ PROFILED_KEYS = (
 )
 
 
-def _same_config(a: RunResult, b: RunResult) -> bool:
-    keys = ("virtual", "dp_sync", "defer", "zero")
+def _same_config(a: RunResult, b: RunResult, keys: tuple[str, ...] = ("virtual", "dp_sync", "defer", "zero")) -> bool:
     return (a.impl, a.variant, a.network, a.precision) == (b.impl, b.variant, b.network, b.precision) and all(
         a.info.get(k) == b.info.get(k) for k in keys
     )
@@ -200,19 +199,8 @@ def zero_ratios(runs: list[RunResult]) -> list[Ratio]:
     for r in runs:
         if r.impl != "foldtrain" or not r.info.get("zero"):
             continue
-        keys = ("virtual", "dp_sync", "defer")
-        base = next(
-            (
-                b
-                for b in runs
-                if b.impl == "foldtrain"
-                and b.variant == r.variant
-                and b.network == r.network
-                and not b.info.get("zero")
-                and all(b.info.get(k) == r.info.get(k) for k in keys)
-            ),
-            None,
-        )
+        same = ("virtual", "dp_sync", "defer")  # everything but the optimizer
+        base = next((b for b in runs if not b.info.get("zero") and _same_config(r, b, same)), None)
         label = r.variant + ("+defer" if r.info.get("defer") else "")
         v, why = _ratio(r, base, names=(f"{label}+zero", label))
         out.append(Ratio(f"{label}+zero / {label} tokens/s [{r.network}]", v, why))

@@ -86,7 +86,7 @@ class ChunkStates:
         )
 
         self.executor.reset()
-        modules, optimizers = self.steps.state_views()
+        modules, optimizers = self.steps.state_views(weights=False, moments=False)  # sd overwrites both
         for s, c in modules.items():
             keys = set(c.state_dict().keys())
             set_model_state_dict(c, {k: v for k, v in sd["model"].items() if k in keys})
@@ -110,7 +110,7 @@ class ChunkStates:
         alive until rank 0 holds everything.
         """
         mine = []
-        modules, _ = self.steps.state_views()
+        modules, _ = self.steps.state_views(moments=False)
         for _, c in sorted(modules.items()):
             for k, v in c.state_dict().items():
                 if self.split_tie and k == self.head_fqn:

@@ -191,16 +191,19 @@ class ChunkOptimizers:
         return sq.sqrt()[0]
 
     # ------------------------------------------------------------------ checkpoint state
-    def state_views(self) -> tuple[dict, dict]:
+    def state_views(self, weights: bool = True, moments: bool = True) -> tuple[dict, dict]:
         """``(modules, optimizers)`` per local chunk holding the weights of record and AdamW's state under the
-        chunk's names: the owners themselves, or (slices) full fp32 copies gathered over dp (collective)."""
+        chunk's names: the owners themselves, or (slices) fp32 copies of the chunks and plain AdamWs filled by
+        a gather over dp (a collective) with the ``weights`` and the ``moments`` asked for (a load, which
+        overwrites both, asks for neither; an export wants the weights alone)."""
         if self.shards is None:
             return self.owners, self.optimizers
         modules, optimizers = {}, {}
         for s, z in sorted(self.shards.items()):
             modules[s] = _fp32_copy(self.chunks[s])
             optimizers[s] = build_optimizer(list(modules[s].named_parameters()), self.cfg.optim)
-            z.fill_view(modules[s], optimizers[s], adamw_state)
+            if weights or moments:
+                z.fill_view(modules[s], optimizers[s] if moments else None, adamw_state)
         return modules, optimizers
 
     def load_views(self, modules: dict, optimizers: dict) -> None:

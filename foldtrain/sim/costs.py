@@ -68,7 +68,7 @@ def whole_params(s: Setup, seg: int) -> float:
     return 0.0
 
 
-def optim_share(s: Setup, seg: int) -> float:
+def stepped_share(s: Setup, seg: int) -> float:
     """The fraction of segment ``seg``'s parameters whose AdamW state a rank holds and steps."""
     share = s.optim_share
     if s.dist_optim and share < 1.0:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from foldtrain.schedules import Op, Schedule
 
-from .costs import CostModel, optim_share, rank_segments, segment_params
+from .costs import CostModel, rank_segments, segment_params, stepped_share
 from .setup import Setup
 
 GB = 1e9
@@ -47,7 +47,7 @@ def rank_memory(
     n = sum(segment_params(s, g) for g in segs)
     workers = max(s.dp, 1)
     out: dict[str, float] = {"params": n * s.weight_bytes, "grads": n * s.grad_bytes}
-    opt_share = sum(segment_params(s, g) * optim_share(s, g) for g in segs) / n if n else 1.0
+    opt_share = sum(segment_params(s, g) * stepped_share(s, g) for g in segs) / n if n else 1.0
     if s.strategy == "ps":
         opt_share = (1.0 / max(s.servers, 1)) if server else 0.0
     out["optimizer"] = n * 8 * opt_share

@@ -23,7 +23,7 @@ from foldtrain.config import build_config, to_toml, validate
 from foldtrain.errors import ConfigError, FoldtrainError
 
 from .cluster import Cluster
-from .costs import CostModel, Placement, rank_segments, segment_params
+from .costs import CostModel, Placement, rank_segments, segment_params, stepped_share
 from .memory import GB
 from .setup import Setup, resolve_setup
 from .simulate import Result, simulate_setup
@@ -195,10 +195,11 @@ def estimate(s: Setup, c: Cluster) -> tuple[float, float]:
             hidden = u * M * (V - 1) if V > 1 else 0.0
             ring = max(ring / V, ring - hidden) if not s.defer else ring / V / 2
         t += ring
-    t += sum(cm.optim(x, s.optim_share) for x in rank_segments(s, 0))
+    t += sum(cm.optim(x, stepped_share(s, x)) for x in rank_segments(s, 0))
     per_block = cm.act_bytes_block(recompute=s.ac)
     n_par = sum(segment_params(s, x) for x in rank_segments(s, 0))
-    opt = (8 + (4 if s.master else 0)) * s.optim_share
+    stepped = sum(segment_params(s, x) * stepped_share(s, x) for x in rank_segments(s, 0))
+    opt = (8 + (4 if s.master else 0)) * stepped / n_par
     buf = s.grad_bytes if s.dp > 1 else 0
     layers0 = s.layers[0]
     mem = n_par * (s.weight_bytes + s.grad_bytes + opt + buf) + _live_chunks(s) * layers0 * per_block + c.runtime

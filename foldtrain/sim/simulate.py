@@ -34,7 +34,7 @@ from foldtrain.profile.analysis import summarize
 from foldtrain.schedules import Op, StepPolicy, build_schedule, step_policy
 
 from .cluster import Cluster
-from .costs import CostModel, Placement, model_params, optim_share, segment_params, whole_params
+from .costs import CostModel, Placement, model_params, segment_params, stepped_share, whole_params
 from .dataparallel import simulate_dataparallel
 from .events import Sim, run_schedule
 from .fsdp import simulate_fsdp
@@ -273,7 +273,7 @@ class RunCosts:
         s = self.s
         if s.strategy == "ps" and s.dp > 1:
             return 0.0  # the server steps (inside the reduction)
-        return self.cm.optim(seg, optim_share(s, seg))
+        return self.cm.optim(seg, stepped_share(s, seg))
 
     def gather(self, p: int, seg: int) -> list | None:
         """The distributed optimizer's all-gather of the chunk's sharded weights: n-1 steps, (n-1)/n of the

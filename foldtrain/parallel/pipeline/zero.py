@@ -253,18 +253,22 @@ class ChunkShards:
         view_params = list(module.parameters())
         return [view_params[self.index[id(p)]] for p in b.params]
 
-    def fill_view(self, module: nn.Module, optimizer: torch.optim.Optimizer, adamw_state) -> None:
-        """Collective over dp: ``module`` (an fp32 copy of the chunk) and ``optimizer`` (a plain AdamW over it)
-        take the full weights of record and moments, gathered from every rank's slices (after :meth:`land`)."""
-        hyper = {k: v for k, v in self.optimizer.param_groups[-1].items() if k not in ("params", "weight_decay")}
-        for g in optimizer.param_groups:  # the current learning rate and the schedule's keys, as the chunk's
-            g.update(hyper)
+    def fill_view(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, adamw_state) -> None:
+        """Collective over dp: ``module`` (an fp32 copy of the chunk) takes the full weights of record, and
+        ``optimizer`` (a plain AdamW over it; None: the weights alone) the moments, gathered from every rank's
+        slices (after :meth:`land`)."""
         state = self.optimizer.state
+        if optimizer is not None:
+            hyper = {k: v for k, v in self.optimizer.param_groups[-1].items() if k not in ("params", "weight_decay")}
+            for g in optimizer.param_groups:  # the current learning rate and the schedule's keys, as the chunk's
+                g.update(hyper)
         stepped = [st["step"] for st in state.values() if st]
         step = stepped[0] if stepped else torch.zeros(())
         for b in self.buckets:
             mine = self._bucket_view(b, module)
             b.unpack(b.gather([sg.tensor for sg in b.segments], torch.float32), mine)
+            if optimizer is None:
+                continue
             for key in ("exp_avg", "exp_avg_sq"):
                 pieces = [
                     state[sg.tensor][key] if state.get(sg.tensor) else torch.zeros_like(sg.tensor) for sg in b.segments

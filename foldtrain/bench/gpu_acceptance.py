@@ -40,6 +40,7 @@ FAULT_ENV = "FOLDTRAIN_ACCEPTANCE_FAULT"  # tests only: "CHECK:exit" or "CHECK:h
 CHECKS = {
     "data": (single.check_data, 90.0),
     "cuda-vs-cpu": (single.check_cuda_vs_cpu, 60.0),
+    "dataparallel": (single.check_dataparallel, 45.0),
     "bf16": (lambda ctx: single.check_half(ctx, "bf16"), 60.0),
     "fp16": (lambda ctx: single.check_half(ctx, "fp16"), 60.0),
     "speed-gpt2-small": (lambda ctx: single.check_speed(ctx, "gpt2-small"), 100.0),

@@ -167,8 +167,11 @@ def set_fp32_exact() -> None:
     torch.set_float32_matmul_precision("highest")
 
 
-def config(ctx: Ctx, preset: str, precision: str, batch: int, seq: int, steps: int, extra=(), device: str = ""):
-    """A train config of ``preset`` on the prepared data, one micro-batch of ``batch`` rows per step."""
+def config(
+    ctx: Ctx, preset: str, precision: str, batch: int, seq: int, steps: int, extra=(), device: str = "", check=True
+):
+    """A train config of ``preset`` on the prepared data, one micro-batch of ``batch`` rows per step (validated
+    as for one process unless ``check`` is False)."""
     from foldtrain.config import build_config, validate
 
     args = {
@@ -183,7 +186,8 @@ def config(ctx: Ctx, preset: str, precision: str, batch: int, seq: int, steps: i
         "--out": ctx.work / "run",
     }
     cfg = build_config([str(x) for kv in args.items() for x in kv] + list(extra))
-    validate(cfg, 1)
+    if check:
+        validate(cfg, 1)
     return cfg
 
 
@@ -276,6 +280,36 @@ def check_cuda_vs_cpu(ctx: Ctx) -> list[dict]:
         row(
             "CUDA vs CPU: parameters", f"{err:.1e} relative, worst {name}", "<= 1e-5 (key biases left out)", err <= 1e-5
         ),
+    ]
+
+
+def check_dataparallel(ctx: Ctx) -> list[dict]:
+    """``--dp.strategy dataparallel`` (``torch.nn.DataParallel`` over every visible GPU, HP3C'22's SPS) against
+    one device: ``tiny`` in fp32, the same steps, losses and parameters within 1e-5. In the dry mode the
+    strategy's CPU path (DataParallel calls the replica directly), which validation refuses a user."""
+    set_fp32_exact()
+    steps, batch, seq = ctx.scale.tiny
+    runs = []
+    for strategy in ("none", "dataparallel"):
+        extra = ("--dp.strategy", strategy)
+        cfg = config(ctx, "tiny", "fp32", batch, seq, steps, extra, check=not (ctx.dry and strategy == "dataparallel"))
+        engine = engine_for(cfg, ctx.device)
+        losses, _ = engine_steps(engine, sampler_for(cfg), 0, steps)
+        runs.append(
+            (losses, {n: p.detach().to("cpu", torch.float64) for n, p in engine.eval_model().named_parameters()})
+        )
+    (one_losses, one_params), (dp_losses, dp_params) = runs
+    loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(dp_losses, one_losses))
+    err, name = param_error(dp_params, one_params, cfg.model.n_head)
+    gpus = torch.cuda.device_count() if ctx.device.type == "cuda" else 0
+    what = f"nn.DataParallel over {gpus} GPU(s) vs one {ctx.device.type} device, tiny fp32, {steps} steps"
+    return [
+        row(
+            "dataparallel vs one device",
+            f"losses {loss_err:.1e}, parameters {err:.1e} relative, worst {name} ({what})",
+            "<= 1e-5 (key biases left out)",
+            max(loss_err, err) <= 1e-5,
+        )
     ]
 
 

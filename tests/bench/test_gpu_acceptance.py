@@ -39,7 +39,17 @@ def by_check(report: dict) -> dict[str, list[dict]]:
 
 
 # a dry verdict that depends on no timing and no device: it must hold on the CPU too
-DETERMINISTIC = ("data", "cuda-vs-cpu", "bf16", "fp16", "calibrate", "equivalence", "bench-dp", "bench-pipeline")
+DETERMINISTIC = (
+    "data",
+    "cuda-vs-cpu",
+    "dataparallel",
+    "bf16",
+    "fp16",
+    "calibrate",
+    "equivalence",
+    "bench-dp",
+    "bench-pipeline",
+)
 
 
 def test_dry_check_runs_every_check_on_the_cpu_and_exits_0(tmp_path):

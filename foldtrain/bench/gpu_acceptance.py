@@ -45,6 +45,7 @@ CHECKS = {
     "fp16": (lambda ctx: single.check_half(ctx, "fp16"), 60.0),
     "speed-gpt2-small": (lambda ctx: single.check_speed(ctx, "gpt2-small"), 100.0),
     "speed-gpt2-medium": (lambda ctx: single.check_speed(ctx, "gpt2-medium"), 150.0),
+    "speed-gpt2-large": (lambda ctx: single.check_speed(ctx, "gpt2-large"), 150.0),
     "memory-model": (single.check_memory, 30.0),
     "calibrate": (single.check_calibrate, 120.0),
     "simulate": (single.check_simulate, 30.0),

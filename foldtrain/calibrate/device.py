@@ -42,7 +42,8 @@ class Case:
     vocab: int
 
     def at(self, dtype: str) -> ops.BlockShape:
-        return dataclasses.replace(self.shape, e=ACT_BYTES[dtype])
+        """The block as foldtrain trains it in ``dtype`` (its own model; autocast over fp32 weights in half)."""
+        return dataclasses.replace(self.shape, e=ACT_BYTES[dtype], native=True, autocast=dtype != "fp32")
 
     @property
     def label(self) -> str:
@@ -159,11 +160,11 @@ def _gemm_probes(opts: Options, device, scale: Scale, k: Kernels) -> None:
         print(f"calibrate: {len(shapes)} {d} matrix products ...", flush=True)
         k.gemm[d] = dict(zip(shapes, gpu.measure_gemms(shapes, d, device, scale.min_s)))
     for d in sorted(set(opts.dtypes) | (set(ACT_BYTES) - set(k.table_peaks))):
-        k.squares[d] = gpu.measure_gemms([(n, n, n) for n in scale.squares], d, device, scale.min_s)
+        k.squares[d] = gpu.measure_gemms([(n, n, n, "nn") for n in scale.squares], d, device, scale.min_s)
     for d in ACT_BYTES:
         k.peaks[d] = k.table_peaks.get(d) or max([*k.squares[d], *k.gemm.get(d, {}).values()])
     d = opts.dtypes[0]
-    dims = [min(sh) for sh in k.gemm[d]] + list(scale.squares)
+    dims = [min(sh[:3]) for sh in k.gemm[d]] + list(scale.squares)
     k.curve = gpu.fit_gemm_curve(dims, [*k.gemm[d].values(), *k.squares[d]], k.peaks[d])
 
 
@@ -196,7 +197,7 @@ def measure_kernels(opts: Options, device, scale: Scale) -> Kernels:
     d = opts.dtypes[0]
     print("calibrate: memory-bound kernels, launches, a block ...", flush=True)
     per_case = [gpu.measure_memory_bound(c.at(d), c.vocab, d, device, scale.min_s) for c in opts.cases]
-    k.bw = {kind: [m[kind] for m in per_case] for kind in ("norm", "gelu", "softmax")}
+    k.bw = {kind: [m[kind] for m in per_case] for kind in gpu.MEMORY_BOUND}
     k.streams = gpu.measure_streams(scale.stream_bytes, device, scale.min_s)
     k.launch = gpu.measure_launch(device)
     first = dataclasses.replace(opts.cases[0].at(d), t=1)

@@ -13,6 +13,7 @@ and :func:`memory_overhead`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 import statistics
@@ -121,15 +122,23 @@ def device_time(fn, device, min_s: float, reps: int = 3) -> float:
     return best
 
 
-def measure_gemms(shapes, dtype: str, device, min_s: float) -> list[float]:
-    """FLOP/s of ``(M x K) @ (K x N)`` in ``dtype`` for each ``(M, N, K)`` of ``shapes``."""
+def operands(m: int, n: int, k: int, layout: str, dt, device):
+    """``(M x K)`` and ``(K x N)`` operands stored as ``layout`` says (:mod:`foldtrain.sim.ops`): "nt" the second
+    as an ``(N, K)`` weight (a linear layer's forward), "tn" the first as a ``(K, M)`` input (a weight's
+    gradient), "nn" both as they are."""
     import torch
 
+    a = torch.randn(k, m, dtype=dt, device=device).t() if layout == "tn" else torch.randn(m, k, dtype=dt, device=device)
+    b = torch.randn(n, k, dtype=dt, device=device).t() if layout == "nt" else torch.randn(k, n, dtype=dt, device=device)
+    return a, b
+
+
+def measure_gemms(shapes, dtype: str, device, min_s: float) -> list[float]:
+    """FLOP/s of ``(M x K) @ (K x N)`` in ``dtype`` for each ``(M, N, K, layout)`` of ``shapes``."""
     dt = torch_dtype(dtype)
     rates = []
-    for m, n, k in shapes:
-        a = torch.randn(m, k, dtype=dt, device=device)
-        b = torch.randn(k, n, dtype=dt, device=device)
+    for m, n, k, layout in shapes:
+        a, b = operands(m, n, k, layout, dt, device)
         rates.append(2.0 * m * n * k / device_time(lambda: a @ b, device, min_s))  # noqa: B023 - timed here
     return rates
 
@@ -200,7 +209,39 @@ def measure_memory_bound(s: ops.BlockShape, vocab: int, dtype: str, device, min_
         logits = torch.randn(T, cols, device=device, dtype=dt, requires_grad=True)
         target = torch.randint(0, cols, (T,), device=device)
         out["softmax"] = loss_bytes / _fwd_bwd(lambda: lm_loss(logits, target), [logits], device, min_s)
-    return out
+    return {**out, **measure_native(s, dtype, device, min_s)}
+
+
+MEMORY_BOUND = ("norm", "gelu", "softmax", "cast", "pack", "reduce")
+
+
+def measure_native(s: ops.BlockShape, dtype: str, device, min_s: float) -> dict[str, float]:
+    """Bytes/s of the memory-bound work foldtrain's own block adds (:mod:`foldtrain.sim.ops`, ``native``), at
+    ``s`` in ``dtype`` (bf16 for fp32, which has no casts): ``cast``, the residual add of a half branch into the fp32
+    stream and a half tensor's cast to fp32; ``pack``, the backward of q, k and v as views of the qkv product
+    (a stack and a copy, as autograd runs it); ``reduce``, the four bias gradients' sums over the tokens."""
+    import torch
+
+    half = dataclasses.replace(s, native=True, autocast=True, e=2)
+    by = {op.name: op.bytes for op in ops.memory_forward(half) + ops.memory_backward(half)}
+    dt = torch_dtype("bf16" if dtype == "fp32" else dtype)
+    T, d, f, t, heads = s.tokens, s.d, s.f, s.t, s.local_heads
+    stream = torch.randn(T, d, device=device)
+    branch = torch.randn(T, d, device=device, dtype=dt)
+    add = device_time(lambda: stream + branch, device, min_s)
+    cast = device_time(lambda: branch.float(), device, min_s)
+    qkv = torch.randn(s.b, s.L, 3 * d // t, device=device, dtype=dt, requires_grad=True)
+    views = qkv.view(s.b, s.L, heads, 3, d // s.heads).permute(3, 0, 2, 1, 4).unbind(0)
+    grads = [torch.randn_like(v) for v in views]
+    pack = device_time(lambda: torch.autograd.grad(views, qkv, grads, retain_graph=True), device, min_s)
+    cols = [3 * d // t, d, f // t, d]
+    dys = [torch.randn(T, n, device=device, dtype=dt) for n in cols]
+    reduce = device_time(lambda: [dy.sum(0) for dy in dys], device, min_s)
+    return {
+        "cast": (by["residual1"] + by["ln1.cast.bwd"]) / (add + cast),
+        "pack": by["qkv.grad_pack"] / pack,
+        "reduce": by["bias.grad"] / reduce,
+    }
 
 
 def measure_streams(nbytes: int, device, min_s: float) -> dict[str, float]:

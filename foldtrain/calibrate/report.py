@@ -87,6 +87,9 @@ def build_cluster(name: str, opts, k, links: dict, device):
         norm_bw=_median(k.bw["norm"]),
         gelu_bw=_median(k.bw["gelu"]),
         softmax_bw=_median(k.bw["softmax"]),
+        cast_bw=_median(k.bw["cast"]),
+        pack_bw=_median(k.bw["pack"]),
+        reduce_bw=_median(k.bw["reduce"]),
         adamw_bw=k.streams["adamw"],
         gemm=Measured({d: dict(t) for d, t in k.gemm.items()}),
         attn_fwd=Measured(attn),
@@ -105,9 +108,9 @@ def peak_notes(src: str, k) -> dict[str, str]:
     for d in k.peaks:
         best = max([*k.squares.get(d, []), *k.gemm.get(d, {}).values()], default=0.0)
         if d in k.table_peaks:
+            measured = f"best measured {best / 1e12:.4g} TFLOP/s ({src})" if best else f"not measured in {d}"
             notes[f"device.{d}_tflops"] = (
-                f"dense peak of the {k.name} (datasheet, foldtrain/calibrate/gpu.py PEAKS); "
-                f"best measured {best / 1e12:.4g} TFLOP/s ({src})"
+                f"dense peak of the {k.name} (datasheet, foldtrain/calibrate/gpu.py PEAKS); {measured}"
             )
         else:
             notes[f"device.{d}_tflops"] = (
@@ -150,6 +153,12 @@ def device_notes(src: str, opts, scale, k) -> dict[str, str]:
         "device.gelu_gbs": f"{src}: GELU (tanh) forward + backward, the same way: {_list(k.bw['gelu'])} GB/s",
         "device.softmax_gbs": f"{src}: foldtrain's lm_loss (fp32 cross-entropy of the {d} logits) forward + "
         f"backward, 24 bytes a logit: {_list(k.bw['softmax'])} GB/s",
+        "device.cast_gbs": f"{src}: the residual add of a {d} branch into the fp32 stream and a {d} tensor's cast "
+        f"to fp32, the same way: {_list(k.bw['cast'])} GB/s",
+        "device.pack_gbs": f"{src}: q, k and v's gradients packed into the qkv product's as foldtrain's attention "
+        f"does (a stack, a copy), the same way: {_list(k.bw['pack'])} GB/s",
+        "device.reduce_gbs": f"{src}: the four linear layers' bias gradients (sums over the tokens), the same way: "
+        f"{_list(k.bw['reduce'])} GB/s",
         "device.adamw_gbs": f"{src}: fused AdamW step of {scale.stream_bytes // 4 / 1e6:g} M fp32 parameters, "
         "28 bytes each",
     }
@@ -214,8 +223,8 @@ def all_notes(src: str, opts, scale, k, links: dict, device) -> dict[str, str]:
     notes.update(link_notes(src, "inter", links["inter"], inter_why, preset, backend))
     for d in opts.dtypes:
         notes[f"gemm.{d}"] = (
-            f"{src}: (M x K) @ (K x N) in {d}, device time; foldtrain.sim.ops.gemm_shapes of "
-            + "; ".join(c.label for c in opts.cases)
+            f"{src}: (M x K) @ (K x N) in {d}, the operand layouts says stored transposed, device time; "
+            "foldtrain.sim.ops.gemm_shapes of " + "; ".join(c.label for c in opts.cases)
         )
         notes[f"attention.{d}"] = f"{src}: causal SDPA ({k.backend[d]}), forward and backward, FLOPs as ops counts them"
     return notes

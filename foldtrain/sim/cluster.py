@@ -44,9 +44,13 @@ A cluster file (copy a preset and edit it; every number is required and positive
     norm_gbs = 1500          # optional: achieved bandwidth of layer norm (absent: elem_gbs)
     gelu_gbs = 1700          # optional: of GELU (absent: elem_gbs)
     softmax_gbs = 1600       # optional: of softmax and cross-entropy (absent: elem_gbs)
+    cast_gbs = 2000          # optional: of element-wise work converting half to fp32 (absent: elem_gbs)
+    pack_gbs = 1200          # optional: of packing q, k, v's gradients into qkv's (absent: elem_gbs)
+    reduce_gbs = 2500        # optional: of a bias gradient's sum over the tokens (absent: elem_gbs)
     adamw_gbs = 1500         # optional: of the fused AdamW step (absent: mem_bw_gbs)
     [gemm.bf16]              # optional, per dtype: measured matrix products (M x K) @ (K x N); a product of
     shapes = [[8192, 2304, 768]]   # one of these shapes runs at its measured rate, others on the curve
+    layouts = ["nt"]         # optional: the operand stored transposed (foldtrain.sim.ops; absent: "nn")
     tflops = [250.0]
     [attention.bf16]         # optional, per dtype: measured fused attention at (batch, heads, seq, head_dim)
     shapes = [[8, 12, 1024, 64]]
@@ -124,7 +128,8 @@ class Measured:
     rates: dict = field(default_factory=dict)
 
     def get(self, dtype: str, shape: tuple) -> float:
-        return self.rates.get(dtype, {}).get(tuple(int(x) for x in shape), 0.0)
+        key = tuple(x if isinstance(x, str) else int(x) for x in shape)
+        return self.rates.get(dtype, {}).get(key, 0.0)
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,9 @@ class Cluster:
     norm_bw: float = 0.0  # bytes/s of layer norm; 0: elem_bw
     gelu_bw: float = 0.0  # bytes/s of GELU; 0: elem_bw
     softmax_bw: float = 0.0  # bytes/s of softmax and cross-entropy; 0: elem_bw
+    cast_bw: float = 0.0  # bytes/s of element-wise work that converts a half tensor to fp32; 0: elem_bw
+    pack_bw: float = 0.0  # bytes/s of packing q, k and v's gradients into the qkv product's; 0: elem_bw
+    reduce_bw: float = 0.0  # bytes/s of a bias gradient's sum over the tokens; 0: elem_bw
     adamw_bw: float = 0.0  # bytes/s of the fused AdamW step; 0: mem_bw
     sms: float = 0.0  # streaming multiprocessors: > 0 prices products by their tiles' waves (a GPU)
     gemm_k_half: float = 0.0  # inner dimension at which a product's tiles reach half of their rate
@@ -218,6 +226,9 @@ OPTIONAL: dict[str, tuple[str, float, float]] = {
     "device.norm_gbs": ("norm_bw", 1e-9, 0.0),
     "device.gelu_gbs": ("gelu_bw", 1e-9, 0.0),
     "device.softmax_gbs": ("softmax_bw", 1e-9, 0.0),
+    "device.cast_gbs": ("cast_bw", 1e-9, 0.0),
+    "device.pack_gbs": ("pack_bw", 1e-9, 0.0),
+    "device.reduce_gbs": ("reduce_bw", 1e-9, 0.0),
     "device.adamw_gbs": ("adamw_bw", 1e-9, 0.0),
     "device.sms": ("sms", 1.0, 0.0),
     "device.gemm_k_half": ("gemm_k_half", 1.0, 0.0),
@@ -291,8 +302,23 @@ def _tables(data: dict, src: str) -> dict[str, Measured]:
                         f"{where}: give shapes = a list of {dims} whole numbers each and {key} = as many positive "
                         "TFLOP/s"
                     )
-                out[attr][dtype] = {tuple(sh): v * 1e12 for sh, v in zip(shapes, vals)}
+                keys = [tuple(sh) for sh in shapes]
+                if sec == "gemm":
+                    keys = [(*k, lay) for k, lay in zip(keys, _layouts(table, len(shapes), where))]
+                out[attr][dtype] = {k: v * 1e12 for k, v in zip(keys, vals)}
     return {attr: Measured(rates) for attr, rates in out.items()}
+
+
+GEMM_LAYOUTS = ("nn", "nt", "tn")
+
+
+def _layouts(table: dict, n: int, where: str) -> list[str]:
+    """A ``[gemm.*]`` table's ``layouts`` (which operand each product stores transposed, foldtrain.sim.ops);
+    absent: "nn", as calibrate measured every product before it told them apart."""
+    layouts = table.get("layouts", ["nn"] * n)
+    if not isinstance(layouts, list) or len(layouts) != n or any(x not in GEMM_LAYOUTS for x in layouts):
+        raise ConfigError(f"{where}: give layouts = one of {', '.join(GEMM_LAYOUTS)} per shape (or leave it out)")
+    return layouts
 
 
 def from_dict(data: dict, src: str = "<dict>") -> Cluster:
@@ -423,7 +449,10 @@ def _table_lines(c: Cluster, comments: dict[str, str]) -> list[str]:
             shapes = list(by_shape)
             note = comments.get(f"{sec}.{dtype}")
             lines += ["", f"[{sec}.{dtype}]" + (f"  # {note}" if note else "")]
-            lines.append("shapes = [" + ", ".join("[" + ", ".join(str(x) for x in sh) + "]" for sh in shapes) + "]")
+            dims = [[x for x in sh if not isinstance(x, str)] for sh in shapes]
+            lines.append("shapes = [" + ", ".join("[" + ", ".join(str(x) for x in sh) + "]" for sh in dims) + "]")
+            if sec == "gemm":
+                lines.append("layouts = [" + ", ".join(f'"{sh[-1]}"' for sh in shapes) + "]")
             for key, attr in rates:
                 m: Measured = getattr(c, attr)
                 lines.append(f"{key} = [" + ", ".join(f"{m.get(dtype, sh) / 1e12:.4g}" for sh in shapes) + "]")

@@ -95,6 +95,8 @@ def block_shape(s: Setup) -> ops.BlockShape:
         attention=s.attention,
         dropout=s.dropout,
         seq_parallel=s.seq_parallel,
+        native=s.native,
+        autocast=s.dtype != "fp32" and not s.master,
     )
 
 
@@ -153,7 +155,7 @@ class CostModel:
     def gemm_rate(self, op: ops.Op) -> float:
         """FLOP/s of a product: measured at its shape, else the efficiency curve of its smallest dimension
         (``rows``: that dimension is its rows, the micro-batch's tokens)."""
-        measured = self.c.gemm.get(self.s.dtype, op.shape)
+        measured = self.c.gemm.get(self.s.dtype, op.key)
         if measured > 0:
             return measured
         m, n, k = op.shape
@@ -175,7 +177,14 @@ class CostModel:
 
     def bandwidth(self, kind: str) -> float:
         c = self.c
-        own = {"norm": c.norm_bw, "gelu": c.gelu_bw, "softmax": c.softmax_bw}.get(kind, 0.0)
+        own = {
+            "norm": c.norm_bw,
+            "gelu": c.gelu_bw,
+            "softmax": c.softmax_bw,
+            "cast": c.cast_bw,
+            "pack": c.pack_bw,
+            "reduce": c.reduce_bw,
+        }.get(kind, 0.0)
         return own or c.elem_bw or c.mem_bw
 
     def op_time(self, op: ops.Op) -> float:
@@ -235,17 +244,22 @@ class CostModel:
 
     # ---------------------------------------------------------------- memory sizes
     def act_bytes_block(self, recompute: bool) -> float:
-        """Activation bytes one block keeps for its backward, per micro-batch (Korthikanti et al. 2022, their
-        2-byte numbers scaled to this precision): ``L b d (10 + 24/t + 5 a L / (d t))``, with sequence
-        parallelism ``34/t`` for the first two terms, with selective recomputation without the attention
-        core's ``5 a L / (d t)``; with full recomputation only the block's input."""
+        """Activation bytes one block keeps for its backward, per micro-batch: Korthikanti et al. (2022),
+        ``L b d (10 + 24/t + 5 a L / (d t))`` at 2 bytes per element, scaled to this precision (with sequence
+        parallelism ``34/t`` for the first two terms; with full recomputation only the block's input). Their
+        count holds two 1-byte dropout masks per element and, in the attention core, the scores' softmax (2),
+        its dropout mask (1) and output (2): without dropout the masks and the core's dropout go; a fused
+        attention kernel (foldtrain's SDPA) keeps no scores at all (its output is the projection's input,
+        counted); selective recomputation drops the core too. foldtrain's autocast keeps the two norms'
+        inputs in fp32 (4 more)."""
         s = self.s
         b, L, d, a, t = s.micro_batch, s.seq, s.d_model, s.n_head, s.tp
+        sp = t if s.seq_parallel else 1
         if recompute:
-            return L * b * d * s.act_bytes / (t if s.seq_parallel else 1)
-        core = 0.0 if s.selective else 5 * a * L / (d * t)
-        half = L * b * d * ((34 / t if s.seq_parallel else 10 + 24 / t) + core)
-        return half * s.act_bytes / 2
+            return L * b * d * s.act_bytes / sp
+        core = 0.0 if s.selective or s.attention == "flash" else (5 if s.dropout else 2) * a * L / (d * t)
+        whole = (10 if s.dropout else 8) + (4 if ops.amp(self.shape) else 0)  # not split by tp
+        return L * b * d * (whole / sp + 24 / t + core) * s.act_bytes / 2
 
     # ---------------------------------------------------------------- compute
     def forward(self, seg: int) -> float:

@@ -9,7 +9,17 @@ their variants: attention as two batched products around a fused softmax (``atte
 dropout, and sequence parallelism (the norms, dropouts and residuals split over the ``t`` ranks).
 
 Byte counts are reads + writes of the kernel, activations at ``e`` bytes per element; FLOPs are
-multiply-adds x 2. Causal fused attention skips the masked half; the unfused form computes all of it.
+multiply-adds x 2. Causal fused attention skips the masked half; the unfused form computes all of it. A
+product's ``layout`` says which operand is stored transposed, as PyTorch runs a linear layer: the forward
+``x W^T`` ("nt"), the input's gradient ``dy W`` ("nn"), the weight's ``x^T dy`` ("tn"); cuBLAS's speed
+depends on it where a leading dimension is odd (an unpadded vocabulary).
+
+``native`` adds what foldtrain's own block runs beyond the textbook operations (other systems fuse or avoid
+them): the linear layers' biases, whose gradients are reductions over the tokens; q, k and v as views of one
+product, whose gradients the backward packs back (a stack and a copy); and with ``autocast`` (bf16 / fp16
+over fp32 weights) an fp32 residual stream: the norms run in fp32 and their outputs are cast to the half
+type, each residual add reads the half branch and the fp32 stream, each weight is cast per pass and its
+gradient cast back.
 """
 
 from __future__ import annotations
@@ -20,12 +30,18 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Op:
     name: str
-    kind: str  # "gemm" | "attention" | "norm" | "gelu" | "softmax" | "elem"
+    kind: str  # "gemm" | "attention" | "norm" | "gelu" | "softmax" | "cast" | "pack" | "reduce" | "elem"
     flops: float = 0.0
     bytes: float = 0.0
     shape: tuple = ()  # gemm: (M, N, K); attention: (batch, heads, seq, head_dim)
     kernels: int = 1
     batch: int = 1  # gemm: independent products of that shape (the unfused attention's heads)
+    layout: str = "nn"  # gemm: "nt" (B stored transposed), "nn", "tn" (A stored transposed)
+
+    @property
+    def key(self) -> tuple:
+        """What a measured table is keyed by: ``(M, N, K, layout)`` for a product, else the shape."""
+        return (*self.shape, self.layout) if self.kind == "gemm" else self.shape
 
 
 @dataclass(frozen=True)
@@ -42,6 +58,8 @@ class BlockShape:
     attention: str = "flash"  # "flash" (one fused kernel) or "unfused" (two products around a softmax)
     dropout: bool = False
     seq_parallel: bool = False
+    native: bool = False  # foldtrain's own block (module docstring)
+    autocast: bool = False  # with native: bf16 / fp16 autocast over fp32 weights, an fp32 residual stream
 
     @property
     def tokens(self) -> int:
@@ -65,27 +83,28 @@ class BlockShape:
         return self.t if self.seq_parallel else 1
 
 
-def gemm(name: str, m: int, n: int, k: int, batch: int = 1) -> Op:
-    return Op(name, "gemm", flops=2.0 * m * n * k * batch, shape=(int(m), int(n), int(k)), batch=batch)
+def gemm(name: str, m: int, n: int, k: int, batch: int = 1, layout: str = "nn") -> Op:
+    flops = 2.0 * m * n * k * batch
+    return Op(name, "gemm", flops=flops, shape=(int(m), int(n), int(k)), batch=batch, layout=layout)
 
 
 def linear_forward(s: BlockShape) -> list[Op]:
     T, d, f, t = s.tokens, s.d, s.f, s.t
     return [
-        gemm("qkv", T, 3 * d // t, d),
-        gemm("proj", T, d, d // t),
-        gemm("fc", T, f // t, d),
-        gemm("fc2", T, d, f // t),
+        gemm("qkv", T, 3 * d // t, d, layout="nt"),
+        gemm("proj", T, d, d // t, layout="nt"),
+        gemm("fc", T, f // t, d, layout="nt"),
+        gemm("fc2", T, d, f // t, layout="nt"),
     ]
 
 
 def linear_backward(s: BlockShape) -> list[Op]:
-    """Each product ``y = x W`` of shape (M, N, K) has two in the backward: ``dx = dy W^T`` (M, K, N) and
-    ``dW = x^T dy`` (K, N, M) (the weight's gradient, accumulated over micro-batches in place)."""
+    """Each product ``y = x W^T`` of shape (M, N, K) has two in the backward: ``dx = dy W`` (M, K, N) and
+    ``dW^T = x^T dy`` (K, N, M) (the weight's gradient, accumulated over micro-batches in place)."""
     out = []
     for op in linear_forward(s):
         m, n, k = op.shape
-        out += [gemm(op.name + ".dgrad", m, k, n), gemm(op.name + ".wgrad", k, n, m)]
+        out += [gemm(op.name + ".dgrad", m, k, n, layout="nn"), gemm(op.name + ".wgrad", k, n, m, layout="tn")]
     return out
 
 
@@ -114,37 +133,73 @@ def attention_backward(s: BlockShape) -> list[Op]:
     return ops + [gemm("scores.dgrad", L, hd, L, batch=b * h), gemm("scores.wgrad", L, hd, L, batch=b * h)]
 
 
+def amp(s: BlockShape) -> bool:
+    """Whether the block runs under foldtrain's autocast: fp32 residual stream and weights, half products."""
+    return s.native and s.autocast
+
+
+def stream(s: BlockShape) -> float:
+    """Bytes of one ``(b, L, d)`` tensor of the residual stream on this rank (fp32 under autocast)."""
+    return s.tokens * s.d * (4 if amp(s) else s.e) / s.split
+
+
+def weight_elems(s: BlockShape) -> tuple[float, int]:
+    """Elements of one rank's block weights and biases (norms left out: autocast runs them in fp32), and
+    their tensors (the kernels a cast of them takes)."""
+    d, f, t = s.d, s.f, s.t
+    return (3 * d * d + d * d + 2 * d * f) / t + (3 * d + f) / t + 2 * d, 8
+
+
 def memory_forward(s: BlockShape) -> list[Op]:
-    """Two norms, the GELU, two residual adds (and two dropouts): read and write their tensors once."""
+    """Two norms, the GELU, two residual adds (and two dropouts): read and write their tensors once; under
+    autocast each norm's output cast to the half type, the adds reading the half branch and the fp32 stream,
+    and the weights cast."""
     T, d, e, f, t = s.tokens, s.d, s.e, s.f, s.t
-    act = T * d * e / s.split
+    act, res = T * d * e / s.split, stream(s)
+    add = res * 2 + act if amp(s) else 3 * act
+    mixed = "cast" if amp(s) else "elem"  # a half operand into fp32: PyTorch's casting element-wise kernel
     ops = [
-        Op("ln1", "norm", bytes=2 * act),
-        Op("ln2", "norm", bytes=2 * act),
+        Op("ln1", "norm", bytes=2 * res),
+        Op("ln2", "norm", bytes=2 * res),
         Op("gelu", "gelu", bytes=2 * T * f * e / t),
     ]
-    ops += [Op("residual1", "elem", bytes=3 * act), Op("residual2", "elem", bytes=3 * act)]
+    ops += [Op("residual1", mixed, bytes=add), Op("residual2", mixed, bytes=add)]
     if s.dropout:
         mask = T * d / s.split
         ops += [Op("dropout1", "elem", bytes=2 * act + mask), Op("dropout2", "elem", bytes=2 * act + mask)]
+    if amp(s):
+        n, tensors = weight_elems(s)
+        ops += [Op("ln1.cast", "elem", bytes=res + act), Op("ln2.cast", "elem", bytes=res + act)]
+        ops.append(Op("weights.cast", "elem", bytes=n * (4 + e), kernels=tensors))
     return ops
 
 
 def memory_backward(s: BlockShape) -> list[Op]:
     """A norm's backward reads its input and output gradient and writes the input gradient (and reduces the
-    weight's); the GELU's reads input and gradient; the residual stream adds the branch's gradient."""
+    weight's); the GELU's reads input and gradient; the residual stream adds the branch's gradient. foldtrain's
+    own block also reduces the biases' gradients over the tokens and packs q, k and v's gradients into the
+    qkv product's (a stack, then a copy for the view); under autocast it casts the norm outputs' and the
+    branches' gradients between the half type and fp32, and the weights' gradients to fp32."""
     T, d, e, f, t = s.tokens, s.d, s.e, s.f, s.t
-    act = T * d * e / s.split
+    act, res = T * d * e / s.split, stream(s)
+    add = res * 3 + act if amp(s) else 3 * act  # under autocast: the branch's gradient cast, then added in fp32
     ops = [
-        Op("ln1.bwd", "norm", bytes=3 * act, kernels=2),
-        Op("ln2.bwd", "norm", bytes=3 * act, kernels=2),
+        Op("ln1.bwd", "norm", bytes=3 * res, kernels=2),
+        Op("ln2.bwd", "norm", bytes=3 * res, kernels=2),
         Op("gelu.bwd", "gelu", bytes=3 * T * f * e / t),
-        Op("residual1.bwd", "elem", bytes=3 * act),
-        Op("residual2.bwd", "elem", bytes=3 * act),
+        Op("residual1.bwd", "elem", bytes=add, kernels=2 if amp(s) else 1),
+        Op("residual2.bwd", "elem", bytes=add, kernels=2 if amp(s) else 1),
     ]
     if s.dropout:
         mask = T * d / s.split
         ops += [Op("dropout1.bwd", "elem", bytes=act + mask + act), Op("dropout2.bwd", "elem", bytes=2 * act + mask)]
+    if s.native:
+        ops.append(Op("bias.grad", "reduce", bytes=T * (3 * d / t + d + f / t + d) * e, kernels=4))
+        ops.append(Op("qkv.grad_pack", "pack", bytes=4 * T * 3 * d * e / t, kernels=2))
+    if amp(s):  # half gradients into fp32 ones: the casting kernel again
+        n, tensors = weight_elems(s)
+        ops += [Op("ln1.cast.bwd", "cast", bytes=res + act), Op("ln2.cast.bwd", "cast", bytes=res + act)]
+        ops.append(Op("weights.cast.bwd", "cast", bytes=n * (4 + e), kernels=tensors))
     return ops
 
 
@@ -160,25 +215,30 @@ def block_backward(s: BlockShape) -> list[Op]:
 def head_ops(s: BlockShape, vocab: int) -> list[Op]:
     """The fused head, forward and backward in one pass: the final norm, the output projection (``V / t``
     columns) and its two backward products, and the fp32 loss (log-softmax and its gradient over the logits,
-    read and written in each of the head's three passes: 24 bytes a logit)."""
+    read and written in each of the head's three passes: 24 bytes a logit); under autocast the norm's output
+    and the (tied) weight cast to the half type and back."""
     T, d, e = s.tokens, s.d, s.e
     cols = vocab // s.t
-    act = T * d * e / s.split
-    return [
-        Op("ln_f", "norm", bytes=2 * act),
-        gemm("lm_head", T, cols, d),
+    act, res = T * d * e / s.split, stream(s)
+    ops = [
+        Op("ln_f", "norm", bytes=2 * res),
+        gemm("lm_head", T, cols, d, layout="nt"),
         Op("cross_entropy", "softmax", bytes=24.0 * T * cols, kernels=4),
-        gemm("lm_head.dgrad", T, d, cols),
-        gemm("lm_head.wgrad", cols, d, T),
-        Op("ln_f.bwd", "norm", bytes=3 * act, kernels=2),
+        gemm("lm_head.dgrad", T, d, cols, layout="nn"),
+        gemm("lm_head.wgrad", d, cols, T, layout="tn"),
+        Op("ln_f.bwd", "norm", bytes=3 * res, kernels=2),
     ]
+    if amp(s):
+        casts = 2 * (res + act) + 2 * cols * d * (4 + e)
+        ops.append(Op("head.casts", "elem", bytes=casts, kernels=4))
+    return ops
 
 
-def gemm_shapes(s: BlockShape, vocab: int) -> list[tuple[int, int, int]]:
-    """Every distinct ``(M, N, K)`` a step of this shape multiplies (blocks, attention's products when unfused,
-    the head), forward and backward: what ``calibrate --device cuda`` measures."""
+def gemm_shapes(s: BlockShape, vocab: int) -> list[tuple[int, int, int, str]]:
+    """Every distinct ``(M, N, K, layout)`` a step of this shape multiplies (blocks, attention's products when
+    unfused, the head), forward and backward: what ``calibrate --device cuda`` measures."""
     ops = block_forward(s) + block_backward(s) + head_ops(s, vocab)
-    return sorted({op.shape for op in ops if op.kind == "gemm"})
+    return sorted({op.key for op in ops if op.kind == "gemm"})
 
 
 def attention_shape(s: BlockShape) -> tuple[int, int, int, int]:

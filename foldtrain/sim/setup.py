@@ -72,6 +72,9 @@ class Setup:
     dropout: bool = False  # --model.dropout > 0: dropout kernels in every block
     seq_parallel: bool = False  # Megatron's sequence parallelism (other systems' runs): norms split over tp
     selective: bool = False  # selective recomputation of the attention core (other systems' runs)
+    # foldtrain's own model (foldtrain.model.gpt: biases, q/k/v views, autocast over fp32 weights); other
+    # systems' runs: False (foldtrain.sim.ops says what differs)
+    native: bool = True
     reshard_after_forward: bool = True  # fsdp: --dp.reshard_after_forward
     # the 3D engine's --optim.distributed with dp > 1: AdamW and fp32 masters on a 1/dp slice of each chunk,
     # the chunk's weights all-gathered over dp after its step

@@ -3,6 +3,8 @@ it measures, the fits, the device table, bus bandwidth as nccl-tests computes it
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import pytest
@@ -73,13 +75,21 @@ def test_device_peak_table(name, bf16, fp32, links):
 
 
 def test_gemm_rate_counts_2mnk_over_the_time(one_second):
-    assert gpu.measure_gemms([(3, 5, 7), (4, 2, 6)], "bf16", CPU, 0.0) == [2.0 * 3 * 5 * 7, 2.0 * 4 * 2 * 6]
+    shapes = [(3, 5, 7, "nn"), (4, 2, 6, "nt")]
+    assert gpu.measure_gemms(shapes, "bf16", CPU, 0.0) == [2.0 * 3 * 5 * 7, 2.0 * 4 * 2 * 6]
     assert [tuple(r.shape) for r in one_second] == [(3, 5), (4, 2)]
     assert {r.dtype for r in one_second} == {torch.bfloat16}
 
 
+def test_gemm_operands_are_stored_as_the_layout_says():
+    a, b = gpu.operands(3, 5, 7, "nt", torch.float32, CPU)  # x W^T: the weight (N, K) row-major
+    assert a.shape == (3, 7) and b.shape == (7, 5) and b.t().is_contiguous() and a.is_contiguous()
+    a, b = gpu.operands(3, 5, 7, "tn", torch.float32, CPU)  # x^T dy: the input (K, M) row-major
+    assert a.shape == (3, 7) and a.t().is_contiguous() and b.is_contiguous()
+
+
 def test_gemm_rates_are_measured():
-    rates = gpu.measure_gemms([(64, 96, 32), (8, 8, 8)], "fp32", CPU, 0.005)
+    rates = gpu.measure_gemms([(64, 96, 32, "tn"), (8, 8, 8, "nn")], "fp32", CPU, 0.005)
     assert finite_positive(*rates)
 
 
@@ -111,15 +121,22 @@ def test_memory_bound_bytes_as_ops_counts_them(one_second):
     assert bw["softmax"] == 24.0 * SHAPE.tokens * (64 // 2) / 2
     # as the model runs them under bf16 autocast: the norm reads the fp32 residual stream, GELU the bf16
     # activation of one tensor-parallel rank, the loss the bf16 logits of its vocabulary slice
-    norm_out, _, gelu_out, _, loss, _ = one_second
+    norm_out, _, gelu_out, _, loss, _, add, cast, (pack,), sums = one_second
     assert norm_out.dtype == torch.float32 and norm_out.shape == (SHAPE.tokens, SHAPE.d)
     assert gelu_out.dtype == torch.bfloat16 and gelu_out.shape == (SHAPE.tokens, 4 * SHAPE.d // 2)
     assert loss.dim() == 0
+    # foldtrain's own block: the casting kernels (1 s each), the qkv gradient's pack, the bias gradients
+    amp = dataclasses.replace(SHAPE, native=True, autocast=True)
+    by = {op.name: op.bytes for op in ops.memory_forward(amp) + ops.memory_backward(amp)}
+    assert bw["cast"] == (by["residual1"] + by["ln1.cast.bwd"]) / 2
+    assert add.dtype == cast.dtype == torch.float32 and add.shape == (SHAPE.tokens, SHAPE.d)
+    assert bw["pack"] == by["qkv.grad_pack"] and pack.shape == (SHAPE.b, SHAPE.L, 3 * SHAPE.d // 2)
+    assert bw["reduce"] == by["bias.grad"] and [g.shape[0] for g in sums] == [3 * 32 // 2, 32, 4 * 32 // 2, 32]
 
 
 def test_memory_bound_streams_launch_block_and_overhead_are_measured():
     bw = gpu.measure_memory_bound(SHAPE, 64, "fp32", CPU, 0.005)
-    assert finite_positive(*bw.values()) and set(bw) == {"norm", "gelu", "softmax"}
+    assert finite_positive(*bw.values()) and set(bw) == set(gpu.MEMORY_BOUND)
     st = gpu.measure_streams(1 << 20, CPU, 0.005)
     assert finite_positive(*st.values()) and set(st) == {"mem_bw", "elem", "adamw"}
     launch = gpu.measure_launch(CPU)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from foldtrain.config import build_config
@@ -113,10 +115,23 @@ def test_memory_of_gpt2_small_single_process(cluster):
     assert m["params"] == approx(4 * n) and m["grads"] == approx(4 * n) and m["optimizer"] == approx(8 * n)
     assert m["comm_buffers"] == 0 and m["masters"] == 0
     # activations: Korthikanti et al., fp32 = twice their 2-byte count, 12 blocks, plus the embedding output and three
-    # fp32 (L, V) tensors at the loss's backward
-    L, d, a, b, V = 128, 768, 12, 1, 50257
-    per_block = L * b * d * (34 + 5 * a * L / d) * 2
+    # fp32 (L, V) tensors at the loss's backward; no dropout (no masks) and a fused attention (no scores)
+    L, d, b, V = 128, 768, 1, 50257
+    per_block = L * b * d * (34 - 2) * 2
     assert m["activations"] == approx(12 * per_block + L * d * 4 + 3 * L * V * 4)
+
+
+def test_block_activations_drop_what_the_kernels_do_not_keep(cluster):
+    """Korthikanti et al.'s count, less the dropout masks without dropout and the scores with a fused kernel;
+    foldtrain's autocast keeps the norms' inputs in fp32."""
+    L, d, a, b = 128, 768, 12, 1
+    base = resolve_setup(_cfg("--train.global_batch", "1"))
+    unfused = CostModel(dataclasses.replace(base, attention="unfused", dropout=True), cluster)
+    assert unfused.act_bytes_block(False) == approx(L * b * d * (34 + 5 * a * L / d) * 2)  # their formula, fp32
+    half = CostModel(dataclasses.replace(base, dtype="bf16", act_bytes=2), cluster)
+    assert half.act_bytes_block(False) == approx(L * b * d * (32 + 4))
+    other = CostModel(dataclasses.replace(base, dtype="bf16", act_bytes=2, native=False), cluster)
+    assert other.act_bytes_block(False) == approx(L * b * d * 32)
 
 
 def test_sharded_ps_shards_optimizer_and_master_state(cluster):

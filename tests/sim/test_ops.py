@@ -38,8 +38,8 @@ def test_a_blocks_products_and_attention_count_megatrons_flops():
     assert sum(op.flops for op in ops.block_forward(unfused) if op.kind == "gemm") == approx(
         lin + 2 * att
     )  # all of the scores
-    assert (s.tokens, 3 * 512 // 2, 512) in ops.gemm_shapes(s, 1000)
-    assert (1000 // 2, 512, s.tokens) in ops.gemm_shapes(s, 1000)  # the head's weight gradient
+    assert (s.tokens, 3 * 512 // 2, 512, "nt") in ops.gemm_shapes(s, 1000)  # qkv: x W^T
+    assert (512, 1000 // 2, s.tokens, "tn") in ops.gemm_shapes(s, 1000)  # the head's weight gradient: x^T dy
     assert ops.attention_shape(s) == (4, 4, 256, 64)
 
 
@@ -59,10 +59,32 @@ def test_a_measured_shape_runs_at_its_rate_others_on_the_curve():
     cm = CostModel(s, c)
     qkv = ops.linear_forward(cm.shape)[0]
     assert cm.gemm_rate(qkv) == approx(100e12)  # the test cluster's curve: efficiency 1, no half size
-    measured = dataclasses.replace(c, gemm=Measured({"bf16": {qkv.shape: 25e12}}))
+    measured = dataclasses.replace(c, gemm=Measured({"bf16": {qkv.key: 25e12}}))
     cm2 = CostModel(s, measured)
     assert cm2.op_time(qkv) == approx(qkv.flops / 25e12)
     assert cm2.t_block_f > cm.t_block_f
+    # the same shape in another layout is another product: measured "nn", the forward's "nt" is on the curve
+    other = dataclasses.replace(c, gemm=Measured({"bf16": {(*qkv.shape, "nn"): 25e12}}))
+    assert CostModel(s, other).gemm_rate(qkv) == approx(100e12)
+
+
+def test_a_cluster_files_gemm_layouts_round_trip_and_default_to_nn():
+    from foldtrain.config.load import tomllib
+    from foldtrain.errors import ConfigError
+    from foldtrain.sim.cluster import to_toml
+
+    def cluster(table):
+        return from_dict({**cluster_dict(), "gemm": {"bf16": table}}, "c.toml")
+
+    table = {"shapes": [[64, 32, 16], [64, 32, 16]], "layouts": ["nt", "tn"], "tflops": [5.0, 1.0]}
+    c = cluster(table)
+    assert c.gemm.get("bf16", (64, 32, 16, "nt")) == approx(5e12)
+    assert c.gemm.get("bf16", (64, 32, 16, "tn")) == approx(1e12)
+    assert from_dict(tomllib.loads(to_toml(c)), "again.toml").gemm.rates == c.gemm.rates
+    old = cluster({"shapes": [[64, 32, 16]], "tflops": [5.0]})  # written before layouts: plain a @ b
+    assert old.gemm.get("bf16", (64, 32, 16, "nn")) == approx(5e12)
+    with pytest.raises(ConfigError, match="layouts"):
+        cluster({**table, "layouts": ["nt", "xx"]})
 
 
 def test_fused_attention_has_its_own_kernel_model_else_two_products_and_a_softmax():
@@ -100,6 +122,7 @@ def test_memory_bound_kernels_run_at_their_own_bandwidth():
 def test_selective_recomputation_pays_the_attention_core_again_and_drops_its_activations():
     s = _setup("--train.global_batch", "1", "--parallel.pp", "2")
     c = from_dict(cluster_dict(), "c.toml")
+    s = dataclasses.replace(s, attention="unfused")  # a fused kernel keeps no scores to drop
     base, sel = CostModel(s, c), CostModel(dataclasses.replace(s, selective=True), c)
     assert sel.backward(0) > base.backward(0)
     assert sel.act_bytes_block(False) < base.act_bytes_block(False)

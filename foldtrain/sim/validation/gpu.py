@@ -132,6 +132,7 @@ def predict(run: dict) -> Result:
         # Megatron-LM's scatter/gather of pipeline activations over the TP ranks (not DeepSpeed's pipeline engine)
         p2p_scatter=run.get("system", "") in ("Megatron-LM", "NeMo"),
         master=True,  # half-precision weights with fp32 masters, as these systems train
+        native=False,  # their own blocks, not foldtrain's
     )
     return simulate_setup(s, cluster_for(run), check_memory=False)
 

@@ -9,7 +9,9 @@ reduction buffer and DDP's buckets (a gradient copy each), ``sharded-ps``' one b
 
 Activations: the micro-batches a rank keeps alive, found by walking its action list (a forward
 adds its segment's activations, the backward frees them): all ``V M`` at the turn for fold and
-GPipe, about ``P`` for 1F1B. Per block and micro-batch Korthikanti et al. (2022); with ``--ac full``
+GPipe, about ``P`` for 1F1B. Per block and micro-batch Korthikanti et al. (2022), less what the kernels do
+not keep (:meth:`.costs.CostModel.act_bytes_block`: the scores under a fused attention kernel, dropout masks
+without dropout); with ``--ac full``
 only each block's input, plus one block's full activations while it is recomputed. The rank
 holding the head also holds three of one micro-batch's fp32 ``(b, L, V)`` tensors at the loss's
 backward (log-softmax output, its gradient, the logits' gradient), or the cluster's measured

@@ -4,7 +4,6 @@ it measures, the fits, the device table, bus bandwidth as nccl-tests computes it
 from __future__ import annotations
 
 import dataclasses
-
 import math
 
 import pytest

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: foldtrain bench {dp,pipeline,overhead,memory,dist-optim,hashing,simulator,planner,data,chaos,
-                        checkpoint} [options]
+USAGE = """usage: foldtrain bench {dp,pipeline,overhead,memory,dist-optim,fsdp-memory,hashing,simulator,planner,
+                        data,chaos,checkpoint} [options]
 
 benchmarks:
   dp         data-parallel strategies x precisions x 1/2/4 ranks, loopback and an emulated slow network,
@@ -30,6 +30,8 @@ benchmarks:
   memory     peak RSS per pipeline rank at the first step against the analytic state it owns
   dist-optim the 3D engine's optimizer state and masters per rank with and without --optim.distributed,
              against the simulator's memory model
+  fsdp-memory what each --dp.strategy fsdp rank holds (its shards, the most it unshards at once) against
+             1/N of the model and the simulator's memory model
   hashing    the cost of checkpoint checksums next to the save itself, for several hash functions
   simulator  calibrate this machine, run dp and pipeline benches, and compare the simulator's predictions
   planner    the planner's first choice among the 4-rank layouts this machine runs, against the measured best
@@ -52,6 +54,7 @@ BENCHMARKS = {
         "overhead",
         "memory",
         "dist-optim",
+        "fsdp-memory",
         "hashing",
         "simulator",
         "planner",

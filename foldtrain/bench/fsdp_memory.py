@@ -1,0 +1,222 @@
+"""``--dp.strategy fsdp``: what each rank holds, measured, against 1/N of the model and the simulator.
+
+One launch of N ranks trains two steps of FSDP2 (``fully_shard`` per block and on the root) and measures on
+every rank: the sharded state it keeps (its parameter shards, their gradients as AdamW sees them, AdamW's
+moments), and the most unsharded parameters and gradients it held at once, sampled as every module's forward
+runs, as every module's output gradient arrives in the backward and as every unsharded gradient is
+accumulated (FSDP2 gathers a unit's parameters before these points, and reduce-scatters and frees its
+gradients after). The fp32 reduce-scatter input FSDP2 keeps in flight is not visible
+there. The simulator's memory model (``foldtrain simulate``: ``params + grads + optimizer``, and
+``comm_buffers``) predicts both from the configuration alone.
+
+    foldtrain bench fsdp-memory [--preset gpt2-small] [--vocab 8192] [--ranks 4] [--reshard true]
+
+Reads FSDP2's private ``FSDPParam`` state (``_unsharded_param``) for the unsharded bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MB = 2**20
+
+
+def config_args(a) -> list[str]:
+    return [
+        *("--model.preset", a.preset, "--model.vocab_size", str(a.vocab)),
+        *("--dp.strategy", "fsdp", "--dp.reshard_after_forward", a.reshard),
+        *("--train.seq_len", "32", "--train.global_batch", str(2 * a.ranks), "--train.micro_batch", "2"),
+        *("--precision", "fp32", "--train.device", "cpu"),
+    ]
+
+
+def fsdp_params(model) -> list:
+    """Every ``FSDPParam`` of the model's FSDP units (private FSDP2 state)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            out += list(group.fsdp_params) if group is not None else []
+    return out
+
+
+class Sampler:
+    """The most unsharded parameter and gradient bytes held at once, sampled at every module's forward and at
+    every module output's gradient."""
+
+    def __init__(self, model):
+        self.params = fsdp_params(model)
+        self.peak = 0
+        for m in model.modules():
+            if not list(m.children()):
+                m.register_forward_hook(self.on_forward)
+
+    def held(self) -> int:
+        total = 0
+        for p in self.params:
+            full = getattr(p, "_unsharded_param", None)
+            if full is None:
+                continue
+            total += full.untyped_storage().nbytes()
+            if full.grad is not None:
+                total += full.grad.untyped_storage().nbytes()
+        return total
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, self.held())
+
+    def on_forward(self, _module, _inputs, out) -> None:
+        self.sample()
+        if hasattr(out, "requires_grad") and out.requires_grad:
+            out.register_hook(lambda g: self.sample())
+
+    def watch_gradients(self) -> None:
+        """Sample as each unsharded parameter's gradient is accumulated, before FSDP2 reduce-scatters and frees
+        it (FSDP2 builds the unsharded parameters at the first all-gather: call this after a step)."""
+        fulls = [getattr(p, "_unsharded_param", None) for p in self.params]
+        if not any(f is not None for f in fulls):
+            raise RuntimeError(
+                "FSDP2's private FSDPParam._unsharded_param is not there in this torch: the unsharded bytes "
+                "cannot be sampled; adapt foldtrain/bench/fsdp_memory.py to it"
+            )
+        for full in fulls:
+            if full is not None and full.requires_grad:
+                full.register_post_accumulate_grad_hook(lambda _t: self.sample())
+
+
+def local_bytes(t) -> int:
+    return (t.to_local() if hasattr(t, "to_local") else t).nbytes
+
+
+def worker(out: Path, argv: list[str]) -> None:
+    """Under torchrun: two steps; every rank's figures gathered on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    from foldtrain.config import build_config
+    from foldtrain.distributed import DistEnv
+    from foldtrain.engine import build_engine
+    from foldtrain.train.trainer import build_model
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = build_config(argv)
+    engine = build_engine(cfg, build_model(cfg), DistEnv(rank, world, rank, torch.device("cpu")), 2)
+    sampler = Sampler(engine.model)
+    seen = {}
+    opt = engine.state.optimizer
+
+    def before_step(o, *_):
+        seen["grads"] = sum(local_bytes(p.grad) for g in o.param_groups for p in g["params"] if p.grad is not None)
+
+    opt.register_step_pre_hook(before_step)
+    g = torch.Generator().manual_seed(0)
+    for step in range(2):
+        x = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.train.seq_len + 1), generator=g)
+        mine = x[rank::world]
+        engine.train_step(mine[:, :-1].contiguous(), mine[:, 1:].contiguous())
+        if step == 0:
+            sampler.watch_gradients()
+    row = {
+        "params": sum(local_bytes(p) for p in engine.model.parameters()),
+        "grads": seen["grads"],
+        "optimizer": sum(local_bytes(t) for st in opt.state.values() for k, t in st.items() if k != "step"),
+        "unsharded_peak": sampler.peak,
+    }
+    every = [None] * world
+    dist.all_gather_object(every, row)
+    if rank == 0:
+        (out / "bytes.json").write_text(json.dumps(every))
+    dist.destroy_process_group()
+
+
+def model_sizes(argv: list[str]) -> tuple[int, int, int]:
+    """Parameters of the whole model (tied weight once), of one block, and of the root unit (the rest)."""
+    import torch
+
+    from foldtrain.config import build_config
+    from foldtrain.model import GPT, GPTShape
+
+    cfg = build_config(argv)
+    with torch.device("meta"):
+        model = GPT(GPTShape.from_config(cfg.model))
+    total = sum(p.numel() for p in model.parameters())
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    return total, block, total - cfg.model.n_layer * block
+
+
+def predicted(argv: list[str], ranks: int) -> dict[str, float]:
+    """The simulator's memory of rank 0 (the simulator takes the ranks as ``--parallel.dp``)."""
+    from foldtrain.config import build_config
+    from foldtrain.sim.cluster import load_cluster
+    from foldtrain.sim.simulate import simulate
+
+    cfg = build_config([*argv, "--parallel.dp", str(ranks)])
+    return simulate(cfg, load_cluster("dgx-a100"), check_memory=False).memory[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv and argv[0] == "--worker":
+        worker(Path(argv[1]), argv[2:])
+        return 0
+    ap = argparse.ArgumentParser(
+        prog="foldtrain bench fsdp-memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--preset", default="gpt2-small")
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--reshard", choices=("true", "false"), default="true", help="--dp.reshard_after_forward")
+    a = ap.parse_args(argv)
+    args = config_args(a)
+    out = Path(tempfile.mkdtemp(prefix="ft-fsdpmem-"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.ranks)]
+    cmd += ["-m", "foldtrain", "bench", "fsdp-memory", "--worker", str(out), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if r.returncode != 0:
+        print(r.stdout[-3000:] + r.stderr[-3000:], file=sys.stderr)
+        return 1
+    rows = json.loads((out / "bytes.json").read_text())
+    total, block, root = model_sizes(args)
+    pred = predicted(args, a.ranks)
+    full, one = 16 * total, 16 * block  # fp32 parameter, gradient and AdamW's two moments
+    print(f"fsdp over {a.ranks} ranks, {a.preset} with a {a.vocab}-word vocabulary, fp32, reshard_after_forward")
+    print(f"{a.reshard}: {total / 1e6:.1f} M parameters, a block {block / 1e6:.2f} M, the root unit (embedding, head, ")
+    print(f"final norm) {root / 1e6:.2f} M = {root / block:.1f} blocks")
+    print()
+    print(
+        "| rank | params MB | grads MB | AdamW MB | sharded state / (model's / N) | unsharded peak MB | "
+        "state + unsharded peak, MB | <= model's / N + one block's |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for i, m in enumerate(rows):
+        state = m["params"] + m["grads"] + m["optimizer"]
+        held = state + m["unsharded_peak"]
+        bound = full / a.ranks + one
+        print(
+            f"| {i} | {m['params'] / MB:.1f} | {m['grads'] / MB:.1f} | {m['optimizer'] / MB:.1f} | "
+            f"{state / (full / a.ranks):.3f} | {m['unsharded_peak'] / MB:.1f} | {held / MB:.1f} | "
+            f"{'yes' if held <= bound else 'no'} ({bound / MB:.1f}) |"
+        )
+    state0 = sum(rows[0][k] for k in ("params", "grads", "optimizer"))
+    sim_state = pred["params"] + pred["grads"] + pred["optimizer"]
+    print()
+    print(
+        f"simulator, rank 0: sharded state {sim_state / MB:.1f} MB ({sim_state / state0 - 1:+.1%} against the "
+        f"measured), unsharded buffers {pred['comm_buffers'] / MB:.1f} MB "
+        f"({pred['comm_buffers'] / max(rows[0]['unsharded_peak'], 1) - 1:+.1%}; it also counts the fp32 "
+        "reduce-scatter input in flight, which the sampling does not see)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

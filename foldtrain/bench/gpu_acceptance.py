@@ -49,6 +49,7 @@ CHECKS = {
     "memory-model": (single.check_memory, 30.0),
     "calibrate": (single.check_calibrate, 120.0),
     "simulate": (single.check_simulate, 30.0),
+    "padding": (single.check_padding, 60.0),
     "equivalence": (multi.check_equivalence, 120.0),
     "bench-dp": (lambda ctx: multi.check_bench(ctx, "dp"), 120.0),
     "bench-pipeline": (lambda ctx: multi.check_bench(ctx, "pipeline"), 120.0),

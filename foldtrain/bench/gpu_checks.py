@@ -460,6 +460,48 @@ def check_speed(ctx: Ctx, label: str) -> list[dict]:
     ]
 
 
+PAD = ("--model.vocab_multiple", "64")
+
+
+def check_padding(ctx: Ctx) -> list[dict]:
+    """``gpt2-small`` at its measured micro-batch with the vocabulary padded to a multiple of 64 (the head's
+    products then have aligned leading dimensions): foldtrain's step against the unpadded one measured before,
+    and the simulator's prediction on the calibrated cluster (the padded head's products are not in its table:
+    they run on its fitted curve)."""
+    from foldtrain.sim.cluster import load_cluster
+    from foldtrain.sim.simulate import simulate
+
+    label = next(iter(ctx.scale.speed))
+    if label not in ctx.state:
+        return [row("padded vocabulary", "no measured run (its throughput check failed)", "", False)]
+    m, s = ctx.state[label], ctx.scale
+    cfg = config(ctx, m["preset"], "bf16", m["micro_batch"], m["seq"], 10_000, PAD)
+    engine = engine_for(cfg, ctx.device)
+    _, times = engine_steps(engine, sampler_for(cfg), 0, s.warm + s.window * s.reps)
+    step = statistics.median(times[s.warm :])
+    rows = [
+        row(
+            f"{label} padded vocabulary ({' '.join(PAD)})",
+            f"{step * 1e3:.1f} ms a step against {m['step_s'] * 1e3:.1f} unpadded: {m['step_s'] / step:.2f}x "
+            f"the tokens/s (vocabulary {cfg.model.vocab_size} padded to {-(-cfg.model.vocab_size // 64) * 64})",
+            "a figure",
+            None,
+        )
+    ]
+    cluster = ctx.state.get("cluster")
+    if cluster:
+        pred = simulate(cfg, load_cluster(cluster), check_memory=False).step_time
+        rows.append(
+            row(
+                f"{label} padded vocabulary, simulated step (calibrated)",
+                f"predicted {pred * 1e3:.1f} ms, measured {step * 1e3:.1f} ms ({pred / step - 1:+.1%})",
+                "within 10%",
+                abs(pred / step - 1) <= 0.10,
+            )
+        )
+    return rows
+
+
 def measured_runs(ctx: Ctx, what: str) -> tuple[list[tuple[str, dict]], list[dict]]:
     """The throughput checks' runs, and a FAIL row for each that is missing."""
     runs, missing = [], []

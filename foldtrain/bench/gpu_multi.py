@@ -2,7 +2,8 @@
 
 Equivalence runs in one torchrun launch (``python -m foldtrain.bench.gpu_multi RESULT.json DEVICE``): for every
 ``--dp.strategy`` that runs under torchrun, and for a pipeline x tensor-parallel layout pair, each rank builds
-the engine ``foldtrain train`` builds, trains a few steps of a small GPT on seeded synthetic batches, and
+the engine ``foldtrain train`` builds (and the 3D engine's data parallelism with ``--optim.distributed``), trains
+a few steps of a small GPT on seeded synthetic batches, and
 rank 0 compares every step's loss and the final parameters with the single-process engine on the same global
 batch (as tests/parallel's equivalence tests do on gloo). Four devices give dp 2 x pp 2 and pp 2 x tp 2; two
 or three give pp 2 and tp 2. In the dry mode the same launch runs on the CPU over gloo.
@@ -40,6 +41,9 @@ STRATEGIES = ("ddp", "allreduce", "ps", "sharded-ps", "fsdp")  # horovod needs h
 def cases(world: int) -> dict[str, list[str]]:
     """Case name -> train options, for a launch of ``world`` ranks."""
     out = {f"dp{world} {s}": ["--dp.strategy", s] for s in STRATEGIES}
+    # the 3D engine's data parallelism with the distributed optimizer: reduce-scatter and all-gather on NCCL
+    out[f"dp{world} distributed optimizer"] = ["--train.micro_batch", "2", "--parallel.dp", str(world)]
+    out[f"dp{world} distributed optimizer"] += ["--optim.distributed", "true"]
     pipe = ["--train.micro_batch", "2", "--parallel.virtual", "2", "--parallel.schedule", "fold"]
     pipe += ["--parallel.dp_sync", "per-chunk"]
     tp = ["--train.micro_batch", "2", "--parallel.schedule", "1f1b"]

@@ -67,7 +67,10 @@ def test_dry_check_runs_every_check_on_the_cpu_and_exits_0(tmp_path):
     # the multi-device checks: one equivalence row per strategy and layout, each at fp32 tolerance
     assert {r["check"] for r in checks["equivalence"]} == {
         f"gloo {c}"
-        for c in ("dp2 ddp", "dp2 allreduce", "dp2 ps", "dp2 sharded-ps", "dp2 fsdp", "pp2 fold", "tp2 1f1b")
+        for c in (
+            *("dp2 ddp", "dp2 allreduce", "dp2 ps", "dp2 sharded-ps", "dp2 fsdp", "dp2 distributed optimizer"),
+            *("pp2 fold", "tp2 1f1b"),
+        )
     }
     md = (tmp_path / "out" / "gpu-acceptance.md").read_text()
     table = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| check ")]

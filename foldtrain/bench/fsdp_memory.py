@@ -5,8 +5,9 @@ every rank: the sharded state it keeps (its parameter shards, their gradients as
 moments), and the most unsharded parameters and gradients it held at once, sampled as every module's forward
 runs, as every module's output gradient arrives in the backward and as every unsharded gradient is
 accumulated (FSDP2 gathers a unit's parameters before these points, and reduce-scatters and frees its
-gradients after). The fp32 reduce-scatter input FSDP2 keeps in flight is not visible
-there. The simulator's memory model (``foldtrain simulate``: ``params + grads + optimizer``, and
+gradients after). That figure is a lower bound: FSDP2 has taken a unit's unsharded gradients from ``.grad``
+by the time their accumulation hooks run, and the fp32 reduce-scatter input it keeps in flight is not
+visible at all. The simulator's memory model (``foldtrain simulate``: ``params + grads + optimizer``, and
 ``comm_buffers``) predicts both from the configuration alone.
 
     foldtrain bench fsdp-memory [--preset gpt2-small] [--vocab 8192] [--ranks 4] [--reshard true]
@@ -130,7 +131,7 @@ def worker(out: Path, argv: list[str]) -> None:
         "params": sum(local_bytes(p) for p in engine.model.parameters()),
         "grads": seen["grads"],
         "optimizer": sum(local_bytes(t) for st in opt.state.values() for k, t in st.items() if k != "step"),
-        "unsharded_peak": sampler.peak,
+        "unsharded_peak": sampler.peak,  # a lower bound (the module docstring says why)
     }
     every = [None] * world
     dist.all_gather_object(every, row)
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"final norm) {root / 1e6:.2f} M = {root / block:.1f} blocks")
     print()
     print(
-        "| rank | params MB | grads MB | AdamW MB | sharded state / (model's / N) | unsharded peak MB | "
+        "| rank | params MB | grads MB | AdamW MB | sharded state / (model's / N) | unsharded peak MB, at least | "
         "state + unsharded peak, MB | <= model's / N + one block's |"
     )
     print("|---|---|---|---|---|---|---|---|")
@@ -212,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"simulator, rank 0: sharded state {sim_state / MB:.1f} MB ({sim_state / state0 - 1:+.1%} against the "
         f"measured), unsharded buffers {pred['comm_buffers'] / MB:.1f} MB "
-        f"({pred['comm_buffers'] / max(rows[0]['unsharded_peak'], 1) - 1:+.1%}; it also counts the fp32 "
-        "reduce-scatter input in flight, which the sampling does not see)"
+        f"({pred['comm_buffers'] / max(rows[0]['unsharded_peak'], 1) - 1:+.1%} against the sampled lower bound; "
+        "it also counts a block's gradient and the fp32 reduce-scatter input in flight, which the sampling does "
+        "not see)"
     )
     return 0
 

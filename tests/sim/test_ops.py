@@ -126,3 +126,35 @@ def test_selective_recomputation_pays_the_attention_core_again_and_drops_its_act
     base, sel = CostModel(s, c), CostModel(dataclasses.replace(s, selective=True), c)
     assert sel.backward(0) > base.backward(0)
     assert sel.act_bytes_block(False) < base.act_bytes_block(False)
+
+
+def test_foldtrains_own_block_adds_its_casts_bias_sums_and_qkv_pack():
+    """What the H200 kernel profile showed foldtrain's block runs beyond the textbook list (docs/gpu.md): bias
+    gradients summed over the tokens and q/k/v's gradients packed into qkv's, and under autocast an fp32
+    residual stream (norms on fp32, their outputs cast to half and back, the adds mixing the two)."""
+    plain = ops.BlockShape(b=2, L=64, d=128, heads=4, e=2)
+    amp = dataclasses.replace(plain, native=True, autocast=True)
+    names = {op.name for op in ops.block_forward(plain) + ops.block_backward(plain)}
+    assert not names & {"bias.grad", "qkv.grad_pack", "ln1.cast", "weights.cast.bwd"}
+    by = {op.name: op for op in ops.block_forward(amp) + ops.block_backward(amp)}
+    T, d = plain.tokens, plain.d
+    assert by["bias.grad"].kind == "reduce" and by["bias.grad"].bytes == T * (3 * d + d + 4 * d + d) * 2
+    assert by["qkv.grad_pack"].kind == "pack" and by["qkv.grad_pack"].bytes == 4 * T * 3 * d * 2  # stack + copy
+    assert by["ln1"].bytes == 2 * T * d * 4  # the fp32 stream in and out
+    assert by["ln1.cast"].bytes == T * d * (4 + 2) and by["ln1.cast.bwd"].kind == "cast"
+    assert by["residual1"].kind == "cast" and by["residual1"].bytes == T * d * (4 + 4 + 2)
+    # fp32 training: the same native block without casts
+    fp32 = dataclasses.replace(plain, native=True, e=4)
+    assert not {op.name for op in ops.block_backward(fp32)} & {"ln1.cast.bwd", "weights.cast.bwd"}
+    assert "bias.grad" in {op.name for op in ops.block_backward(fp32)}
+
+
+def test_the_simulator_prices_foldtrains_block_natively_and_other_systems_not():
+    s = _setup("--train.global_batch", "1", "--precision", "bf16")
+    c = from_dict(cluster_dict(device__pack_gbs=1, device__cast_gbs=1, device__reduce_gbs=1), "c.toml")
+    native = CostModel(s, c)
+    assert native.shape.native and native.shape.autocast
+    pack = next(op for op in ops.block_backward(native.shape) if op.kind == "pack")
+    assert native.op_time(pack) == approx(pack.bytes / 1e9)  # priced at its own bandwidth
+    other = CostModel(dataclasses.replace(s, native=False), c)
+    assert other.t_block_b < native.t_block_b and not ops.amp(other.shape)

@@ -458,3 +458,18 @@ def print_results(
     if a.report:
         Path(a.report).write_text(report_markdown(title, headers, rows, ratios, notes))
         print(f"wrote {a.report}")
+
+
+def gather_from_workers(bench: str, ranks: int, args: list[str]):
+    """Launch ``foldtrain bench BENCH --worker OUT ARGS`` under torchrun on ``ranks`` CPU processes (one thread
+    each) and return what its rank 0 wrote to ``OUT/bytes.json``; a failed launch exits with its output's
+    tail."""
+    import json
+
+    out = Path(tempfile.mkdtemp(prefix=f"ft-{bench}-"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    cmd += ["-m", "foldtrain", "bench", bench, "--worker", str(out), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if r.returncode != 0:
+        raise SystemExit(f"foldtrain bench {bench}: the run failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+    return json.loads((out / "bytes.json").read_text())

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
+
+from foldtrain.bench.common import gather_from_workers
 
 MB = 2**20
 
@@ -133,13 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default="bf16-master", help="fp32, bf16 or a master precision")
     a = ap.parse_args(argv)
     args = config_args(a)
-    out = Path(tempfile.mkdtemp(prefix="ft-distopt-"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.dp * a.pp)]
-    cmd += ["-m", "foldtrain", "bench", "dist-optim", "--worker", str(out), *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if r.returncode != 0:
-        raise SystemExit(f"foldtrain bench dist-optim: the run failed:\n{r.stderr[-3000:]}")
-    rows = json.loads((out / "bytes.json").read_text())
+    rows = gather_from_workers("dist-optim", a.dp * a.pp, args)
     pred = {k: predicted(args, k == "distributed") for k in rows}
     print(
         f"{a.preset} (vocab {a.vocab}), dp {a.dp} x pp {a.pp}, fold V=2, {a.precision}: AdamW's moments + fp32 "

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from foldtrain.bench.common import gather_from_workers
 
 MB = 2**20
 
@@ -178,14 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reshard", choices=("true", "false"), default="true", help="--dp.reshard_after_forward")
     a = ap.parse_args(argv)
     args = config_args(a)
-    out = Path(tempfile.mkdtemp(prefix="ft-fsdpmem-"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.ranks)]
-    cmd += ["-m", "foldtrain", "bench", "fsdp-memory", "--worker", str(out), *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if r.returncode != 0:
-        print(r.stdout[-3000:] + r.stderr[-3000:], file=sys.stderr)
-        return 1
-    rows = json.loads((out / "bytes.json").read_text())
+    rows = gather_from_workers("fsdp-memory", a.ranks, args)
     total, block, root = model_sizes(args)
     pred = predicted(args, a.ranks)
     full, one = 16 * total, 16 * block  # fp32 parameter, gradient and AdamW's two moments

@@ -13,6 +13,7 @@ import os
 
 from foldtrain.errors import ConfigError
 from foldtrain.sim import ops
+from foldtrain.sim.cluster import KIND_BANDWIDTH
 
 from . import gpu, nccl, report
 
@@ -197,7 +198,7 @@ def measure_kernels(opts: Options, device, scale: Scale) -> Kernels:
     d = opts.dtypes[0]
     print("calibrate: memory-bound kernels, launches, a block ...", flush=True)
     per_case = [gpu.measure_memory_bound(c.at(d), c.vocab, d, device, scale.min_s) for c in opts.cases]
-    k.bw = {kind: [m[kind] for m in per_case] for kind in gpu.MEMORY_BOUND}
+    k.bw = {kind: [m[kind] for m in per_case] for kind in KIND_BANDWIDTH}
     k.streams = gpu.measure_streams(scale.stream_bytes, device, scale.min_s)
     k.launch = gpu.measure_launch(device)
     first = dataclasses.replace(opts.cases[0].at(d), t=1)

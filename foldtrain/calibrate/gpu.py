@@ -186,9 +186,10 @@ def _fwd_bwd(fn, inputs: list, device, min_s: float) -> float:
 
 
 def measure_memory_bound(s: ops.BlockShape, vocab: int, dtype: str, device, min_s: float) -> dict[str, float]:
-    """Bytes/s of layer norm, GELU (tanh) and the loss (foldtrain's ``lm_loss``: fp32 cross-entropy of the
-    logits), forward and backward each, as the model runs them at ``s`` (the norm's input is the fp32 residual
-    stream under autocast), with the bytes :mod:`foldtrain.sim.ops` counts for them."""
+    """Bytes/s of every kind of :data:`foldtrain.sim.cluster.KIND_BANDWIDTH`: layer norm, GELU (tanh) and the
+    loss (foldtrain's ``lm_loss``: fp32 cross-entropy of the logits), forward and backward each, as the model
+    runs them at ``s`` (the norm's input is the fp32 residual stream under autocast), with the bytes
+    :mod:`foldtrain.sim.ops` counts for them; and :func:`measure_native`'s."""
     import torch
     import torch.nn.functional as F
 
@@ -210,9 +211,6 @@ def measure_memory_bound(s: ops.BlockShape, vocab: int, dtype: str, device, min_
         target = torch.randint(0, cols, (T,), device=device)
         out["softmax"] = loss_bytes / _fwd_bwd(lambda: lm_loss(logits, target), [logits], device, min_s)
     return {**out, **measure_native(s, dtype, device, min_s)}
-
-
-MEMORY_BOUND = ("norm", "gelu", "softmax", "cast", "pack", "reduce")
 
 
 def measure_native(s: ops.BlockShape, dtype: str, device, min_s: float) -> dict[str, float]:

@@ -57,7 +57,7 @@ def build_cluster(name: str, opts, k, links: dict, device):
     """The cluster of the probes' numbers; the links not measured from ``--links`` (else the device's preset)."""
     import torch
 
-    from foldtrain.sim.cluster import Cluster, Measured, load_cluster
+    from foldtrain.sim.cluster import KIND_BANDWIDTH, Cluster, Measured, load_cluster
 
     preset = load_cluster(opts.links or k.links)
     gpus = opts.per_node if opts.world > 1 else (torch.cuda.device_count() if device.type == "cuda" else 1)
@@ -84,12 +84,7 @@ def build_cluster(name: str, opts, k, links: dict, device):
         attn_eff=k.attention[0],
         attn_bwd_eff=k.attention[1],
         attn_half_seq=k.attention[2],
-        norm_bw=_median(k.bw["norm"]),
-        gelu_bw=_median(k.bw["gelu"]),
-        softmax_bw=_median(k.bw["softmax"]),
-        cast_bw=_median(k.bw["cast"]),
-        pack_bw=_median(k.bw["pack"]),
-        reduce_bw=_median(k.bw["reduce"]),
+        **{attr: _median(k.bw[kind]) for kind, attr in KIND_BANDWIDTH.items()},
         adamw_bw=k.streams["adamw"],
         gemm=Measured({d: dict(t) for d, t in k.gemm.items()}),
         attn_fwd=Measured(attn),

@@ -132,6 +132,18 @@ class Measured:
         return self.rates.get(dtype, {}).get(key, 0.0)
 
 
+# the memory-bound operation kinds of foldtrain.sim.ops priced at an achieved bandwidth of their own (the Cluster
+# field holding it; 0 there falls back to elem_bw): what calibrate's kernel probes measure for each
+KIND_BANDWIDTH = {
+    "norm": "norm_bw",
+    "gelu": "gelu_bw",
+    "softmax": "softmax_bw",
+    "cast": "cast_bw",
+    "pack": "pack_bw",
+    "reduce": "reduce_bw",
+}
+
+
 @dataclass(frozen=True)
 class Cluster:
     name: str

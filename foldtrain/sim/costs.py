@@ -34,7 +34,7 @@ import math
 from dataclasses import replace
 
 from . import ops
-from .cluster import Cluster
+from .cluster import KIND_BANDWIDTH, Cluster
 from .setup import Setup
 
 
@@ -177,14 +177,7 @@ class CostModel:
 
     def bandwidth(self, kind: str) -> float:
         c = self.c
-        own = {
-            "norm": c.norm_bw,
-            "gelu": c.gelu_bw,
-            "softmax": c.softmax_bw,
-            "cast": c.cast_bw,
-            "pack": c.pack_bw,
-            "reduce": c.reduce_bw,
-        }.get(kind, 0.0)
+        own = getattr(c, KIND_BANDWIDTH[kind]) if kind in KIND_BANDWIDTH else 0.0
         return own or c.elem_bw or c.mem_bw
 
     def op_time(self, op: ops.Op) -> float:

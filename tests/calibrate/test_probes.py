@@ -12,6 +12,7 @@ import torch
 from foldtrain.calibrate import gpu, nccl
 from foldtrain.cli import main
 from foldtrain.sim import ops
+from foldtrain.sim.cluster import KIND_BANDWIDTH
 
 CPU = torch.device("cpu")
 SHAPE = ops.BlockShape(b=2, L=16, d=32, heads=4, t=2, e=2)
@@ -135,7 +136,7 @@ def test_memory_bound_bytes_as_ops_counts_them(one_second):
 
 def test_memory_bound_streams_launch_block_and_overhead_are_measured():
     bw = gpu.measure_memory_bound(SHAPE, 64, "fp32", CPU, 0.005)
-    assert finite_positive(*bw.values()) and set(bw) == set(gpu.MEMORY_BOUND)
+    assert finite_positive(*bw.values()) and set(bw) == set(KIND_BANDWIDTH)
     st = gpu.measure_streams(1 << 20, CPU, 0.005)
     assert finite_positive(*st.values()) and set(st) == {"mem_bw", "elem", "adamw"}
     launch = gpu.measure_launch(CPU)

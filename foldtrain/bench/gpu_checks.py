@@ -264,19 +264,33 @@ def param_error(got: dict, ref: dict, n_head: int) -> tuple[float, str]:
     return errs[name], name
 
 
+def params_f64(model) -> dict:
+    """``model``'s parameters by name, as float64 tensors on the CPU (what :func:`param_error` compares)."""
+    return {n: p.detach().to("cpu", torch.float64) for n, p in model.named_parameters()}
+
+
+def loss_error(got: list[float], ref: list[float]) -> float:
+    """The largest relative difference of two runs' losses, step by step."""
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, ref))
+
+
+def trained(cfg, device: torch.device, steps: int) -> tuple[list[float], dict]:
+    """The losses of ``steps`` steps of the engine for ``cfg`` on ``device``, and its final parameters."""
+    engine = engine_for(cfg, device)
+    losses, _ = engine_steps(engine, sampler_for(cfg), 0, steps)
+    return losses, params_f64(engine.eval_model())
+
+
 def check_cuda_vs_cpu(ctx: Ctx) -> list[dict]:
     """``tiny`` in fp32, the same 5 steps on the CPU and on the device: losses and parameters within 1e-5."""
     set_fp32_exact()
     steps, batch, seq = ctx.scale.tiny
-    runs = {}
+    runs = []
     for dev in (torch.device("cpu"), ctx.device):
         cfg = config(ctx, "tiny", "fp32", batch, seq, steps, device=dev.type)
-        engine = engine_for(cfg, dev)
-        losses, _ = engine_steps(engine, sampler_for(cfg), 0, steps)
-        params = {n: p.detach().to("cpu", torch.float64) for n, p in engine.eval_model().named_parameters()}
-        runs[len(runs)] = (losses, params)
-    (cpu_losses, cpu_params), (dev_losses, dev_params) = runs[0], runs[1]
-    loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(dev_losses, cpu_losses))
+        runs.append(trained(cfg, dev, steps))
+    (cpu_losses, cpu_params), (dev_losses, dev_params) = runs
+    loss_err = loss_error(dev_losses, cpu_losses)
     err, name = param_error(dev_params, cpu_params, cfg.model.n_head)
     what = f"{ctx.device.type} vs cpu, tiny fp32, {steps} steps, TF32 off"
     return [
@@ -297,13 +311,9 @@ def check_dataparallel(ctx: Ctx) -> list[dict]:
     for strategy in ("none", "dataparallel"):
         extra = ("--dp.strategy", strategy)
         cfg = config(ctx, "tiny", "fp32", batch, seq, steps, extra, check=not (ctx.dry and strategy == "dataparallel"))
-        engine = engine_for(cfg, ctx.device)
-        losses, _ = engine_steps(engine, sampler_for(cfg), 0, steps)
-        runs.append(
-            (losses, {n: p.detach().to("cpu", torch.float64) for n, p in engine.eval_model().named_parameters()})
-        )
+        runs.append(trained(cfg, ctx.device, steps))
     (one_losses, one_params), (dp_losses, dp_params) = runs
-    loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(dp_losses, one_losses))
+    loss_err = loss_error(dp_losses, one_losses)
     err, name = param_error(dp_params, one_params, cfg.model.n_head)
     gpus = torch.cuda.device_count() if ctx.device.type == "cuda" else 0
     what = f"nn.DataParallel over {gpus} GPU(s) vs one {ctx.device.type} device, tiny fp32, {steps} steps"
@@ -468,6 +478,7 @@ def check_padding(ctx: Ctx) -> list[dict]:
     products then have aligned leading dimensions): foldtrain's step against the unpadded one measured before,
     and the simulator's prediction on the calibrated cluster (the padded head's products are not in its table:
     they run on its fitted curve)."""
+    from foldtrain.model.presets import padded_vocab
     from foldtrain.sim.cluster import load_cluster
     from foldtrain.sim.simulate import simulate
 
@@ -479,11 +490,12 @@ def check_padding(ctx: Ctx) -> list[dict]:
     engine = engine_for(cfg, ctx.device)
     _, times = engine_steps(engine, sampler_for(cfg), 0, s.warm + s.window * s.reps)
     step = statistics.median(times[s.warm :])
+    rows_of_head = padded_vocab(cfg.model.vocab_size, int(PAD[1]))
     rows = [
         row(
             f"{label} padded vocabulary ({' '.join(PAD)})",
             f"{step * 1e3:.1f} ms a step against {m['step_s'] * 1e3:.1f} unpadded: {m['step_s'] / step:.2f}x "
-            f"the tokens/s (vocabulary {cfg.model.vocab_size} padded to {-(-cfg.model.vocab_size // 64) * 64})",
+            f"the tokens/s (vocabulary {cfg.model.vocab_size} padded to {rows_of_head})",
             "a figure",
             None,
         )

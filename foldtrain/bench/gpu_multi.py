@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from foldtrain.bench.gpu_checks import Ctx, param_error, row, run_cmd, set_fp32_exact, tail
+from foldtrain.bench.gpu_checks import Ctx, loss_error, param_error, params_f64, row, run_cmd, set_fp32_exact, tail
 
 STEPS, TOL = 5, 1e-5
 # the small GPT, batches and learning rate of tests/parallel/pipeline's equivalence cases (tests/equivalence.py)
@@ -93,7 +93,7 @@ def train_case(cfg, env) -> tuple[list[float], dict | None]:
     model = engine.eval_model()
     if env.rank != 0 or model is None:
         return losses, None
-    return losses, {n: p.detach().to("cpu", torch.float64) for n, p in model.named_parameters()}
+    return losses, params_f64(model)
 
 
 def reference(cfg, device: torch.device) -> tuple[list[float], dict]:
@@ -106,7 +106,7 @@ def reference(cfg, device: torch.device) -> tuple[list[float], dict]:
     engine = ReplicatedEngine(model, cfg, device, cfg.train.micro_batch or cfg.train.global_batch)
     batches = SyntheticBatches(cfg.model.vocab_size, cfg.train.seq_len)
     losses = [engine.train_step(*batches.rank_batch(s, cfg.train.global_batch, 0, 1)) for s in range(STEPS)]
-    return losses, {n: p.detach().to("cpu", torch.float64) for n, p in engine.eval_model().named_parameters()}
+    return losses, params_f64(engine.eval_model())
 
 
 def run_cases(env, device: str) -> dict[str, dict]:
@@ -119,7 +119,7 @@ def run_cases(env, device: str) -> dict[str, dict]:
             losses, params = train_case(cfg, env)
             if env.rank == 0:
                 ref_losses, ref_params = reference(cfg, env.device)
-                loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
+                loss_err = loss_error(losses, ref_losses)
                 err, worst = param_error(params, ref_params, cfg.model.n_head)
                 results[name] = {"loss_err": loss_err, "param_err": err, "worst": worst}
         except Exception as e:  # noqa: BLE001 - recorded as the case's row; the next case still runs

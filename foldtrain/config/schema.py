@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from foldtrain.schedules.generators import SCHEDULE_NAMES
+
 STRATEGIES = ("none", "ps", "sharded-ps", "allreduce", "ddp", "horovod", "fsdp", "dataparallel")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-master", "fp16-master")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "fold")
+SCHEDULES = SCHEDULE_NAMES
 DP_SYNCS = ("after-flush", "per-chunk")
 AC_MODES = ("none", "full")
 COMPRESSIONS = ("none", "fp16", "bf16")

@@ -91,6 +91,8 @@ def write_chrome_trace(path: str | os.PathLike, events_by_rank: Any, steps: Iter
 _COLORS = {
     "F": "#4C72B0",  # forward
     "B": "#DD8452",  # backward
+    "I": "#E8A87C",  # a split backward's input gradient
+    "W": "#937860",  # a split backward's weight gradients
     "fused": "#8172B3",  # other compute, e.g. fused head + loss
     "recv_wait": "#D9D9D9",
     "send": "#A0A0A0",
@@ -106,7 +108,7 @@ def _compute_class(ev: dict[str, Any]) -> str:
     op = (ev.get("args") or {}).get("op")
     if op is None:
         op = ev["name"].split(" ", 1)[0]
-    return op if op in ("F", "B") else "fused"
+    return op if op in ("F", "B", "I", "W") else "fused"
 
 
 def _reduce_bars(evs: list[dict]) -> list[tuple[float, float, Any]]:
@@ -139,6 +141,8 @@ _MAX_LABELS = 3000  # chunk / micro-batch labels written at most, over the whole
 _LEGEND: dict[str, tuple[str, dict[str, Any]]] = {
     "F": ("forward", dict(facecolor=_COLORS["F"])),
     "B": ("backward", dict(facecolor=_COLORS["B"])),
+    "I": ("backward, input gradient (I)", dict(facecolor=_COLORS["I"])),
+    "W": ("backward, weight gradients (W)", dict(facecolor=_COLORS["W"])),
     "fused": ("other compute (fused head)", dict(facecolor=_COLORS["fused"])),
     "recv_wait": ("recv wait", dict(facecolor=_COLORS["recv_wait"], hatch="////", edgecolor="#8C8C8C")),
     "send": ("send", dict(facecolor=_COLORS["send"])),

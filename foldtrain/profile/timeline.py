@@ -23,7 +23,7 @@ window from the earliest of them to the latest over ranks.
 Kinds (:data:`KINDS`):
 
 * ``compute``       -- forward / backward / fused head+loss (``args["op"]``: ``"F"``,
-  ``"B"`` or e.g. ``"FB"``; ``chunk``, ``mb``);
+  ``"B"``, a split backward's ``"I"`` / ``"W"``, or e.g. ``"FB"``; ``chunk``, ``mb``);
 * ``recv_wait``     -- blocked on a point-to-point receive;
 * ``send``          -- posting / completing a send;
 * ``reduce_launch`` -- launching a chunk's data-parallel reduction (``chunk``);

@@ -8,11 +8,13 @@ rank 1: F(c1,m0) F(c1,m1) F(c3,m0) F(c3,m1) B(c3,m1) B(c3,m0) B(c1,m1) B(c1,m0)
 """
 
 from .actions import (
+    BACKWARD_OPS,
     COMM_OPS,
     COMPUTE_OPS,
     RECV_OPS,
     REDUCE_OPS,
     SEND_OPS,
+    WEIGHT_OPS,
     Action,
     Op,
     Schedule,
@@ -28,6 +30,7 @@ from .validate import ScheduleError, activations_peak, validate_schedule
 
 __all__ = [
     "Action",
+    "BACKWARD_OPS",
     "COMM_OPS",
     "COMPUTE_OPS",
     "DP_SYNC_MODES",
@@ -38,6 +41,7 @@ __all__ = [
     "Rule",
     "SCHEDULE_NAMES",
     "SEND_OPS",
+    "WEIGHT_OPS",
     "Schedule",
     "StepPolicy",
     "ScheduleError",

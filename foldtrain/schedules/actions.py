@@ -27,6 +27,13 @@ that lives on the rank whose list holds the action:
 :func:`message_key` maps both ends of a transfer to the same key
 ``(kind, producing segment, mb)``.
 
+Split backward (zero-bubble schedules, Qi et al. 2024): a micro-batch's backward of segment ``s`` is
+either one ``B(s, m)`` or an ``I(s, m)`` (the gradient w.r.t. the segment's input: what ``SEND_GRAD``
+sends upstream) followed, any time later on the same rank, by a ``W(s, m)`` (the weights' gradients).
+``W`` needs no other rank, so a schedule may place it in what would be a bubble. Activations live
+until the ``W`` (or ``B``). ``BACKWARD_OPS`` produce the input gradient, ``WEIGHT_OPS`` complete the
+weights' gradients (a chunk's ``LAUNCH_REDUCE`` waits for one per micro-batch).
+
 ``LAUNCH_REDUCE(c)``, ``WAIT_REDUCE(c)``, ``OPTIM_STEP(c)`` act on the
 data-parallel gradient reduction and the optimizer step of local chunk
 (segment) ``c``; their ``mb`` and ``peer`` are ``None``.
@@ -41,6 +48,8 @@ from enum import Enum
 class Op(str, Enum):
     FORWARD = "F"
     BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
     SEND_ACT = "SA"
     RECV_ACT = "RA"
     SEND_GRAD = "SG"
@@ -53,7 +62,9 @@ class Op(str, Enum):
         return self.value
 
 
-COMPUTE_OPS = frozenset({Op.FORWARD, Op.BACKWARD})
+COMPUTE_OPS = frozenset({Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT})
+BACKWARD_OPS = frozenset({Op.BACKWARD, Op.BACKWARD_INPUT})  # produce the gradient w.r.t. the segment's input
+WEIGHT_OPS = frozenset({Op.BACKWARD, Op.BACKWARD_WEIGHT})  # complete the micro-batch's weight gradients
 SEND_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD})
 RECV_OPS = frozenset({Op.RECV_ACT, Op.RECV_GRAD})
 COMM_OPS = SEND_OPS | RECV_OPS
@@ -134,7 +145,7 @@ class Schedule:
         return self.pp * self.virtual
 
     def compute_only(self, rank: int) -> list[Action]:
-        """Rank ``rank``'s F / B actions, in order."""
+        """Rank ``rank``'s compute actions (F, B, I, W), in order."""
         return [a for a in self.ranks[rank] if a.op in COMPUTE_OPS]
 
     def deferred_chunks(self, rank: int) -> list[int]:

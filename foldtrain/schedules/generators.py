@@ -1,7 +1,9 @@
-"""Schedule generators: gpipe, 1f1b, interleaved-1f1b and fold (Fold3D's AIAO).
+"""Schedule generators: gpipe, 1f1b, interleaved-1f1b and fold (Fold3D's AIAO), and the zero-bubble
+schedules that split the backward into ``I`` and ``W`` (Qi et al., ICLR 2024): zb-h1, interleaved-zb
+and fold-zb.
 
 Each generator only decides the ORDER OF COMPUTE on every rank (a list of
-``F`` / ``B`` actions); :func:`insert_comms` and :func:`insert_reductions` then
+``F`` / ``B`` / ``I`` / ``W`` actions); :func:`insert_comms` and :func:`insert_reductions` then
 add the point-to-point transfers and the data-parallel reduction steps the same
 way for every schedule. See :mod:`.actions` for the placement and the
 send / recv conventions.
@@ -13,18 +15,21 @@ Requirements on the micro-batch count ``M`` (checked by :func:`build_schedule`):
   ranks degenerate to all-forward-then-all-backward; the pipeline is just never
   full. ``fold`` with ``M < P`` is legal too but rank 0 idles at each
   wrap-around, waiting for the last rank's previous chunk.
-* ``interleaved-1f1b``: ``M`` a multiple of ``P`` (hence ``M >= P``), as in
+* ``interleaved-1f1b`` and ``interleaved-zb``: ``M`` a multiple of ``P`` (hence ``M >= P``), as in
   Megatron-LM's ``forward_backward_pipelining_with_interleaving`` whose
   chunk / micro-batch mapping works on groups of ``P`` micro-batches.
+* ``zb-h1``, ``fold-zb``: any ``M >= 1``.
 """
 
 from __future__ import annotations
 
 from foldtrain.errors import ConfigError
 
-from .actions import Action, Op, Schedule, chunks_of_rank, stage_rank
+from .actions import BACKWARD_OPS, WEIGHT_OPS, Action, Op, Schedule, chunks_of_rank, stage_rank
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "fold")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "fold", "zb-h1", "interleaved-zb", "fold-zb")
+SPLIT_BACKWARD = frozenset({"zb-h1", "interleaved-zb", "fold-zb"})  # schedules of I / W actions
+DEFERRABLE = frozenset({"fold", "fold-zb"})  # schedules --fold.defer_reduce applies to
 DP_SYNC_MODES = ("after-flush", "per-chunk")
 
 Compute = list[tuple[Op, int, int]]  # (F or B, global segment, micro-batch)
@@ -90,11 +95,59 @@ def fold_order(p: int, pp: int, virtual: int, m: int) -> Compute:
     return fwd + bwd
 
 
+def zero_bubble_order(p: int, pp: int, virtual: int, m: int) -> Compute:
+    """ZB-H1 (``virtual == 1``) and its interleaved form (ZB1P, as torch's ``ScheduleInterleavedZeroBubble``).
+
+    1F1B (or Megatron's interleaved 1F1B, same chunk / micro-batch mapping) with every backward split in
+    ``I`` and ``W``: the ``I`` keeps the 1F1B position, so the gradient travels up the pipeline one ``I``
+    per hop instead of one ``B``; rank ``p`` holds back its ``W`` by ``p`` micro-batches, and the held
+    ones run in the cool-down, where the rank would otherwise wait for the next gradient. Warm-up:
+    ``P - p - 1`` forwards (plus ``(V - 1) P`` when interleaved), one fewer per hop than interleaved 1F1B's
+    two, since a gradient needs only the ``I`` to come back. Activations live from ``F`` to ``W``: at most
+    ``P`` micro-batches (times ``V`` chunks' worth when interleaved) on every rank, 1F1B's bound on rank 0.
+    """
+    total = virtual * m
+
+    def pick(op: Op, k: int, reverse: bool) -> tuple[Op, int, int]:
+        c = (k // pp) % virtual
+        c = virtual - 1 - c if reverse else c
+        return (op, c * pp + p, (k // (pp * virtual)) * pp + k % pp)
+
+    warmup = min((pp - p - 1) * (2 if virtual > 1 else 1) + (virtual - 1) * pp, total)
+    out: Compute = [pick(Op.FORWARD, k, False) for k in range(warmup)]
+    weights = 0
+    for k in range(total):
+        if warmup + k < total:
+            out.append(pick(Op.FORWARD, warmup + k, False))
+        out.append(pick(Op.BACKWARD_INPUT, k, True))
+        if k >= p:
+            out.append(pick(Op.BACKWARD_WEIGHT, weights, True))
+            weights += 1
+    out += [pick(Op.BACKWARD_WEIGHT, k, True) for k in range(weights, total)]
+    return out
+
+
+def fold_zb_order(p: int, pp: int, virtual: int, m: int) -> Compute:
+    """Fold with its weight-gradient work in deadline order: fold's forwards; every ``I`` in fold's backward
+    order (chunk ``V-1`` first), so the gradient reaches segment 0 one ``I`` per hop; then the ``W`` of
+    chunk 0, 1, ..., ``V-1``: the order in which the NEXT iteration's forwards need the chunks' weights.
+    Chunk 0's reduction, which fold starts last and the next step needs first, starts after its own
+    ``W`` and overlaps every other chunk's; each later chunk's reduction launches in deadline order."""
+    segs = chunks_of_rank(p, pp, virtual)
+    fwd = [(Op.FORWARD, s, mb) for s in segs for mb in range(m)]
+    inputs = [(Op.BACKWARD_INPUT, s, mb) for s in reversed(segs) for mb in reversed(range(m))]
+    weights = [(Op.BACKWARD_WEIGHT, s, mb) for s in segs for mb in reversed(range(m))]
+    return fwd + inputs + weights
+
+
 _ORDERS = {
     "gpipe": gpipe_order,
     "1f1b": one_f_one_b_order,
     "interleaved-1f1b": interleaved_order,
     "fold": fold_order,
+    "zb-h1": zero_bubble_order,
+    "interleaved-zb": zero_bubble_order,
+    "fold-zb": fold_zb_order,
 }
 
 
@@ -106,8 +159,8 @@ def insert_comms(compute: Compute, p: int, pp: int, virtual: int) -> list[Action
 
     Before ``F(s)`` whose input comes from another rank: ``RECV_ACT(s, peer=rank(s-1))``;
     after ``F(s)`` whose output goes to another rank: ``SEND_ACT(s, peer=rank(s+1))``;
-    before ``B(s)`` whose output-gradient comes from another rank: ``RECV_GRAD(s, peer=rank(s+1))``;
-    after ``B(s)`` whose input-gradient goes to another rank: ``SEND_GRAD(s, peer=rank(s-1))``.
+    before ``B(s)`` / ``I(s)`` whose output-gradient comes from another rank: ``RECV_GRAD(s, peer=rank(s+1))``;
+    after ``B(s)`` / ``I(s)`` whose input-gradient goes to another rank: ``SEND_GRAD(s, peer=rank(s-1))``.
     Every id is the local segment (recvs name the consumer, sends the producer).
     """
     n_seg = pp * virtual
@@ -121,24 +174,29 @@ def insert_comms(compute: Compute, p: int, pp: int, virtual: int) -> list[Action
             out.append(Action(Op.FORWARD, s, mb))
             if next_r is not None and next_r != p:
                 out.append(Action(Op.SEND_ACT, s, mb, next_r))
-        else:
+        elif op in BACKWARD_OPS:
             if next_r is not None and next_r != p:
                 out.append(Action(Op.RECV_GRAD, s, mb, next_r))
-            out.append(Action(Op.BACKWARD, s, mb))
+            out.append(Action(op, s, mb))
             if prev_r is not None and prev_r != p:
                 out.append(Action(Op.SEND_GRAD, s, mb, prev_r))
+        else:  # W: this rank's own work, no transfer
+            out.append(Action(op, s, mb))
     return out
 
 
 def insert_reductions(actions: list[Action], dp_sync: str, defer_reduce: bool) -> list[Action]:
     """Add LAUNCH_REDUCE / WAIT_REDUCE / OPTIM_STEP for every chunk present in ``actions``.
 
+    A chunk's backward is finished by its last ``B`` or ``W`` (:data:`WEIGHT_OPS`).
+
     * ``after-flush``: at the end, ``LR(c)`` for every chunk in the order its last
       backward finished, then ``WR(c)`` for each, then ``OS(c)`` for each.
     * ``per-chunk``: ``LR(c)`` right after chunk ``c``'s last backward (and its
       ``SEND_GRAD``); at the end ``WR(c)`` for each, then ``OS(c)`` for each.
     * ``defer_reduce`` (per-chunk only): the ``WR(c)``, ``OS(c)`` of every chunk
-      but the last to finish backward go just before the chunk's first
+      but the one whose forward comes first (the one the next iteration needs at
+      once; fold's last to finish backward) go just before the chunk's first
       forward-related action (its ``RECV_ACT``, else its ``F``). They then wait for
       and apply the reduction launched in the PREVIOUS iteration.
 
@@ -146,9 +204,12 @@ def insert_reductions(actions: list[Action], dp_sync: str, defer_reduce: bool) -
     global gradient norm (clipping) between them.
     """
     last_b: dict[int, int] = {}
+    first_f: dict[int, int] = {}
     for i, a in enumerate(actions):
-        if a.op is Op.BACKWARD:
+        if a.op in WEIGHT_OPS:
             last_b[a.chunk] = i
+        elif a.op is Op.FORWARD:
+            first_f.setdefault(a.chunk, i)
     finish_order = sorted(last_b, key=last_b.__getitem__)
     if not finish_order:
         return list(actions)
@@ -166,7 +227,8 @@ def insert_reductions(actions: list[Action], dp_sync: str, defer_reduce: bool) -
             if j + 1 < len(actions) and actions[j + 1].op is Op.SEND_GRAD and actions[j + 1].chunk == c:
                 j += 1
             launch_at[j] = c
-        deferred = set(finish_order[:-1]) if defer_reduce else set()
+        needed_first = min(first_f, key=first_f.__getitem__)
+        deferred = set(finish_order) - {needed_first} if defer_reduce else set()
         tail_chunks = [c for c in finish_order if c not in deferred]
         seen_fwd: set[int] = set()
         for i, a in enumerate(actions):
@@ -196,29 +258,32 @@ def _check(name: str, pp: int, virtual: int, microbatches: int, dp_sync: str, de
         )
     if dp_sync not in DP_SYNC_MODES:
         raise ConfigError(f"unknown --parallel.dp_sync {dp_sync!r}; use one of {', '.join(DP_SYNC_MODES)}")
-    if name == "1f1b" and virtual > 1:
+    single = {"1f1b": "interleaved-1f1b or fold", "zb-h1": "interleaved-zb or fold-zb"}
+    if name in single and virtual > 1:
         raise ConfigError(
-            f"schedule 1f1b runs one chunk per rank but --parallel.virtual is {virtual}; "
-            "use interleaved-1f1b or fold for virtual > 1, or set --parallel.virtual 1"
+            f"schedule {name} runs one chunk per rank but --parallel.virtual is {virtual}; "
+            f"use {single[name]} for virtual > 1, or set --parallel.virtual 1"
         )
-    if name == "interleaved-1f1b":
+    if name in ("interleaved-1f1b", "interleaved-zb"):
+        flat = "1f1b" if name == "interleaved-1f1b" else "zb-h1"
         if virtual < 2:
             raise ConfigError(
-                f"schedule interleaved-1f1b needs --parallel.virtual >= 2, got {virtual}; "
-                "raise --parallel.virtual or use --parallel.schedule 1f1b"
+                f"schedule {name} needs --parallel.virtual >= 2, got {virtual}; "
+                f"raise --parallel.virtual or use --parallel.schedule {flat}"
             )
         if microbatches % pp:
             lo = max(pp, microbatches - microbatches % pp)
             hi = microbatches + pp - microbatches % pp
             near = f"{lo} or {hi}" if lo != hi else f"{hi}"
             raise ConfigError(
-                f"schedule interleaved-1f1b needs the micro-batch count to be a multiple of --parallel.pp {pp} "
+                f"schedule {name} needs the micro-batch count to be a multiple of --parallel.pp {pp} "
                 f"and at least {pp} (Megatron-LM's requirement), got {microbatches}; use {near} micro-batches "
                 "(--parallel.microbatches or --train.global_batch) or --parallel.schedule fold"
             )
-    if defer_reduce and name != "fold":
+    if defer_reduce and name not in DEFERRABLE:
         raise ConfigError(
-            f"--fold.defer_reduce only applies to --parallel.schedule fold, not {name}; drop it or use fold"
+            f"--fold.defer_reduce only applies to --parallel.schedule fold or fold-zb, not {name}; "
+            "drop it or use fold / fold-zb"
         )
     if defer_reduce and dp_sync != "per-chunk":
         raise ConfigError(

@@ -35,11 +35,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .actions import (
+    BACKWARD_OPS,
     COMM_OPS,
     COMPUTE_OPS,
     RECV_OPS,
     REDUCE_OPS,
     SEND_OPS,
+    WEIGHT_OPS,
     Action,
     Op,
     Schedule,
@@ -92,29 +94,39 @@ def _check_structure(sched: Schedule) -> None:
 
 
 def _check_compute(sched: Schedule) -> None:
+    """Every (segment, micro-batch) has one ``F`` and one backward: a ``B``, or an ``I`` and a ``W``."""
     expected = {(s, mb) for s in range(sched.segments) for mb in range(sched.microbatches)}
-    for op in (Op.FORWARD, Op.BACKWARD):
-        seen: dict[tuple[int, int], int] = defaultdict(int)
-        for acts in sched.ranks:
-            for a in acts:
-                if a.op is op:
-                    seen[(a.chunk, a.mb)] += 1
-        dup = sorted(k for k, n in seen.items() if n > 1)
-        missing = sorted(expected - set(seen))
+    seen: dict[Op, dict[tuple[int, int], int]] = {op: defaultdict(int) for op in COMPUTE_OPS}
+    for acts in sched.ranks:
+        for a in acts:
+            if a.op in COMPUTE_OPS:
+                seen[a.op][(a.chunk, a.mb)] += 1
+    for op, counts in seen.items():
+        dup = sorted(k for k, n in counts.items() if n > 1)
         if dup:
             s, mb = dup[0]
-            raise ScheduleError(f"{op.value}(c{s},m{mb}) appears {seen[dup[0]]} times; each must appear exactly once")
-        if missing:
-            s, mb = missing[0]
+            raise ScheduleError(f"{op.value}(c{s},m{mb}) appears {counts[dup[0]]} times; each must appear at most once")
+    split = set(seen[Op.BACKWARD_INPUT]) | set(seen[Op.BACKWARD_WEIGHT])
+    for s, mb in sorted(expected):
+        where = f"rank {stage_rank(s, sched.pp)}"
+        if (s, mb) not in seen[Op.FORWARD]:
+            raise ScheduleError(f"F(c{s},m{mb}) is missing on {where}")
+        whole, i, w = ((s, mb) in seen[op] for op in (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT))
+        if whole and (s, mb) in split:
             raise ScheduleError(
-                f"{op.value}(c{s},m{mb}) is missing on rank {stage_rank(s, sched.pp)} "
-                f"({len(missing)} {op.value} missing)"
+                f"(c{s},m{mb}) has both B and a split backward (I/W) on {where}; give it one or the other"
             )
+        if not whole and not (i and w):
+            missing = "B" if not split & {(s, mb)} else ("W" if i else "I")
+            raise ScheduleError(f"{missing}(c{s},m{mb}) is missing on {where}")
+    before = {Op.BACKWARD: Op.FORWARD, Op.BACKWARD_INPUT: Op.FORWARD, Op.BACKWARD_WEIGHT: Op.BACKWARD_INPUT}
+    what = {Op.FORWARD: "backward before its forward", Op.BACKWARD_INPUT: "weight gradient before its input gradient"}
     for p, acts in enumerate(sched.ranks):
-        fpos = {(a.chunk, a.mb): i for i, a in enumerate(acts) if a.op is Op.FORWARD}
+        pos = {(a.op, a.chunk, a.mb): i for i, a in enumerate(acts) if a.op in COMPUTE_OPS}
         for i, a in enumerate(acts):
-            if a.op is Op.BACKWARD and fpos[(a.chunk, a.mb)] > i:
-                raise ScheduleError(f"{_where(p, i, a)}: backward before its forward (#{fpos[(a.chunk, a.mb)]})")
+            need = before.get(a.op)
+            if need is not None and pos[(need, a.chunk, a.mb)] > i:
+                raise ScheduleError(f"{_where(p, i, a)}: {what[need]} (#{pos[(need, a.chunk, a.mb)]})")
 
 
 def _channel(kind: str, src: int, dst: int, channels: str) -> tuple:
@@ -178,7 +190,7 @@ def _check_reductions(sched: Schedule) -> None:
                     raise ScheduleError(f"rank {p} chunk c{c}: {len(pos[op])} {op.value} actions, need exactly one")
             lr, wr, os_ = pos[Op.LAUNCH_REDUCE][0], pos[Op.WAIT_REDUCE][0], pos[Op.OPTIM_STEP][0]
             first_f = min(i for i, a in enumerate(acts) if a.op is Op.FORWARD and a.chunk == c)
-            last_b = max(i for i, a in enumerate(acts) if a.op is Op.BACKWARD and a.chunk == c)
+            last_b = max(i for i, a in enumerate(acts) if a.op in WEIGHT_OPS and a.chunk == c)
             if lr < last_b:
                 raise ScheduleError(f"rank {p} chunk c{c}: LR at #{lr} before the chunk's last backward at #{last_b}")
             if sched.dp_sync == "after-flush" and lr < last_compute:
@@ -215,19 +227,21 @@ def _local_ready(a: Action, done: set[tuple], p: int, sched: Schedule, deferred:
                 need.append((Op.RECV_ACT, a.chunk, a.mb))
         if a.chunk in deferred:
             need.append((Op.OPTIM_STEP, a.chunk, None))
-    elif a.op is Op.BACKWARD:
+    elif a.op in BACKWARD_OPS:
         need = [(Op.FORWARD, a.chunk, a.mb)]
         if a.chunk < n_seg - 1:
             if stage_rank(a.chunk + 1, pp) == p:
-                need.append((Op.BACKWARD, a.chunk + 1, a.mb))
+                need.append((BACKWARD_OPS, a.chunk + 1, a.mb))
             else:
                 need.append((Op.RECV_GRAD, a.chunk, a.mb))
+    elif a.op is Op.BACKWARD_WEIGHT:
+        need = [(Op.BACKWARD_INPUT, a.chunk, a.mb)]
     elif a.op is Op.SEND_ACT:
         need = [(Op.FORWARD, a.chunk, a.mb)]
     elif a.op is Op.SEND_GRAD:
-        need = [(Op.BACKWARD, a.chunk, a.mb)]
+        need = [(BACKWARD_OPS, a.chunk, a.mb)]
     elif a.op is Op.LAUNCH_REDUCE:
-        need = [(Op.BACKWARD, a.chunk, mb) for mb in range(sched.microbatches)]
+        need = [(WEIGHT_OPS, a.chunk, mb) for mb in range(sched.microbatches)]
     elif a.op is Op.WAIT_REDUCE:
         need = [] if a.chunk in deferred else [(Op.LAUNCH_REDUCE, a.chunk, None)]
     elif a.op is Op.OPTIM_STEP:
@@ -235,8 +249,9 @@ def _local_ready(a: Action, done: set[tuple], p: int, sched: Schedule, deferred:
     else:
         need = []
     for op, s, mb in need:
-        if (op, s, mb) not in done:
-            return str(Action(op, s, mb))
+        ops = op if isinstance(op, frozenset) else (op,)  # a set: any of them will do (B, or its I / W)
+        if not any((o, s, mb) in done for o in ops):
+            return str(Action(min(ops, key=lambda o: o.value), s, mb))
     return None
 
 
@@ -310,12 +325,13 @@ def validate_schedule(sched: Schedule, *, channels: str = "per-pair", sends: str
 
 
 def activations_peak(sched: Schedule, rank: int) -> int:
-    """Most (segment, micro-batch) forwards on ``rank`` whose backward has not run yet."""
+    """Most (segment, micro-batch) forwards on ``rank`` whose backward has not completed yet (its ``B``,
+    or its ``W``: the split backward keeps the activations until the weights' gradients are computed)."""
     live = peak = 0
     for a in sched.ranks[rank]:
         if a.op is Op.FORWARD:
             live += 1
             peak = max(peak, live)
-        elif a.op is Op.BACKWARD:
+        elif a.op in WEIGHT_OPS:
             live -= 1
     return peak

@@ -5,7 +5,7 @@ with the same runtime rules (:mod:`foldtrain.schedules.rules`: deadlines, what t
 skips, where the iteration's global work runs, early steps, where the tie's reduction starts), one
 handler per op, with the durations and bytes of a :class:`Costs`:
 
-* ``F`` / ``B`` occupy the rank's compute stream for ``costs.compute``; on a cluster whose ranks
+* ``F`` / ``B`` / ``I`` / ``W`` occupy the rank's compute stream for ``costs.compute``; on a cluster whose ranks
   share a host's CPU cores (``costs.cpu_share()`` is not ``None``: an emulated cluster on one
   machine) a compute action is instead ``costs.compute`` core-seconds of work on the shared
   ``("cpu",)`` resource, where each busy rank gets ``min(1, cores / busy ranks)`` of a core, less
@@ -20,7 +20,7 @@ handler per op, with the durations and bytes of a :class:`Costs`:
 * ``LR(c)`` queues chunk ``c``'s data-parallel reduction on the rank's reduction stream (FIFO; a
   collective with identical data-parallel peers, so it needs no other simulated rank). A reduction
   is a list of collectives (``costs.reduce_buckets``: ``(ready, phases)``), and those with a
-  ``ready`` fraction go on the stream when that fraction of the ``B`` just before the ``LR`` is
+  ``ready`` fraction go on the stream when that fraction of the ``B`` (or ``W``) just before the ``LR`` is
   done (a data-parallel engine's buckets, launched while the last backward still runs), the rest
   at the ``LR``;
 * the tied embedding's dp part (``costs.tie``: ``{"dp": phases, "send": phases}``) goes on that
@@ -54,7 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from foldtrain.schedules import Action, Op, RankRules, Rule, Schedule, StepPolicy, message_key, rank_rules
+from foldtrain.schedules import WEIGHT_OPS, Action, Op, RankRules, Rule, Schedule, StepPolicy, message_key, rank_rules
 
 from .links import CPU, Phase, SharedLink, Stream
 
@@ -63,7 +63,7 @@ class Costs(Protocol):
     """What the engine asks of a cost model (``p``: pipeline rank, ``c``: global segment)."""
 
     def compute(self, p: int, a: Action) -> float:
-        """Seconds (or core-seconds on shared cores) of an ``F`` or ``B``."""
+        """Seconds (or core-seconds on shared cores) of an ``F``, ``B``, ``I`` or ``W``."""
 
     def send(self, p: int, a: Action) -> tuple[tuple, float, float, float]:
         """``(link key, weight, latency, bytes)`` of an ``SA`` / ``SG`` transfer."""
@@ -165,6 +165,8 @@ class Sim:
         self._handlers: dict[Op, Callable[[RankState, Action, Rule], bool]] = {
             Op.FORWARD: self._compute,
             Op.BACKWARD: self._compute,
+            Op.BACKWARD_INPUT: self._compute,
+            Op.BACKWARD_WEIGHT: self._compute,
             Op.SEND_ACT: self._send,
             Op.SEND_GRAD: self._send,
             Op.RECV_ACT: self._recv,
@@ -331,7 +333,7 @@ class Sim:
 
         acts = r.rules.actions
         nxt = acts[r.pc + 1] if r.pc + 1 < len(acts) else None
-        if a.op is Op.BACKWARD and nxt is not None and nxt.op is Op.LAUNCH_REDUCE and nxt.chunk == a.chunk:
+        if a.op in WEIGHT_OPS and nxt is not None and nxt.op is Op.LAUNCH_REDUCE and nxt.chunk == a.chunk:
             early = [(f, ph) for f, ph in self.costs.reduce_buckets(r.p, a.chunk) if f is not None]
             if early:  # buckets launched during this backward as their gradients complete
                 marks = [(f, self._bucket_launcher(r, a.chunk, k, ph)) for k, (f, ph) in enumerate(early)]

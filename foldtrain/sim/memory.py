@@ -21,7 +21,7 @@ allocations split the holes the loss's large tensors leave, so the resident peak
 
 from __future__ import annotations
 
-from foldtrain.schedules import Op, Schedule
+from foldtrain.schedules import WEIGHT_OPS, Op, Schedule
 
 from .costs import CostModel, rank_segments, segment_params, stepped_share
 from .setup import Setup
@@ -36,7 +36,7 @@ def activations_live_bytes(sched: Schedule, p: int, per_segment: dict[int, float
         if a.op is Op.FORWARD:
             live += per_segment[a.chunk]
             peak = max(peak, live)
-        elif a.op is Op.BACKWARD:
+        elif a.op in WEIGHT_OPS:  # a split backward keeps the activations until its W
             live -= per_segment[a.chunk]
     return peak
 

@@ -37,6 +37,7 @@ class Op:
     kernels: int = 1
     batch: int = 1  # gemm: independent products of that shape (the unfused attention's heads)
     layout: str = "nn"  # gemm: "nt" (B stored transposed), "nn", "tn" (A stored transposed)
+    weight_grad: bool = False  # part of the weights' gradients: a split backward's W, not its I
 
     @property
     def key(self) -> tuple:
@@ -83,9 +84,10 @@ class BlockShape:
         return self.t if self.seq_parallel else 1
 
 
-def gemm(name: str, m: int, n: int, k: int, batch: int = 1, layout: str = "nn") -> Op:
+def gemm(name: str, m: int, n: int, k: int, batch: int = 1, layout: str = "nn", weight_grad: bool = False) -> Op:
     flops = 2.0 * m * n * k * batch
-    return Op(name, "gemm", flops=flops, shape=(int(m), int(n), int(k)), batch=batch, layout=layout)
+    shape = (int(m), int(n), int(k))
+    return Op(name, "gemm", flops=flops, shape=shape, batch=batch, layout=layout, weight_grad=weight_grad)
 
 
 def linear_forward(s: BlockShape) -> list[Op]:
@@ -104,7 +106,10 @@ def linear_backward(s: BlockShape) -> list[Op]:
     out = []
     for op in linear_forward(s):
         m, n, k = op.shape
-        out += [gemm(op.name + ".dgrad", m, k, n, layout="nn"), gemm(op.name + ".wgrad", k, n, m, layout="tn")]
+        out += [
+            gemm(op.name + ".dgrad", m, k, n, layout="nn"),
+            gemm(op.name + ".wgrad", k, n, m, layout="tn", weight_grad=True),
+        ]
     return out
 
 
@@ -194,12 +199,12 @@ def memory_backward(s: BlockShape) -> list[Op]:
         mask = T * d / s.split
         ops += [Op("dropout1.bwd", "elem", bytes=act + mask + act), Op("dropout2.bwd", "elem", bytes=2 * act + mask)]
     if s.native:
-        ops.append(Op("bias.grad", "reduce", bytes=T * (3 * d / t + d + f / t + d) * e, kernels=4))
+        ops.append(Op("bias.grad", "reduce", bytes=T * (3 * d / t + d + f / t + d) * e, kernels=4, weight_grad=True))
         ops.append(Op("qkv.grad_pack", "pack", bytes=4 * T * 3 * d * e / t, kernels=2))
     if amp(s):  # half gradients into fp32 ones: the casting kernel again
         n, tensors = weight_elems(s)
         ops += [Op("ln1.cast.bwd", "cast", bytes=res + act), Op("ln2.cast.bwd", "cast", bytes=res + act)]
-        ops.append(Op("weights.cast.bwd", "cast", bytes=n * (4 + e), kernels=tensors))
+        ops.append(Op("weights.cast.bwd", "cast", bytes=n * (4 + e), kernels=tensors, weight_grad=True))
     return ops
 
 

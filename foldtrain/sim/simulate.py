@@ -52,6 +52,13 @@ class RunCosts:
         self._red: dict[int, list] = {}
         self._tie: dict[tuple, dict] = {}
         self.last = s.segments - 1
+        cm = self.cm
+        self._compute = {
+            Op.FORWARD: cm.forward,
+            Op.BACKWARD: cm.backward,
+            Op.BACKWARD_INPUT: cm.backward_input,
+            Op.BACKWARD_WEIGHT: cm.backward_weight,
+        }
 
     # -- compute
     def cpu_share(self):
@@ -83,7 +90,7 @@ class RunCosts:
         return self.c.action_overhead if self.s.mode == "3d" else 0.0
 
     def compute(self, p: int, a) -> float:
-        return self.cm.forward(a.chunk) if a.op is Op.FORWARD else self.cm.backward(a.chunk)
+        return self._compute[a.op](a.chunk)
 
     def send(self, p: int, a):
         key, weight, lat = self.pl.p2p_link(p, a.peer)

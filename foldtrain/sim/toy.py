@@ -1,9 +1,10 @@
 """Unit-cost runs of a schedule through the event engine.
 
-Every forward costs ``t_f``, every backward ``t_b``, a cross-rank transfer ``t_comm`` of latency
-and nothing else, each chunk's data-parallel reduction ``t_reduce`` on the rank's reduction
-stream and each optimizer step ``t_optim``; no barriers. Useful to look at a schedule's shape
-and for the analytic checks (bubble ``(P-1)/(M+P-1)``, fold's ``(V M + P - 1)(t_F + t_B)``).
+Every forward costs ``t_f``, every backward ``t_b`` (a split one: ``I`` and ``W`` half of it each), a
+cross-rank transfer ``t_comm`` of latency and nothing else, each chunk's data-parallel reduction
+``t_reduce`` on the rank's reduction stream and each optimizer step ``t_optim``; no barriers. Useful to
+look at a schedule's shape and for the analytic checks (bubble ``(P-1)/(M+P-1)``, fold's
+``(V M + P - 1)(t_F + t_B)``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ class UnitCosts:
         self.t_f, self.t_b, self.t_comm, self.t_reduce, self.t_optim = t_f, t_b, t_comm, t_reduce, t_optim
 
     def compute(self, p: int, a) -> float:
-        return self.t_f if a.op is Op.FORWARD else self.t_b
+        if a.op is Op.FORWARD:
+            return self.t_f
+        return self.t_b if a.op is Op.BACKWARD else self.t_b / 2
 
     def send(self, p: int, a):
         return ("free",), 1.0, self.t_comm, 0.0

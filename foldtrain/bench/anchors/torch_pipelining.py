@@ -7,11 +7,14 @@ group after the schedule has flushed).
         --model.preset tiny --train.global_batch 16 --train.seq_len 128 --train.steps 10 --out DIR
 
 ``--schedule``: ``gpipe`` (ScheduleGPipe), ``1f1b`` (Schedule1F1B), ``interleaved-1f1b``
-(ScheduleInterleaved1F1B) or ``looped-bfs`` (ScheduleLoopedBFS); the last two place
-``--parallel.virtual`` V stages per rank (stage ``s`` on pipeline rank ``s % P``), the first two
-need V = 1. Everything else uses ``foldtrain train``'s options: ``--parallel.dp/pp/virtual``,
-``--parallel.microbatches`` (M per data-parallel rank; default: micro-batches of
-``--train.micro_batch``, else of 1 row), model, data, optim, precision (autocast around the step).
+(ScheduleInterleaved1F1B), ``looped-bfs`` (ScheduleLoopedBFS), ``interleaved-zb``
+(ScheduleInterleavedZeroBubble), ``zbv`` (ScheduleZBVZeroBubble) or ``dualpipev`` (ScheduleDualPipeV).
+``interleaved-1f1b``, ``looped-bfs`` and ``interleaved-zb`` place ``--parallel.virtual`` V stages per rank
+(stage ``s`` on pipeline rank ``s % P``); ``zbv`` and ``dualpipev`` two in a V (rank ``p`` holds stages
+``p`` and ``2P - 1 - p``, so the first and the last are both on rank 0); gpipe and 1f1b need V = 1.
+Everything else uses ``foldtrain train``'s options: ``--parallel.dp/pp/virtual``, ``--parallel.microbatches``
+(M per data-parallel rank; default: micro-batches of ``--train.micro_batch``, else of 1 row), model, data,
+optim, precision (autocast around the step).
 
 Layout (as foldtrain's mesh with tp = 1): global rank ``d * P + p``; torchrun's nodes hold whole
 pipelines (node = d) when ``--nproc_per_node P``. The ``S = P*V`` segments split the model's
@@ -19,7 +22,9 @@ parts like foldtrain's default split: blocks evenly, the remainder to the earlie
 the embedding in segment 0 and the head (final LayerNorm + output projection) in segment S-1.
 The output projection is tied to the embedding: with P > 1 the last stage holds a copy whose
 gradient is summed with the embedding's (an all-reduce between the two end ranks), so both stay
-equal. Then one global-norm clip (norm all-reduced over the pipeline group) and AdamW.
+equal; in a V both ends are on rank 0, which sums the two copies' gradients itself (one weight shared by
+two stages would have its gradient scaled by each stage's ``scale_grads``: twice). Then one global-norm
+clip (norm all-reduced over the pipeline group) and AdamW.
 
 Rank 0 writes ``metrics.jsonl``: ``step``, ``loss`` (the global mean, one all-reduce as in
 foldtrain), ``lr``, ``step_time_s``, ``tokens_per_s``, ``peak_mem_mb``.
@@ -52,7 +57,15 @@ from foldtrain.bench.anchors.common import (
 from foldtrain.config import build_config
 from foldtrain.data import SequenceSampler
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")  # two stages per rank in a V: p and 2P - 1 - p
+
+
+def stages_of(schedule: str, P: int, V: int, p: int) -> list[int]:
+    """The stages pipeline rank ``p`` holds."""
+    if schedule in V_SHAPED:
+        return [p, 2 * P - 1 - p]
+    return list(range(p, P * V, P))
 
 
 class Segment(nn.Module):
@@ -94,30 +107,32 @@ def check_layout(schedule: str, P: int, D: int, V: int, world: int) -> None:
         raise SystemExit(f"--parallel.dp {D} x --parallel.pp {P} = {P * D} but {world} processes were launched")
     if schedule in ("gpipe", "1f1b") and V != 1:
         raise SystemExit(f"--schedule {schedule} runs one stage per rank; use --parallel.virtual 1")
+    if schedule in V_SHAPED and V != 2:
+        raise SystemExit(f"--schedule {schedule} runs two stages per rank in a V; use --parallel.virtual 2")
 
 
-def make_groups(P: int, D: int, d: int, p: int):
+def make_groups(P: int, D: int, d: int, p: int, split_tie: bool):
     """This rank's pipeline group, data-parallel group and tie group (its pipeline's two end ranks;
-    None with P = 1). Every rank creates every group, in the same order."""
+    None with P = 1 or ``split_tie`` off). Every rank creates every group, in the same order."""
     pp_groups = [dist.new_group([dd * P + pp for pp in range(P)]) for dd in range(D)]
     dp_groups = [dist.new_group([dd * P + pp for dd in range(D)]) for pp in range(P)]
-    tie_groups = [dist.new_group([dd * P, dd * P + P - 1]) for dd in range(D)] if P > 1 else []
+    tie_groups = [dist.new_group([dd * P, dd * P + P - 1]) for dd in range(D)] if P > 1 and split_tie else []
     return pp_groups[d], dp_groups[p], (tie_groups[d] if tie_groups else None)
 
 
-def build_segments(cfg, P: int, V: int, p: int, device: torch.device):
-    """The data, and this rank's segments ``{s: Segment}`` of the model cut into S = P*V segments
-    (segments p, p+P, ...), on ``device``."""
+def build_segments(cfg, P: int, V: int, mine: list[int], device: torch.device):
+    """The data, and this rank's segments ``{s: Segment}`` (``mine``) of the model cut into S = P*V
+    segments, on ``device``."""
     data, model = data_and_model(cfg)
     S = P * V
     layers = split_layers(cfg.model.n_layer, S)
     parts = list(model.parts)
     mods = {}
-    for s in range(p, S, P):
+    for s in mine:
         embedding = [parts[0]] if s == 0 else []
         head = [parts[-1]] if s == S - 1 else []
         mods[s] = Segment(embedding + [parts[1 + i] for i in layers[s]] + head)
-    if P > 1 and (S - 1) in mods:  # the last stage's own copy of the tied output projection
+    if (S - 1) in mods and S > 1:  # the last stage's own copy of the tied output projection
         untie_head(mods[S - 1].parts[-1])
     del model, parts
     for m in mods.values():
@@ -136,20 +151,20 @@ def microbatch_count(t, microbatches: int, D: int) -> int:
 
 
 def make_schedule(name: str, stages: list, M: int):
-    from torch.distributed.pipelining import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleLoopedBFS,
-    )
+    from torch.distributed.pipelining import schedules as tps
 
     if name == "gpipe":
-        return ScheduleGPipe(stages[0], M, loss_fn=loss_fn)
+        return tps.ScheduleGPipe(stages[0], M, loss_fn=loss_fn)
     if name == "1f1b":
-        return Schedule1F1B(stages[0], M, loss_fn=loss_fn)
-    if name == "interleaved-1f1b":
-        return ScheduleInterleaved1F1B(stages, M, loss_fn=loss_fn)
-    return ScheduleLoopedBFS(stages, M, loss_fn=loss_fn)
+        return tps.Schedule1F1B(stages[0], M, loss_fn=loss_fn)
+    multi = {
+        "interleaved-1f1b": tps.ScheduleInterleaved1F1B,
+        "looped-bfs": tps.ScheduleLoopedBFS,
+        "interleaved-zb": tps.ScheduleInterleavedZeroBubble,
+        "zbv": tps.ScheduleZBVZeroBubble,
+        "dualpipev": tps.ScheduleDualPipeV,
+    }
+    return multi[name](stages, M, loss_fn=loss_fn)
 
 
 def params_per_stage(mods: dict[int, nn.Module]) -> dict[int, list[nn.Parameter]]:
@@ -229,8 +244,9 @@ def main(argv: list[str]) -> int:
     device = setup_device(t, local)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=cfg.dp.timeout_s))
     d, p = divmod(rank, P)
-    pp_group, dp_group, tie_group = make_groups(P, D, d, p)
-    data, mods = build_segments(cfg, P, V, p, device)
+    mine = stages_of(schedule, P, V, p)
+    pp_group, dp_group, tie_group = make_groups(P, D, d, p, split_tie=schedule not in V_SHAPED)
+    data, mods = build_segments(cfg, P, V, mine, device)
     S = P * V
     stages = [PipelineStage(mods[s], s, S, device, group=pp_group) for s in mods]
     sched = make_schedule(schedule, stages, microbatch_count(t, par.microbatches, D))
@@ -241,9 +257,11 @@ def main(argv: list[str]) -> int:
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     autocast = autocast_for(device, half)
     first, last = 0 in mods, (S - 1) in mods
-    tied_here = mods[0].parts[0].wte.weight if first else (mods[S - 1].parts[-1].lm_head.weight if last else None)
+    emb = mods[0].parts[0].wte.weight if first else None
+    head = mods[S - 1].parts[-1].lm_head.weight if last and S > 1 else None
+    tied_here = emb if emb is not None else head
     # the norm counts the tied weight once: the first stage's copy, not the last stage's
-    norm_skip = tied_here if last and not first else None
+    norm_skip = head
 
     sampler = SequenceSampler(data.split("train"), t.seq_len, t.seed)
     metrics = Metrics(cfg, rank, device)
@@ -257,6 +275,9 @@ def main(argv: list[str]) -> int:
         # the two copies of the tied embedding / output projection: sum their gradients
         if tie_group is not None and tied_here is not None and tied_here.grad is not None:
             dist.all_reduce(tied_here.grad, group=tie_group)
+        elif emb is not None and head is not None:  # a V: both copies here
+            emb.grad.add_(head.grad)
+            head.grad.copy_(emb.grad)
         norm = clip_global_norm(params, norm_skip, o.grad_clip, pp_group, P, device)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -12,6 +12,8 @@ module gives each action its meaning, one handler per op:
   only ``d loss / d hidden`` for its ``B`` (Fold3D's fused head: the last rank can start backward
   right after its last forward, and never holds more than one micro-batch's logits).
 * ``B(s, m)``  backward of the stored output with the received (or fused-head) gradient.
+* ``I(s, m)`` / ``W(s, m)``  the same backward in two parts (:mod:`.split_backward`): ``I`` the
+  input's gradient (what ``SG`` sends), ``W`` later the weights' gradients; the graph lives until the ``W``.
 * ``SA`` / ``SG``  ``isend`` of the output / input gradient; NEVER waited on before the end of the
   iteration, so a send cannot block the executor (the interleaved and fold schedules deadlock
   when sends rendezvous with receives: see ``foldtrain/schedules/validate.py``).
@@ -48,6 +50,7 @@ from typing import Protocol
 
 import torch
 
+from foldtrain.parallel.pipeline import split_backward
 from foldtrain.parallel.pipeline.deadlines import DeadlineQueue
 from foldtrain.parallel.pipeline.p2p import P2P
 from foldtrain.schedules import Action, Op, RankRules, Rule, Schedule, StepPolicy, rank_rules
@@ -84,7 +87,8 @@ class Iteration:
     stage_inputs: dict = field(default_factory=dict)  # F -> B: each forward's input (its .grad goes back)
     stage_outputs: dict = field(default_factory=dict)  # F -> SA, B: each forward's output
     received_grads: dict = field(default_factory=dict)  # RG -> B: gradients w.r.t. those outputs
-    input_grads: dict = field(default_factory=dict)  # B -> SG: gradients w.r.t. each forward's input
+    input_grads: dict = field(default_factory=dict)  # B / I -> SG: gradients w.r.t. each forward's input
+    weight_work: dict = field(default_factory=dict)  # I -> W: what the weights' gradients still need
     sends: list = field(default_factory=list)  # (work, tensor, action): posted, waited at the end
     stepped_early: set = field(default_factory=set)  # chunks a WR stepped (their OS only meets the norm)
 
@@ -93,7 +97,14 @@ class Iteration:
         return len(self.xs)
 
     def leftover(self) -> list:
-        held = (self.received_acts, self.stage_inputs, self.stage_outputs, self.received_grads, self.input_grads)
+        held = (
+            self.received_acts,
+            self.stage_inputs,
+            self.stage_outputs,
+            self.received_grads,
+            self.input_grads,
+            self.weight_work,
+        )
         return [k for d in held for k in d]
 
 
@@ -140,6 +151,8 @@ class Executor:
         self._handlers = {
             Op.FORWARD: self._forward,
             Op.BACKWARD: self._backward,
+            Op.BACKWARD_INPUT: self._backward_input,
+            Op.BACKWARD_WEIGHT: self._backward_weight,
             Op.SEND_ACT: self._send,
             Op.SEND_GRAD: self._send,
             Op.RECV_ACT: self._recv,
@@ -245,6 +258,32 @@ class Executor:
         del out
         if s > 0:
             it.input_grads[(s, m)] = inp.grad
+
+    def _output_grads(self, it: Iteration, s: int, m: int) -> tuple[list, list]:
+        """The stored output of ``F(s, m)`` and the gradient its backward starts from."""
+        out = it.stage_outputs.pop((s, m))
+        if s == self.last:
+            return [out[0]], [out[1]]
+        return [out], [it.received_grads.pop((s, m))]
+
+    def _backward_input(self, it: Iteration, a: Action, rule: Rule) -> None:
+        s, m = a.chunk, a.mb
+        outputs, grads = self._output_grads(it, s, m)
+        inp = it.stage_inputs.pop((s, m))
+        with self._span(f"I c{s} m{m}", "compute", op="I", chunk=s, mb=m):
+            it.weight_work[(s, m)] = split_backward.backward_input(
+                outputs, grads, inp, list(self.chunks[s].parameters())
+            )
+            self.sync()
+        if s > 0:
+            it.input_grads[(s, m)] = inp.grad
+
+    def _backward_weight(self, it: Iteration, a: Action, rule: Rule) -> None:
+        s, m = a.chunk, a.mb
+        work = it.weight_work.pop((s, m))
+        with self._span(f"W c{s} m{m}", "compute", op="W", chunk=s, mb=m):
+            split_backward.backward_weight(work, list(self.chunks[s].parameters()))
+            self.sync()
 
     def _send(self, it: Iteration, a: Action, rule: Rule) -> None:
         s, m = a.chunk, a.mb

@@ -8,6 +8,9 @@ combinations a schedule cannot run, skipped here explicitly:
   ``M = 4``, a multiple of every ``P``);
 * ``fold`` with ``--fold.defer_reduce`` (only meaningful with ``dp_sync per-chunk``, and only with
   ``--optim.grad_clip 0``) is one extra case per layout.
+
+The split-backward (zero-bubble) schedules run per-chunk on every layout, ``fold-zb`` with deferral too
+(:func:`zero_bubble_cases`): ``zb-h1`` where ``V == 1``, ``interleaved-zb`` and ``fold-zb`` where ``V >= 2``.
 """
 
 from __future__ import annotations
@@ -21,11 +24,21 @@ M32 = dict(precision="bf16-master", masters_in_fp32=True)  # the masters' machin
 
 
 def valid(schedule: str, v: int) -> bool:
-    if schedule == "1f1b":
+    if schedule in ("1f1b", "zb-h1"):
         return v == 1  # 1F1B runs one chunk per rank
-    if schedule == "interleaved-1f1b":
+    if schedule in ("interleaved-1f1b", "interleaved-zb"):
         return v >= 2  # interleaving needs several chunks per rank
     return True
+
+
+def zero_bubble_cases(layout: tuple[int, int, int, int], n_layer: int = 8, tag: str = "zb", **extra) -> list[dict]:
+    """The split-backward schedules on ``layout``: per-chunk reduction, and fold-zb with deferral."""
+    v = layout[3]
+    names = [n for n in ("zb-h1", "interleaved-zb", "fold-zb") if valid(n, v)]
+    out = [_one(layout, n, "per-chunk", tag, n_layer=n_layer, **extra) for n in names]
+    if v >= 2:
+        out.append(_one(layout, "fold-zb", "per-chunk", tag, defer=True, n_layer=n_layer, **extra))
+    return out
 
 
 def _cases_for(layout: tuple[int, int, int, int], n_layer: int = 8, tag: str = "", **extra) -> list[dict]:
@@ -82,6 +95,12 @@ def equivalence_cases(world: int) -> list[dict]:
             _one((1, 2, 1, 2), "fold", "per-chunk", "noclip", clip=0.0),
             # a vocabulary not divisible by tp: padded to 64 rows, against one process's unpadded 63
             _one((1, 1, 2, 1), "gpipe", "after-flush", "pad63", n_layer=2, m=2, vocab_pad=63),
+            # split backward: I / W with the fused head, segment 0's whole-backward W, recomputation, fp16 scaling
+            *zero_bubble_cases((1, 2, 1, 1)),
+            *zero_bubble_cases((1, 2, 1, 2)),
+            _one((1, 2, 1, 1), "zb-h1", "after-flush", "zb"),
+            _one((1, 2, 1, 2), "fold-zb", "per-chunk", "zb-ac", ac="full"),
+            _one((1, 2, 1, 1), "zb-h1", "per-chunk", "zb-fp16", precision="fp16"),
         ]
     if world == 4:
         return [
@@ -122,6 +141,14 @@ def equivalence_cases(world: int) -> list[dict]:
                 masters_in_fp32=True,
             ),
             _one((2, 2, 1, 2), "fold", "per-chunk", "zero-bf16m", zero=True, precision="bf16-master"),
+            # split backward with dp: deferred and deadline-ordered reductions, clipping, the distributed optimizer
+            *zero_bubble_cases((2, 2, 1, 2)),
+            *zero_bubble_cases((1, 4, 1, 1)),
+            _one((2, 2, 1, 2), "fold-zb", "per-chunk", "zb-clip", defer=True, clip=1.0),
+            _one((2, 2, 1, 2), "fold-zb", "per-chunk", "zb-zero", defer=True, zero=True),
+            # pp x tp: the weights' groups of DTensor parameters
+            *zero_bubble_cases((1, 2, 2, 1), n_layer=2, m=2),
+            _one((1, 2, 2, 2), "interleaved-zb", "per-chunk", "zb", n_layer=4, m=2),
         ]
     if world == 8:  # 8 processes on few cores: 2 micro-batches; the last case pads a 63-word vocabulary to 64
         return [
@@ -130,6 +157,8 @@ def equivalence_cases(world: int) -> list[dict]:
             _one((2, 2, 2, 1), "1f1b", "per-chunk", "m32", n_layer=2, m=2, **M32),
             _one((2, 2, 2, 1), "fold", "per-chunk", "zero", n_layer=2, m=2, zero=True),
             _one((2, 2, 2, 1), "1f1b", "per-chunk", "zero-m32", n_layer=2, m=2, zero=True, **M32),
+            *zero_bubble_cases((2, 2, 2, 1), n_layer=2, m=2),
+            _one((2, 2, 2, 2), "interleaved-zb", "per-chunk", "zb", n_layer=4, m=2),
         ]
     return []
 
@@ -220,10 +249,13 @@ ORDER_CASES = {
         _one((1, 2, 1, 2), "fold", "after-flush", "order"),
         _one((1, 2, 1, 2), "interleaved-1f1b", "per-chunk", "order-noclip", clip=0.0),
         _one((1, 2, 1, 1), "1f1b", "after-flush", "order"),
+        _one((1, 2, 1, 1), "zb-h1", "per-chunk", "order"),
     ],
     4: [
         _one((2, 2, 1, 2), "fold", "per-chunk", "order", defer=True),
         _one((2, 2, 1, 2), "fold", "per-chunk", "order-clip", defer=True, clip=1.0),
         _one((1, 4, 1, 1), "gpipe", "per-chunk", "order"),
+        _one((2, 2, 1, 2), "fold-zb", "per-chunk", "order", defer=True),
+        _one((2, 2, 1, 2), "interleaved-zb", "per-chunk", "order"),
     ],
 }

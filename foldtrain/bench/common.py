@@ -365,6 +365,17 @@ def execute(jobs_by_network: dict[str, list], a, ws: Workspace, max_nodes: dict[
             log(f"        FAILED: {res.error}")
         return res
 
+    def at_rate(job, rep: int, cluster, net: str):
+        """``one``, on links changed in place to the job's ``link_rate`` (a bound run) and back after it."""
+        rate = job.result.info.get("link_rate")
+        if not rate:
+            return one(job, rep, cluster)
+        cluster.set_rate(rate)
+        try:
+            return one(job, rep, cluster)
+        finally:
+            cluster.set_rate(net)
+
     for net, jobs in jobs_by_network.items():
         if not jobs:
             continue
@@ -388,7 +399,7 @@ def execute(jobs_by_network: dict[str, list], a, ws: Workspace, max_nodes: dict[
                         )
                 for rep in range(repeat):
                     for job in jobs:
-                        results.setdefault(id(job), []).append(one(job, rep, cluster))
+                        results.setdefault(id(job), []).append(at_rate(job, rep, cluster, net))
         except FoldtrainError as e:  # this network could not be built or checked: say so, keep the other results
             log(f"foldtrain bench: {e}; skipping the {net} runs")
     order = [job for jobs in jobs_by_network.values() for job in jobs]
@@ -413,9 +424,12 @@ def print_dry_run(jobs_by_network: dict[str, list], ws: Workspace, log=print) ->
                     f"... {env} {sys.executable} {' '.join([*job.script, *job.args])} --out {out}"
                 )
             else:
+                rate = job.result.info.get("link_rate")
                 log(
                     f"{job.describe()}: {job.nnodes} node(s) x {job.nproc_per_node} process(es) "
-                    f"on the emulated {net} network:\n"
+                    f"on the emulated {net} network"
+                    + (f", its links changed in place to {rate}" if rate else "")
+                    + ":\n"
                     f"  per node k: ip netns exec <prefix>-n<k> env GLOO_SOCKET_IFNAME=<prefix>-v<k> {env} "
                     f"{sys.executable} -m torch.distributed.run --nnodes {job.nnodes} --node_rank k "
                     f"--nproc_per_node {job.nproc_per_node} "

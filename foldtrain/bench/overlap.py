@@ -20,6 +20,8 @@ gained over reducing after the flush. Undefined when ``T_after_flush <= T_bound`
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from foldtrain.bench.results import RunResult
 from foldtrain.bench.tables import Ratio, _ratio
 
@@ -57,6 +59,8 @@ def pipeline_overlap(runs: list[RunResult], baseline: str = "interleaved-1f1b") 
     out = []
     for r in runs:
         if r.bench != "pipeline" or r.impl != "foldtrain" or r.info.get("dp_sync") == "after-flush" or not r.ok:
+            continue
+        if r.info.get("bound_of"):  # a --bound run: its ratio to the throttled run is bound_ratios'
             continue
         base = next(
             (
@@ -147,6 +151,7 @@ def merge_profiled(runs: list[RunResult]) -> list[RunResult]:
 def defer_ratios(runs: list[RunResult], baseline: str = "interleaved-1f1b") -> list[Ratio]:
     """fold + deferral against the after-flush baseline and against the best torch anchor."""
     out = []
+    runs = [r for r in runs if not r.info.get("bound_of")]
     for net in dict.fromkeys(r.network for r in runs if r.bench == "pipeline"):
         d = next(
             (
@@ -205,3 +210,73 @@ def zero_ratios(runs: list[RunResult]) -> list[Ratio]:
         v, why = _ratio(r, base, names=(f"{label}+zero", label))
         out.append(Ratio(f"{label}+zero / {label} tokens/s [{r.network}]", v, why))
     return out
+
+
+TORCH_ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
+
+
+def _name(r: RunResult) -> str:
+    """A run's schedule with its options, e.g. ``fold-zb+defer`` or ``torch:zbv``."""
+    return r.label + ("+defer" if r.info.get("defer") else "") + ("+zero" if r.info.get("zero") else "")
+
+
+def zero_bubble_ratios(runs: list[RunResult]) -> list[Ratio]:
+    """The zero-bubble schedules against the ones they improve on, per network: zb-h1 / 1f1b (tokens/s,
+    all-rank idle, peak memory), interleaved-zb / interleaved-1f1b, fold-zb(+defer) / fold(+defer) and /
+    interleaved-1f1b after the flush, each foldtrain zero-bubble schedule / each of torch's, and the best
+    foldtrain configuration / the best torch one."""
+    runs = [r for r in runs if r.bench == "pipeline" and not r.info.get("bound_of")]
+    out: list[Ratio] = []
+    for net in dict.fromkeys(r.network for r in runs):
+        here = {_name(r): r for r in runs if r.network == net and not r.info.get("zero")}
+        fold_base = {k: r for k, r in here.items() if r.impl == "foldtrain"}
+        pairs = [("zb-h1", "1f1b"), ("interleaved-zb", "interleaved-1f1b"), ("fold-zb", "fold")]
+        pairs += [
+            ("fold-zb+defer", "fold+defer"),
+            ("fold-zb", "interleaved-1f1b"),
+            ("fold-zb+defer", "interleaved-1f1b"),
+        ]
+        for a, b in pairs:
+            if a not in fold_base:
+                continue
+            v, why = _ratio(fold_base[a], fold_base.get(b), names=(a, b))
+            out.append(Ratio(f"{a} / {b} tokens/s [{net}]", v, why))
+            if (a, b) == ("zb-h1", "1f1b"):
+                for key in ("all_rank_idle_fraction", "peak_mem_mb"):
+                    v, why = _ratio(fold_base[a], fold_base.get(b), key, names=(a, b))
+                    out.append(Ratio(f"{a} / {b} {key.replace('_', ' ')} [{net}]", v, why))
+        ours = [r for k, r in fold_base.items() if r.variant in ("zb-h1", "interleaved-zb", "fold-zb")]
+        for t in TORCH_ZERO_BUBBLE:
+            theirs = here.get(f"torch:{t}")
+            for r in ours if theirs is not None else []:
+                v, why = _ratio(r, theirs, names=(_name(r), f"torch {t}"))
+                out.append(Ratio(f"{_name(r)} / torch {t} tokens/s [{net}]", v, why))
+        done = [r for r in here.values() if r.ok and r.metrics.get("tokens_per_s")]
+        best = {impl: _fastest([r for r in done if r.impl == impl]) for impl in ("foldtrain", "torch")}
+        if best["foldtrain"] is not None and best["torch"] is not None:
+            f, t = best["foldtrain"], best["torch"]
+            v, _ = _ratio(f, t)
+            out.append(Ratio(f"best foldtrain ({_name(f)}) / best torch ({_name(t)}) tokens/s [{net}]", v))
+    return out
+
+
+def _fastest(runs: list[RunResult]) -> RunResult | None:
+    return max(runs, key=lambda r: r.metrics["tokens_per_s"], default=None)
+
+
+def bound_ratios(runs: list[RunResult]) -> list[Ratio]:
+    """Each foldtrain run on a throttled network against the same run with the links changed in place to the
+    ``--bound`` rate (its compute-bound limit)."""
+    out: list[Ratio] = []
+    for b in runs:
+        net = b.info.get("bound_of")
+        if not net:
+            continue
+        same = [r for r in runs if not r.info.get("bound_of") and r.network == net]
+        run = next((r for r in same if _same_config(r, replace(b, network=net), BOUND_KEYS)), None)
+        v, why = _ratio(run, b, names=(_name(b), f"{_name(b)} at {b.network}"))
+        out.append(Ratio(f"{_name(b)} [{net}] / the same at {b.network} (its limit) tokens/s", v, why))
+    return out
+
+
+BOUND_KEYS = ("virtual", "dp_sync", "defer", "zero")

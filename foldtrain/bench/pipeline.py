@@ -7,7 +7,12 @@ TP innermost, then PP, then DP, so global rank = d*P + p and node = d). foldtrai
 ``fold`` (V=2) reducing each chunk as soon as its last backward is done, each with ``--profile``
 (all-rank idle fraction, exposed DP communication, gantt.png); against PyTorch's
 ``torch.distributed.pipelining`` schedules with a DDP-style all-reduce after the flush, and
-DeepSpeed's PipelineModule when installed.
+DeepSpeed's PipelineModule when installed. The zero-bubble schedules (``zb-h1``, ``interleaved-zb``,
+``fold-zb``) against torch's (``interleaved-zb``, ``zbv``, ``dualpipev``).
+
+``--bound RATE`` measures each foldtrain configuration's compute-bound limit in the same invocation: right
+after each run on a throttled network the same run again with the links' rate changed in place to RATE
+(e.g. 40gbit), then back; the ratio of the two says how much of the limit the slow link leaves.
 """
 
 from __future__ import annotations
@@ -18,13 +23,24 @@ import shutil
 from pathlib import Path
 
 from foldtrain.bench import common
-from foldtrain.bench.overlap import defer_ratios, merge_profiled, pipeline_overlap, zero_ratios
+from foldtrain.bench.overlap import (
+    bound_ratios,
+    defer_ratios,
+    merge_profiled,
+    pipeline_overlap,
+    zero_bubble_ratios,
+    zero_ratios,
+)
 from foldtrain.bench.results import RunResult
 from foldtrain.bench.tables import PIPE_HEADERS, pipeline_ratios, pipeline_rows
 from foldtrain.errors import FoldtrainError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "fold")
-TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "fold", "zb-h1", "interleaved-zb", "fold-zb")
+TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
+DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "fold")
+DEFAULT_TORCH = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")
+VIRTUAL = ("interleaved-1f1b", "fold", "interleaved-zb", "fold-zb", "looped-bfs")  # V chunks per rank
+PER_CHUNK = ("fold", "fold-zb")  # reduce each chunk when its backward ends, by default
 # 8.5M parameters (34 MB of fp32 gradients, ~17 MB per pipeline rank) against 256 tokens per step: on two CPU
 # cores the gradient all-reduce over 1gbit is a sizeable part of a step (~0.3 s of ~1.2 s), over 100mbit most of it
 DEFAULTS = dict(
@@ -55,13 +71,15 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("what to compare")
     g.add_argument(
         "--schedules",
-        default=",".join(SCHEDULES),
-        help="foldtrain schedules, fold+defer for --fold.defer_reduce (default: %(default)s)",
+        default=",".join(DEFAULT_SCHEDULES),
+        help=f"foldtrain schedules of {', '.join(SCHEDULES)}; fold+defer for --fold.defer_reduce "
+        "(default: %(default)s)",
     )
     g.add_argument(
         "--torch_schedules",
-        default=",".join(TORCH_SCHEDULES),
-        help="torch.distributed.pipelining schedules (default: %(default)s)",
+        default=",".join(DEFAULT_TORCH),
+        help=f"torch.distributed.pipelining schedules of {', '.join(TORCH_SCHEDULES)}; zbv and dualpipev always "
+        "run 2 stages per rank in a V (default: %(default)s)",
     )
     g.add_argument("--anchors", default="torch,deepspeed", help="baselines: torch, deepspeed; 'none' for none")
     g.add_argument("--dp", type=int, default=2, help="data-parallel degree = emulated nodes (default %(default)s)")
@@ -80,6 +98,13 @@ def parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--precision", default="fp32", help="--precision of every run (default %(default)s)")
     g.add_argument(
+        "--bound",
+        default="",
+        metavar="RATE",
+        help="after each foldtrain run on a throttled network, the same run with the links changed in place to "
+        "RATE (e.g. 40gbit): its compute-bound limit (default: none)",
+    )
+    g.add_argument(
         "--no_profile", action="store_true", help="leave --profile off the foldtrain runs (no idle metrics, no gantt)"
     )
     common.add_common(p, DEFAULTS)
@@ -90,10 +115,10 @@ OPTIONS = {"defer": ["--fold.defer_reduce", "true"], "zero": ["--optim.distribut
 
 
 def parse_schedule(spec: str, virtual: int) -> tuple[str, int, str, tuple[str, ...]]:
-    """``fold`` -> ("fold", V, "per-chunk", ()); ``interleaved-1f1b`` -> (..., V, "after-flush", ());
-    ``gpipe`` / ``1f1b`` -> (..., 1, "after-flush", ()); ``NAME:DP_SYNC`` overrides the sync;
-    ``+defer`` adds ``--fold.defer_reduce`` (fold only), ``+zero`` ``--optim.distributed``
-    (e.g. ``fold+defer+zero``)."""
+    """``fold`` / ``fold-zb`` -> (name, V, "per-chunk", ()); ``interleaved-1f1b`` / ``interleaved-zb`` ->
+    (..., V, "after-flush", ()); ``gpipe`` / ``1f1b`` / ``zb-h1`` -> (..., 1, "after-flush", ());
+    ``NAME:DP_SYNC`` overrides the sync; ``+defer`` adds ``--fold.defer_reduce`` (fold, fold-zb), ``+zero``
+    ``--optim.distributed`` (e.g. ``fold+defer+zero``)."""
     spec, *options = spec.split("+")
     for what in options:
         if what not in OPTIONS:
@@ -104,8 +129,8 @@ def parse_schedule(spec: str, virtual: int) -> tuple[str, int, str, tuple[str, .
     name, _, sync = spec.partition(":")
     if name not in SCHEDULES:
         raise FoldtrainError(f"bench pipeline: unknown schedule '{name}'; choose from {', '.join(SCHEDULES)}")
-    v = virtual if name in ("interleaved-1f1b", "fold") else 1
-    sync = sync or ("per-chunk" if name == "fold" else "after-flush")
+    v = virtual if name in VIRTUAL else 1
+    sync = sync or ("per-chunk" if name in PER_CHUNK else "after-flush")
     if sync not in ("after-flush", "per-chunk"):
         raise FoldtrainError(f"bench pipeline: unknown dp_sync '{sync}' in '{spec}'; use after-flush or per-chunk")
     return name, v, sync, tuple(sorted(set(options)))
@@ -150,9 +175,13 @@ def plan(a, data_path: str, deepspeed_ok: bool = False) -> dict[str, list]:
             info = {"virtual": v, "dp_sync": sync, **more}
             if note:
                 info["note"] = note
-            res = RunResult("pipeline", impl, variant, a.precision, world, net, a.dp, info=info)  # noqa: B023
             args = [*base, "--parallel.virtual", str(v), *extra]
+            res = RunResult("pipeline", impl, variant, a.precision, world, net, a.dp, info=info)  # noqa: B023
             js.append(common_job(Job, res, script, args, loop, a, threads))  # noqa: B023
+            if a.bound and not loop and impl == "foldtrain" and not more.get("profiled_twin"):  # noqa: B023
+                twin = {**info, "link_rate": a.bound, "bound_of": net, "tag": (info.get("tag", "") + "bound")}  # noqa: B023
+                res = RunResult("pipeline", impl, variant, a.precision, world, a.bound, a.dp, info=twin)
+                js.append(common_job(Job, res, script, args, loop, a, threads))  # noqa: B023
 
         for name, v, sync, options in specs:
             extra = ["--parallel.schedule", name, "--parallel.dp_sync", sync]
@@ -178,7 +207,7 @@ def plan(a, data_path: str, deepspeed_ok: bool = False) -> dict[str, list]:
                 )
         if "torch" in anchors:
             for s in common.csv(a.torch_schedules):
-                v = a.virtual if s in ("interleaved-1f1b", "looped-bfs") else 1
+                v = 2 if s in ("zbv", "dualpipev") else a.virtual if s in VIRTUAL else 1
                 add("torch", s, v, "after-flush", ["-m", "foldtrain.bench.anchors.torch_pipelining"], ["--schedule", s])
         if "deepspeed" in anchors and deepspeed_ok:
             add("deepspeed", "1f1b", 1, "after-flush", ["-m", "foldtrain.bench.anchors.deepspeed_pipe"], [])
@@ -220,6 +249,7 @@ def main(argv: list[str]) -> int:
                     r.info["gantt"] = str(dst)
         rows = pipeline_rows(results)
         ratios = pipeline_ratios(results) + defer_ratios(results) + zero_ratios(results) + pipeline_overlap(results)
+        ratios += zero_bubble_ratios(results) + bound_ratios(results)
         notes += common.run_notes(a, load_before)
         notes += [
             f"world {a.dp * a.pp}: dp={a.dp} across emulated nodes x pp={a.pp} inside each; micro-batches per dp rank: "

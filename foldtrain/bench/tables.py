@@ -400,7 +400,7 @@ def _ps_server_bytes(runs: list[RunResult], networks: list[str], precisions: lis
 
 def pipeline_ratios(runs: list[RunResult], baseline: str = "interleaved-1f1b") -> list[Ratio]:
     """fold vs the after-flush interleaved baseline (tokens/s, all-rank idle) and vs torch LoopedBFS + DDP."""
-    runs = [r for r in runs if r.bench == "pipeline"]
+    runs = [r for r in runs if r.bench == "pipeline" and not r.info.get("bound_of")]
     out: list[Ratio] = []
 
     def pick(impl: str, variant: str, net: str, sync: str) -> RunResult | None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from foldtrain.bench import common, dp, pipeline
+from foldtrain.bench.overlap import bound_ratios, zero_bubble_ratios
 from foldtrain.bench.results import RunResult, error_line, load_results, read_metrics, save_results, summarize_records
 from foldtrain.bench.runner import Job, run_job
 from foldtrain.bench.tables import (
@@ -548,6 +549,86 @@ def test_pipeline_plan():
     with pytest.raises(FoldtrainError, match="unknown schedule option"):
         pipeline.parse_schedule("fold+later", 2)
     assert pipeline.parse_schedule("fold+zero+defer", 2) == ("fold", 2, "per-chunk", ("defer", "zero"))
+
+
+def test_pipeline_plan_zero_bubble_and_bound():
+    """The zero-bubble schedules take their V and sync like their parents; torch's V-shaped ones always run 2
+    stages per rank; --bound adds, right after each plain foldtrain run, the same run at the bound rate."""
+    a = pipeline.parser().parse_args(
+        [
+            "--schedules",
+            "zb-h1,interleaved-zb,fold-zb+defer",
+            "--torch_schedules",
+            "interleaved-zb,zbv,dualpipev",
+            "--virtual",
+            "4",
+            "--networks",
+            "1gbit,loopback",
+            "--bound",
+            "40gbit",
+            "--no_profile",
+        ]
+    )
+    jobs = pipeline.plan(a, "/data", deepspeed_ok=False)
+    got = [(j.result.impl, j.result.variant, j.result.network, j.result.info["virtual"]) for j in jobs["1gbit"]]
+    assert got == [
+        ("foldtrain", "zb-h1", "1gbit", 1),
+        ("foldtrain", "zb-h1", "40gbit", 1),
+        ("foldtrain", "interleaved-zb", "1gbit", 4),
+        ("foldtrain", "interleaved-zb", "40gbit", 4),
+        ("foldtrain", "fold-zb", "1gbit", 4),
+        ("foldtrain", "fold-zb", "40gbit", 4),
+        ("torch", "interleaved-zb", "1gbit", 4),
+        ("torch", "zbv", "1gbit", 2),
+        ("torch", "dualpipev", "1gbit", 2),
+    ]
+    bound = jobs["1gbit"][5]
+    assert bound.result.info["link_rate"] == "40gbit" and bound.result.info["bound_of"] == "1gbit"
+    assert bound.args == jobs["1gbit"][4].args and bound.result.info["defer"]
+    assert jobs["1gbit"][4].result.info["dp_sync"] == "per-chunk" and jobs["1gbit"][2].result.info["dp_sync"] == (
+        "after-flush"
+    )
+    assert not any(j.result.info.get("link_rate") for j in jobs["loopback"])  # nothing to change on loopback
+    assert len({common.run_name(j.result) for j in jobs["1gbit"]}) == len(jobs["1gbit"])
+
+
+def test_zero_bubble_and_bound_ratios(tmp_path):
+    def mk(name, step_s, impl, variant, net="1gbit", **info):
+        metrics = {k: info.pop(k) for k in ("all_rank_idle_fraction", "peak_mem_mb") if k in info}
+        return run_from(
+            tmp_path,
+            name,
+            [9, 9, step_s, step_s],
+            impl=impl,
+            variant=variant,
+            ranks=4,
+            workers=2,
+            network=net,
+            bench="pipeline",
+            info={"virtual": 2, "dp_sync": "after-flush", **info},
+            **metrics,
+        )
+
+    runs = [
+        mk("1f1b", 2.0, "foldtrain", "1f1b", all_rank_idle_fraction=0.4, peak_mem_mb=100.0),
+        mk("zb", 1.6, "foldtrain", "zb-h1", all_rank_idle_fraction=0.2, peak_mem_mb=100.0),
+        mk("il", 2.0, "foldtrain", "interleaved-1f1b"),
+        mk("fzd", 1.25, "foldtrain", "fold-zb", dp_sync="per-chunk", defer=True),
+        mk("fzd40", 1.0, "foldtrain", "fold-zb", net="40gbit", dp_sync="per-chunk", defer=True, bound_of="1gbit"),
+        mk("fd", 1.5, "foldtrain", "fold", dp_sync="per-chunk", defer=True),
+        mk("tzbv", 2.5, "torch", "zbv"),
+        mk("tdual", 2.0, "torch", "dualpipev"),
+    ]
+    r = {x.name: x.value for x in zero_bubble_ratios(runs) + bound_ratios(runs)}
+    assert r["zb-h1 / 1f1b tokens/s [1gbit]"] == pytest.approx(1.25)
+    assert r["zb-h1 / 1f1b all rank idle fraction [1gbit]"] == pytest.approx(0.5)
+    assert r["zb-h1 / 1f1b peak mem mb [1gbit]"] == pytest.approx(1.0)
+    assert r["fold-zb+defer / fold+defer tokens/s [1gbit]"] == pytest.approx(1.2)
+    assert r["fold-zb+defer / interleaved-1f1b tokens/s [1gbit]"] == pytest.approx(1.6)
+    assert r["fold-zb+defer / torch zbv tokens/s [1gbit]"] == pytest.approx(2.0)
+    assert r["best foldtrain (fold-zb+defer) / best torch (torch:dualpipev) tokens/s [1gbit]"] == pytest.approx(1.6)
+    assert r["fold-zb+defer [1gbit] / the same at 40gbit (its limit) tokens/s"] == pytest.approx(0.8)
+    assert not any("[40gbit]" in k for k in r)  # a bound run is no network of its own
 
 
 def test_overlap_efficiency_from_the_runs():

@@ -53,7 +53,7 @@ import torch
 from foldtrain.parallel.pipeline import split_backward
 from foldtrain.parallel.pipeline.deadlines import DeadlineQueue
 from foldtrain.parallel.pipeline.p2p import P2P
-from foldtrain.schedules import Action, Op, RankRules, Rule, Schedule, StepPolicy, rank_rules
+from foldtrain.schedules import SPLIT_BACKWARD, Action, Op, RankRules, Rule, Schedule, StepPolicy, rank_rules
 
 ACT, GRAD, EVAL_ACT = 0, 1, 2
 
@@ -89,6 +89,8 @@ class Iteration:
     received_grads: dict = field(default_factory=dict)  # RG -> B: gradients w.r.t. those outputs
     input_grads: dict = field(default_factory=dict)  # B / I -> SG: gradients w.r.t. each forward's input
     weight_work: dict = field(default_factory=dict)  # I -> W: what the weights' gradients still need
+    forward_notes: dict = field(default_factory=dict)  # F -> I: what a split backward noted of the forward
+    split: bool = False  # the schedule splits backwards into I and W
     sends: list = field(default_factory=list)  # (work, tensor, action): posted, waited at the end
     stepped_early: set = field(default_factory=set)  # chunks a WR stepped (their OS only meets the norm)
 
@@ -104,6 +106,7 @@ class Iteration:
             self.received_grads,
             self.input_grads,
             self.weight_work,
+            self.forward_notes,
         )
         return [k for d in held for k in d]
 
@@ -147,6 +150,7 @@ class Executor:
         self.sync = sync or (lambda: None)
         self.awaiting_step: set[int] = set()  # chunks whose reduction was launched, not yet stepped
         self._rules: tuple[Schedule, RankRules] | None = None
+        self._splits: dict = {}  # segment -> its split backward (zero-bubble schedules)
         self._ties = [r for r in reducers.values() if r.tie is not None]
         self._handlers = {
             Op.FORWARD: self._forward,
@@ -205,6 +209,7 @@ class Executor:
         micro-batch losses divided by M (the rank's mean loss; zero unless it holds the last segment)."""
         rules = self.rules(sched)
         it = Iteration(rules, xs, ys, torch.zeros((), dtype=torch.float32, device=xs[0].device))
+        it.split = sched.name in SPLIT_BACKWARD
         for r in self._ties:
             r.begin(xs)
         for a, rule in rules.steps():
@@ -226,7 +231,11 @@ class Executor:
         self.stepper.weights_ready(s)
         with self._span(f"F c{s} m{m}", "compute", op="F", chunk=s, mb=m):
             with self.precision.forward_context():
-                out = chunk.body(inp) if s == self.last else chunk(inp)
+                run = chunk.body if s == self.last else chunk
+                if it.split:  # what the split backward's W needs of this forward
+                    out, it.forward_notes[(s, m)] = self._split(s).forward(run, inp)
+                else:
+                    out = run(inp)
             if s == self.last:
                 out = (out, self._fused_head(it, chunk, out, m))
             self.sync()
@@ -266,14 +275,21 @@ class Executor:
             return [out[0]], [out[1]]
         return [out], [it.received_grads.pop((s, m))]
 
+    def _split(self, s: int):
+        """Chunk ``s``'s split backward (:mod:`.split_backward`), made on first use."""
+        if s not in self._splits:
+            chunk = self.chunks[s]
+            recomputed = any(getattr(m, "_foldtrain_ac", False) for m in chunk.modules())
+            self._splits[s] = split_backward.split_for(chunk, recomputed)
+        return self._splits[s]
+
     def _backward_input(self, it: Iteration, a: Action, rule: Rule) -> None:
         s, m = a.chunk, a.mb
         outputs, grads = self._output_grads(it, s, m)
         inp = it.stage_inputs.pop((s, m))
+        notes = it.forward_notes.pop((s, m))
         with self._span(f"I c{s} m{m}", "compute", op="I", chunk=s, mb=m):
-            it.weight_work[(s, m)] = split_backward.backward_input(
-                outputs, grads, inp, list(self.chunks[s].parameters())
-            )
+            it.weight_work[(s, m)] = self._split(s).backward_input(outputs, grads, inp, notes)
             self.sync()
         if s > 0:
             it.input_grads[(s, m)] = inp.grad
@@ -282,7 +298,7 @@ class Executor:
         s, m = a.chunk, a.mb
         work = it.weight_work.pop((s, m))
         with self._span(f"W c{s} m{m}", "compute", op="W", chunk=s, mb=m):
-            split_backward.backward_weight(work, list(self.chunks[s].parameters()))
+            split_backward.backward_weight(self._split(s), work)
             self.sync()
 
     def _send(self, it: Iteration, a: Action, rule: Rule) -> None:

@@ -2,12 +2,19 @@
 
 The zero-bubble schedules (:mod:`foldtrain.schedules.generators`) run a micro-batch's backward as an
 ``I``, whose result the previous stage is waiting for, and a ``W`` the rank may run later, when it
-would otherwise idle. Both use torch pipelining's own implementation
-(``torch.distributed.pipelining._backward``): ``stage_backward_input`` computes only the input's
-gradient (autograd skips every product a weight's gradient alone needs) and keeps, for each group of
-weights, the gradients flowing into the graph nodes where the weights' branches join the input's path;
-``stage_backward_weight`` then runs autograd from those nodes to the weights alone. The graph (and the
-activations it saves) lives until the ``W``.
+would otherwise idle. The activations and the graph live until the ``W``. Two ways, one result:
+
+* :class:`LinearSplit` (a chunk of plain tensors): what the ZB paper's Megatron implementation defers,
+  the linear layers' weight-gradient products. A forward hook notes each ``nn.Linear``'s input and
+  output; the ``I`` is ONE autograd call for the segment input's gradient and every other parameter's
+  (biases, norms: small), which skips the products only a linear weight's gradient needs, while tensor
+  hooks keep the gradient reaching each linear's output; the ``W`` multiplies them out,
+  ``dW = dy^T x`` in the product's own dtype (autocast's bf16 / fp16 too), as autograd would.
+* :class:`GraphSplit` (any chunk: DTensor weights under tensor parallelism, recomputed activations):
+  torch pipelining's own ``stage_backward_input`` / ``stage_backward_weight``, which find, per group of
+  weights, the graph nodes where their branches join the input's path, keep the gradients flowing into
+  them in the ``I`` and run autograd from there in the ``W``: general, but one autograd call per group
+  (6 a block), which costs a CPU as much as a third of a small block's backward.
 
 A segment whose input is token ids (segment 0) has no input gradient: its ``I`` does nothing and its
 ``W`` is the whole backward, as torch pipelining runs its first stage.
@@ -15,33 +22,108 @@ A segment whose input is token ids (segment 0) has no input gradient: its ``I`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 
 @dataclass
 class WeightWork:
-    """What an ``I`` leaves for its ``W``: the saved gradients of the weights' groups, or (segment 0) the
-    outputs and their gradients for the whole backward."""
+    """What an ``I`` leaves for its ``W``."""
 
-    param_groups: list | None = None
-    outputs: list | None = None
+    linears: list = field(default_factory=list)  # LinearSplit: [module, input, output, output's gradient]
+    param_groups: list | None = None  # GraphSplit: torch pipelining's saved gradients per group of weights
+    outputs: list | None = None  # segment 0: the outputs and their gradients for the whole backward
     grads: list | None = None
 
 
-def backward_input(outputs: list[torch.Tensor], grads: list[torch.Tensor], inp: torch.Tensor, params) -> WeightWork:
-    """``I``: ``inp.grad`` from the outputs' gradients; returns what the ``W`` needs."""
-    if not inp.requires_grad:
-        return WeightWork(outputs=outputs, grads=grads)
-    _dinputs, groups = stage_backward_input(outputs, grads, [inp], params)
-    return WeightWork(param_groups=groups)
+def accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:
+    """``p.grad += g`` as autograd accumulates (the first gradient becomes ``.grad``)."""
+    if g is None:
+        return
+    if p.grad is None:
+        p.grad = g.detach()
+    else:
+        p.grad.add_(g)
 
 
-def backward_weight(work: WeightWork, params) -> None:
+class LinearSplit:
+    """The split backward of a chunk of plain tensors, deferring its linear layers' weight products."""
+
+    def __init__(self, chunk: nn.Module):
+        self.linears = [m for m in chunk.modules() if isinstance(m, nn.Linear)]
+        mine = {id(m.weight) for m in self.linears}
+        self.others = [p for p in chunk.parameters() if id(p) not in mine]
+        self.recording: list | None = None
+        for m in self.linears:
+            m.register_forward_hook(self._note)
+
+    def _note(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if self.recording is not None and torch.is_grad_enabled():
+            self.recording.append([module, args[0], out, None])
+
+    def forward(self, run, *args):
+        """``run(*args)`` with every linear layer's input and output noted; returns (output, notes)."""
+        self.recording = notes = []
+        try:
+            return run(*args), notes
+        finally:
+            self.recording = None
+
+    def backward_input(self, outputs, grads, inp: torch.Tensor, notes: list) -> WeightWork:
+        if not inp.requires_grad:
+            return WeightWork(outputs=outputs, grads=grads)
+        for n in notes:
+            if n[2].requires_grad:
+                n[2].register_hook(lambda g, n=n: n.__setitem__(3, g))
+        wanted = [inp, *(p for p in self.others if p.requires_grad)]
+        got = torch.autograd.grad(outputs, wanted, grads, allow_unused=True)
+        inp.grad = got[0]
+        for p, g in zip(wanted[1:], got[1:]):
+            accumulate(p, g)
+        return WeightWork(linears=notes)
+
+    @staticmethod
+    def backward_weight(work: WeightWork) -> None:
+        for module, x, _out, dy in work.linears:
+            if dy is None:  # the output did not reach the loss
+                continue
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            dw = dy2.t() @ x.reshape(-1, x.shape[-1]).to(dy2.dtype)
+            accumulate(module.weight, dw.to(module.weight.dtype))
+
+
+class GraphSplit:
+    """The split backward of any chunk, with torch pipelining's graph analysis (module docstring)."""
+
+    def __init__(self, chunk: nn.Module):
+        self.chunk = chunk
+
+    def forward(self, run, *args):
+        return run(*args), None
+
+    def backward_input(self, outputs, grads, inp: torch.Tensor, notes) -> WeightWork:
+        if not inp.requires_grad:
+            return WeightWork(outputs=outputs, grads=grads)
+        _dinputs, groups = stage_backward_input(outputs, grads, [inp], list(self.chunk.parameters()))
+        return WeightWork(param_groups=groups)
+
+    def backward_weight(self, work: WeightWork) -> None:
+        stage_backward_weight(list(self.chunk.parameters()), work.param_groups)
+
+
+def split_for(chunk: nn.Module, recomputed: bool) -> LinearSplit | GraphSplit:
+    """The split of ``chunk``: by its linear layers when its weights are plain tensors and its activations
+    are kept (recomputation would note the recomputed products' tensors instead), else torch's."""
+    plain = not any(hasattr(p, "placements") for p in chunk.parameters())
+    return LinearSplit(chunk) if plain and not recomputed else GraphSplit(chunk)
+
+
+def backward_weight(split, work: WeightWork) -> None:
     """``W``: the weights' gradients, accumulated into their ``.grad``."""
-    if work.param_groups is None:
+    if work.outputs is not None:
         torch.autograd.backward(work.outputs, work.grads)
     else:
-        stage_backward_weight(params, work.param_groups)
+        split.backward_weight(work)

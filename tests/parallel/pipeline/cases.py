@@ -101,6 +101,8 @@ def equivalence_cases(world: int) -> list[dict]:
             _one((1, 2, 1, 1), "zb-h1", "after-flush", "zb"),
             _one((1, 2, 1, 2), "fold-zb", "per-chunk", "zb-ac", ac="full"),
             _one((1, 2, 1, 1), "zb-h1", "per-chunk", "zb-fp16", precision="fp16"),
+            _one((1, 2, 1, 2), "fold-zb", "per-chunk", "zb-bf16", precision="bf16"),
+            _one((1, 2, 1, 2), "interleaved-zb", "per-chunk", "zb-m32", **M32),
         ]
     if world == 4:
         return [

@@ -323,6 +323,19 @@ def run_name(r) -> str:
     )
 
 
+def _at_rate(one, job, rep: int, cluster, net: str):
+    """``one(job, rep, cluster)`` on links changed in place to the job's ``link_rate`` (a ``--bound`` run), and
+    back to ``net``'s rate after it."""
+    rate = job.result.info.get("link_rate")
+    if not rate:
+        return one(job, rep, cluster)
+    cluster.set_rate(rate)
+    try:
+        return one(job, rep, cluster)
+    finally:
+        cluster.set_rate(net)
+
+
 def execute(jobs_by_network: dict[str, list], a, ws: Workspace, max_nodes: dict[str, int], log) -> list:
     """Run every job (``--repeat`` times, in rounds so slow phases of a shared machine hit every
     run alike): loopback ones directly, the others inside one emulated cluster per network.
@@ -365,17 +378,6 @@ def execute(jobs_by_network: dict[str, list], a, ws: Workspace, max_nodes: dict[
             log(f"        FAILED: {res.error}")
         return res
 
-    def at_rate(job, rep: int, cluster, net: str):
-        """``one``, on links changed in place to the job's ``link_rate`` (a bound run) and back after it."""
-        rate = job.result.info.get("link_rate")
-        if not rate:
-            return one(job, rep, cluster)
-        cluster.set_rate(rate)
-        try:
-            return one(job, rep, cluster)
-        finally:
-            cluster.set_rate(net)
-
     for net, jobs in jobs_by_network.items():
         if not jobs:
             continue
@@ -399,7 +401,7 @@ def execute(jobs_by_network: dict[str, list], a, ws: Workspace, max_nodes: dict[
                         )
                 for rep in range(repeat):
                     for job in jobs:
-                        results.setdefault(id(job), []).append(at_rate(job, rep, cluster, net))
+                        results.setdefault(id(job), []).append(_at_rate(one, job, rep, cluster, net))
         except FoldtrainError as e:  # this network could not be built or checked: say so, keep the other results
             log(f"foldtrain bench: {e}; skipping the {net} runs")
     order = [job for jobs in jobs_by_network.values() for job in jobs]

@@ -6,8 +6,8 @@ One invocation: (1) calibrates this machine in the conditions of the runs (compu
 4 concurrent processes, and how much of the cores' work is lost when 4 ranks share 2 cores; gloo
 on loopback, gloo across two emulated nodes at 1 Gbit/s);
 (2) runs ``foldtrain bench dp`` (ps, sharded-ps, allreduce, ddp at 2 and 4 ranks, loopback and
-1 Gbit/s) and ``foldtrain bench pipeline`` (every schedule x dp_sync, fold with and without
-deferral, two emulated nodes at 1 Gbit/s); (3) simulates every run with the calibrated cluster;
+1 Gbit/s) and ``foldtrain bench pipeline`` (every schedule x dp_sync, the zero-bubble ones, fold and
+fold-zb with and without deferral, two emulated nodes at 1 Gbit/s); (3) simulates every run with the calibrated cluster;
 (4) writes the comparison, and the measured and simulated Gantt charts of one fold run. Needs
 root and iproute2 for the emulated network.
 """
@@ -208,7 +208,7 @@ def run_benches(a: argparse.Namespace, out: Path) -> tuple[list[dict], list[dict
     print("bench pipeline ...", flush=True)
     pp_args = [
         "--schedules",
-        "gpipe,1f1b,interleaved-1f1b,interleaved-1f1b:per-chunk,fold:after-flush,fold",
+        "gpipe,1f1b,interleaved-1f1b,interleaved-1f1b:per-chunk,fold:after-flush,fold,zb-h1,interleaved-zb,fold-zb",
         "--anchors",
         "none",
         "--networks",
@@ -218,7 +218,7 @@ def run_benches(a: argparse.Namespace, out: Path) -> tuple[list[dict], list[dict
     pp_runs = bench("pipeline", pp_args, out / "pp")
     defer_args = [
         "--schedules",
-        "fold",
+        "fold,fold-zb",
         "--anchors",
         "none",
         "--networks",

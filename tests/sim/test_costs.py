@@ -518,3 +518,21 @@ def test_distributed_optimizer_shards_moments_and_masters_and_gathers_the_weight
     assert b.step_time <= a.step_time, (a.step_time, b.step_time)
     waits = [e for rank in b.events for e in rank if e["name"].startswith("AG c")]
     assert waits and all(e["end"] > e["start"] for e in waits)
+
+
+def test_split_backward_prices_i_and_w_from_the_blocks_operations(cluster):
+    """A split backward costs what the whole one does: W is the share of the block's weight-gradient products
+    and reductions (about half of the products' FLOPs), I the rest; segment 0's I is free and its W whole.
+    zb-h1 keeps P micro-batches alive on every rank (1F1B on rank 0 only) and idles less."""
+    s = resolve_setup(_cfg("--parallel.pp", "2", "--train.global_batch", "8"))
+    cm = CostModel(s, cluster)
+    assert 0.3 < cm.w_share < 0.6, cm.w_share
+    assert cm.backward_input(1) + cm.backward_weight(1) == approx(cm.backward(1))
+    assert cm.backward_weight(1) == approx(s.layers[1] * cm.t_block_b * cm.w_share)
+    assert (cm.backward_input(0), cm.backward_weight(0)) == (0.0, approx(cm.backward(0)))
+    c = from_dict(cluster_dict(device__memory_gb=1000))
+    base = ["--parallel.pp", "4", "--train.global_batch", "16"]
+    one, zb = (simulate(_cfg(*base, "--parallel.schedule", n), c) for n in ("1f1b", "zb-h1"))
+    assert zb.memory[3]["activations"] == approx(4 * one.memory[3]["activations"], rel=0.05)
+    assert zb.memory[0]["activations"] == approx(one.memory[0]["activations"], rel=0.05)
+    assert zb.step_time < one.step_time

@@ -89,6 +89,8 @@ def cluster_of(
         inter=inter,
         runtime=comp["runtime"],
         backward_ratio=comp.get("backward_ratio", 2.0),
+        split_ratio=comp.get("split_ratio", 0.0),
+        split_weight_share=comp.get("split_weight_share", 0.0),
         elem_bw=comp.get("elem_bw", 0.0),
         softmax_rate=comp.get("softmax_rate", 0.0),
         loss_buffers=comp.get("loss_buffers", 3.0),
@@ -444,6 +446,11 @@ def calibration_table(comp: dict, loop: dict, net: dict) -> list[str]:
             "a block's backward / forward time",
             "device.backward_ratio",
             f"{c['backward_ratio']:.2f}" if "backward_ratio" in c else "",
+        ),
+        (
+            "a block's backward split into I and W / the whole one; W's share of it",
+            "device.split_ratio, device.split_weight_share",
+            f"{c['split_ratio']:.2f}; {c['split_weight_share']:.2f}" if "split_ratio" in c else "",
         ),
         (
             "(b, L, V) fp32 tensors the resident peak holds at the loss",

@@ -151,6 +151,8 @@ def build_cluster(name: str, ranks_per_node: int, m: Probes):
         inter=inter,
         runtime=comp["runtime"],
         backward_ratio=comp["backward_ratio"],
+        split_ratio=comp["split_ratio"],
+        split_weight_share=comp["split_weight_share"],
         elem_bw=comp["elem_bw"],
         softmax_rate=comp["softmax_rate"],
         loss_buffers=m.loss_buffers,
@@ -208,6 +210,9 @@ def device_notes(src: str, m: Probes, probe_dp: int, ov_measured: float, ov_sim:
             "device.layer_overhead_us": f"{src}: forward + backward of a tiny block / 3",
             "device.backward_ratio": f"{src}: backward / forward time of a block, "
             f"mean over (d, heads, batch, seq) = {RATIO_SHAPES}",
+            "device.split_ratio": f"{src}: the same blocks' backward split into I and W (the zero-bubble schedules' "
+            "split_backward) / their whole backward",
+            "device.split_weight_share": f"{src}: W's share of that split backward",
             "device.elem_gbs": f"{src}: fitted so that the cost model's block forward equals the measured one "
             f"at {RATIO_SHAPES}",
             "device.softmax_gelems": f"{src}: per logit, fitted with head_weight_gelems to the real fused head "

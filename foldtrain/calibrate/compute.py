@@ -83,6 +83,7 @@ def _compute_probe(barrier, queue) -> None:
     h = torch.randn(1, 4, 16, requires_grad=True)
     out["block_overhead"] = _time(lambda: blk(h).sum().backward()) / 3  # forward + backward ~ 3 passes
     out["blocks"] = [_block_times(Block, GPTShape, *shape) for shape in RATIO_SHAPES]
+    out["splits"] = [_block_times(Block, GPTShape, *shape, split=True) for shape in RATIO_SHAPES]
     out["heads"] = [_head_time(*shape) for shape in HEAD_SHAPES]
     # 4 M parameters: AdamW (fused, as the engines run it) and the norm for clipping
     w = torch.nn.Parameter(torch.randn(4 * 2**20))
@@ -173,40 +174,56 @@ RATIO_SHAPES = ((96, 4, 4, 128), (256, 4, 1, 64), (256, 4, 1, 32))
 
 
 def _block_times(
-    Block, GPTShape, d: int, heads: int, b: int, seq: int, n_blocks: int = 4, in_flight: int = 4, min_s: float = 0.3
+    Block,
+    GPTShape,
+    d: int,
+    heads: int,
+    b: int,
+    seq: int,
+    n_blocks: int = 4,
+    in_flight: int = 4,
+    min_s: float = 0.3,
+    split: bool = False,
 ) -> tuple[float, float]:
     """Forward (with autograd recording, as in training) and backward time of one block and micro-batch,
     timed as a pipeline chunk runs them: ``in_flight`` micro-batches forward through ``n_blocks``
     distinct blocks, their graphs held, then backward in reverse order; so each block's weights come
     from beyond the core's private cache as in a run (a lone block timed in a loop stays in it and
-    ran 25-35% faster here). Median of repetitions."""
+    ran 25-35% faster here). Median of repetitions. ``split``: the zero-bubble schedules' backward in
+    two (:mod:`foldtrain.parallel.pipeline.split_backward`), ``(I, W)`` times instead."""
     import torch
 
-    blks = [Block(GPTShape(1, heads, d, seq, 16)) for _ in range(n_blocks)]
+    from foldtrain.parallel.pipeline.split_backward import backward_weight, split_for
+
+    blks = torch.nn.Sequential(*[Block(GPTShape(1, heads, d, seq, 16)) for _ in range(n_blocks)])
     xs = [torch.randn(b, seq, d, requires_grad=True) for _ in range(in_flight)]
     grads = [torch.randn(b, seq, d) for _ in range(in_flight)]
+    halves = split_for(blks, recomputed=False)
 
     def once() -> tuple[float, float]:
         t0 = time.perf_counter()
-        outs = []
-        for x in xs:
-            for blk in blks:
-                x = blk(x)
-            outs.append(x)
+        outs = [halves.forward(blks, x) if split else (blks(x), None) for x in xs]
         t1 = time.perf_counter()
-        for y, g in zip(reversed(outs), reversed(grads)):
-            torch.autograd.backward(y, g)
+        work = []
+        for (y, notes), x, g in zip(reversed(outs), reversed(xs), reversed(grads)):
+            if split:
+                work.append(halves.backward_input([y], [g], x, notes))
+            else:
+                torch.autograd.backward(y, g)
         t2 = time.perf_counter()
+        for w in work:
+            backward_weight(halves, w)
+        t3 = time.perf_counter()
         n = n_blocks * in_flight
-        return (t1 - t0) / n, (t2 - t1) / n
+        return ((t2 - t1) / n, (t3 - t2) / n) if split else ((t1 - t0) / n, (t2 - t1) / n)
 
     once()
     runs, t_end = [], time.perf_counter() + min_s
     while len(runs) < 5 or time.perf_counter() < t_end:
         runs.append(once())
-    fwd = sorted(r[0] for r in runs)[len(runs) // 2]
-    bwd = sorted(r[1] for r in runs)[len(runs) // 2]
-    return fwd, max(bwd, 0.1 * fwd)
+    first = sorted(r[0] for r in runs)[len(runs) // 2]
+    second = sorted(r[1] for r in runs)[len(runs) // 2]
+    return (first, second) if split else (first, max(second, 0.1 * first))
 
 
 def _oversubscription_probe(barrier, queue) -> None:
@@ -333,6 +350,10 @@ def measure_compute(concurrency: int) -> dict:
     out["optim_rate"] = sum(r["optim_rate"] for r in res) / len(res)
     blocks = [[sum(r["blocks"][i][j] for r in res) / len(res) for j in (0, 1)] for i in range(len(RATIO_SHAPES))]
     out["backward_ratio"] = sum(b / f for f, b in blocks) / len(blocks)
+    splits = [[sum(r["splits"][i][j] for r in res) / len(res) for j in (0, 1)] for i in range(len(RATIO_SHAPES))]
+    # the split backward (I + W) against the whole one, and W's share of it
+    out["split_ratio"] = sum((i + w) / b for (i, w), (_f, b) in zip(splits, blocks)) / len(blocks)
+    out["split_weight_share"] = sum(w / (i + w) for i, w in splits) / len(splits)
     out["elem_bw"] = fit_elem_bw(out["fp32"][0], out["fp32"][1], out["block_overhead"], blocks, out["rows_half_size"])
     heads = [sum(r["heads"][i] for r in res) / len(res) for i in range(len(HEAD_SHAPES))]
     out["softmax_rate"], out["head_weight_rate"] = fit_head(

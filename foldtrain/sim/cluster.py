@@ -28,6 +28,9 @@ A cluster file (copy a preset and edit it; every number is required and positive
     runtime_gb = 1.0         # optional: memory the framework takes per rank (CUDA context, ...)
     backward_ratio = 1.9     # optional: a block's backward time / its forward time, measured (absent: the
                              # backward's operations priced one by one)
+    split_ratio = 1.06       # optional: a block's backward split into I and W (zero-bubble schedules) / its
+                             # whole backward, measured (absent: 1)
+    split_weight_share = 0.45 # optional: W's share of that split backward, measured (absent: priced per operation)
     elem_gbs = 2039          # optional: effective bandwidth of element-wise work (absent: mem_bw_gbs)
     softmax_gelems = 50      # optional: log-softmax forward + backward, G elements/s (absent: memory-bound)
     rows_half_size = 256     # optional: half_size of products with few rows (tokens) (absent: half_size)
@@ -159,6 +162,8 @@ class Cluster:
     source: str = ""
     runtime: float = 0.0  # bytes per rank the framework itself takes (CUDA context, interpreter)
     backward_ratio: float = 0.0  # a block's backward / forward time, measured (0: priced per operation)
+    split_ratio: float = 0.0  # a block's split backward (I + W) / its whole backward, measured (0: 1)
+    split_weight_share: float = 0.0  # W's share of the split backward, measured (0: priced per operation)
     shared_cores: float = 0.0  # > 0: all ranks share this many CPU cores (an emulated cluster on one machine)
     elem_bw: float = 0.0  # bytes/s of element-wise work (norms, GELU, softmax, residuals); 0: mem_bw
     softmax_rate: float = 0.0  # elements/s of the loss's log-softmax forward + backward; 0: memory-bound at mem_bw
@@ -223,6 +228,8 @@ OPTIONAL: dict[str, tuple[str, float, float]] = {
     "node.oversubscribed_efficiency": ("oversubscribed", 1.0, 1.0),
     "device.runtime_gb": ("runtime", 1e-9, 0.0),
     "device.backward_ratio": ("backward_ratio", 1.0, 0.0),
+    "device.split_ratio": ("split_ratio", 1.0, 0.0),
+    "device.split_weight_share": ("split_weight_share", 1.0, 0.0),
     "device.elem_gbs": ("elem_bw", 1e-9, 0.0),
     "device.softmax_gelems": ("softmax_rate", 1e-9, 0.0),
     "device.loss_buffers": ("loss_buffers", 1.0, 3.0),

@@ -135,10 +135,13 @@ class CostModel:
             if c.backward_ratio > 0
             else self.pass_time(ops.block_backward(self.priced))
         )
-        # a split backward's W: the share of a block's backward that computes the weights' gradients
+        # a split backward (zero-bubble schedules): W's share of a block's backward, measured or priced from the
+        # weight-gradient operations, and what splitting costs beyond the whole backward (measured, else nothing)
         todo = ops.block_backward(self.priced)
         whole = self.pass_time(todo, overhead=False)
-        self.w_share = self.pass_time([op for op in todo if op.weight_grad], overhead=False) / whole if whole else 0.5
+        priced = self.pass_time([op for op in todo if op.weight_grad], overhead=False) / whole if whole else 0.5
+        self.w_share = c.split_weight_share or priced
+        self.split_ratio = c.split_ratio or 1.0
         # Korthikanti et al.'s selective recomputation: the attention core again in the backward
         self.t_attn_recompute = self.pass_time(ops.attention_forward(self.priced), overhead=False)
         self.t_head = self.head_time()
@@ -284,16 +287,20 @@ class CostModel:
 
     def backward_weight(self, seg: int) -> float:
         """A split backward's ``W`` of segment ``seg``: its blocks' weight-gradient products and reductions
-        (:attr:`w_share` of the backward). Segment 0's input is the token ids, which need no gradient, so its
-        ``I`` computes nothing and its ``W`` is its whole backward (as torch pipelining runs the first stage)."""
+        (:attr:`w_share` of the split backward, :attr:`split_ratio` of the whole one). Segment 0's input is the
+        token ids, which need no gradient, so its ``I`` computes nothing and its ``W`` is its whole backward (as
+        torch pipelining runs the first stage)."""
         if seg == 0:
             return self.backward(seg)
-        return self.s.layers[seg] * self.t_block_b * self.w_share
+        return self.s.layers[seg] * self.t_block_b * self.split_ratio * self.w_share
 
     def backward_input(self, seg: int) -> float:
         """A split backward's ``I``: the rest of the backward (the input's gradient, the tensor-parallel
         all-reduces, any recomputation); nothing for segment 0 (:meth:`backward_weight`)."""
-        return 0.0 if seg == 0 else self.backward(seg) - self.backward_weight(seg)
+        if seg == 0:
+            return 0.0
+        blocks = self.s.layers[seg] * self.t_block_b
+        return self.backward(seg) + blocks * (self.split_ratio - 1.0) - self.backward_weight(seg)
 
     def optim(self, seg: int, shard: float = 1.0) -> float:
         s = self.s

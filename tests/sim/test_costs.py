@@ -533,6 +533,12 @@ def test_split_backward_prices_i_and_w_from_the_blocks_operations(cluster):
     c = from_dict(cluster_dict(device__memory_gb=1000))
     base = ["--parallel.pp", "4", "--train.global_batch", "16"]
     one, zb = (simulate(_cfg(*base, "--parallel.schedule", n), c) for n in ("1f1b", "zb-h1"))
-    assert zb.memory[3]["activations"] == approx(4 * one.memory[3]["activations"], rel=0.05)
-    assert zb.memory[0]["activations"] == approx(one.memory[0]["activations"], rel=0.05)
-    assert zb.step_time < one.step_time
+    act = [[m["activations"] for m in r.memory] for r in (one, zb)]
+    per_mb = act[0][1] - act[0][2]  # a micro-batch of a middle rank's blocks: 1F1B keeps 3 on rank 1, 2 on rank 2
+    assert act[1][:3] == approx([act[0][0], 4 * per_mb, 4 * per_mb])  # zb-h1: 4 everywhere
+    assert act[1][3] - act[0][3] == approx(3 * per_mb)  # the last rank: 4 instead of 1 (its loss buffers alike)
+    from foldtrain.sim.cluster import load_cluster
+
+    gpu = ["--model.preset", "gpt2-medium", *base, "--train.micro_batch", "1"]
+    one, zb = (simulate(_cfg(*gpu, "--parallel.schedule", n), load_cluster("dgx-a100")) for n in ("1f1b", "zb-h1"))
+    assert zb.step_time < 0.95 * one.step_time  # the W fill 1F1B's cool-down

@@ -53,7 +53,7 @@ import torch
 from foldtrain.parallel.pipeline import split_backward
 from foldtrain.parallel.pipeline.deadlines import DeadlineQueue
 from foldtrain.parallel.pipeline.p2p import P2P
-from foldtrain.schedules import SPLIT_BACKWARD, Action, Op, RankRules, Rule, Schedule, StepPolicy, rank_rules
+from foldtrain.schedules import Action, Op, RankRules, Rule, Schedule, StepPolicy, rank_rules
 
 ACT, GRAD, EVAL_ACT = 0, 1, 2
 
@@ -209,7 +209,7 @@ class Executor:
         micro-batch losses divided by M (the rank's mean loss; zero unless it holds the last segment)."""
         rules = self.rules(sched)
         it = Iteration(rules, xs, ys, torch.zeros((), dtype=torch.float32, device=xs[0].device))
-        it.split = sched.name in SPLIT_BACKWARD
+        it.split = any(a.op is Op.BACKWARD_INPUT for a in rules.actions)  # the forwards note what the W needs
         for r in self._ties:
             r.begin(xs)
         for a, rule in rules.steps():

@@ -5,11 +5,11 @@ The zero-bubble schedules (:mod:`foldtrain.schedules.generators`) run a micro-ba
 would otherwise idle. The activations and the graph live until the ``W``. Two ways, one result:
 
 * :class:`LinearSplit` (a chunk of plain tensors): what the ZB paper's Megatron implementation defers,
-  the linear layers' weight-gradient products. A forward hook notes each ``nn.Linear``'s input and
-  output; the ``I`` is ONE autograd call for the segment input's gradient and every other parameter's
-  (biases, norms: small), which skips the products only a linear weight's gradient needs, while tensor
-  hooks keep the gradient reaching each linear's output; the ``W`` multiplies them out,
-  ``dW = dy^T x`` in the product's own dtype (autocast's bf16 / fp16 too), as autograd would.
+  the linear layers' weight-gradient products. A forward hook keeps each ``nn.Linear``'s input and
+  puts a hook on its output; the ``I`` is ONE autograd call for the segment input's gradient and every
+  other parameter's (biases, norms: small), which skips the products only a linear weight's gradient
+  needs, while the output hooks keep the gradient reaching each linear's output; the ``W`` multiplies
+  them out, ``dW = dy^T x`` in the product's own dtype (autocast's bf16 / fp16 too), as autograd would.
 * :class:`GraphSplit` (any chunk: DTensor weights under tensor parallelism, recomputed activations):
   torch pipelining's own ``stage_backward_input`` / ``stage_backward_weight``, which find, per group of
   weights, the graph nodes where their branches join the input's path, keep the gradients flowing into
@@ -26,14 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 
 @dataclass
 class WeightWork:
     """What an ``I`` leaves for its ``W``."""
 
-    linears: list = field(default_factory=list)  # LinearSplit: [module, input, output, output's gradient]
+    linears: list = field(default_factory=list)  # LinearSplit: [module, input, output's gradient]
     param_groups: list | None = None  # GraphSplit: torch pipelining's saved gradients per group of weights
     outputs: list | None = None  # segment 0: the outputs and their gradients for the whole backward
     grads: list | None = None
@@ -61,8 +60,12 @@ class LinearSplit:
             m.register_forward_hook(self._note)
 
     def _note(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-        if self.recording is not None and torch.is_grad_enabled():
-            self.recording.append([module, args[0], out, None])
+        """Keep the linear layer's input; a hook on its output keeps the output's gradient when the I computes
+        it (the output itself is not held)."""
+        if self.recording is not None and torch.is_grad_enabled() and out.requires_grad:
+            note = [module, args[0], None]
+            out.register_hook(lambda g: note.__setitem__(2, g))
+            self.recording.append(note)
 
     def forward(self, run, *args):
         """``run(*args)`` with every linear layer's input and output noted; returns (output, notes)."""
@@ -75,9 +78,6 @@ class LinearSplit:
     def backward_input(self, outputs, grads, inp: torch.Tensor, notes: list) -> WeightWork:
         if not inp.requires_grad:
             return WeightWork(outputs=outputs, grads=grads)
-        for n in notes:
-            if n[2].requires_grad:
-                n[2].register_hook(lambda g, n=n: n.__setitem__(3, g))
         wanted = [inp, *(p for p in self.others if p.requires_grad)]
         got = torch.autograd.grad(outputs, wanted, grads, allow_unused=True)
         inp.grad = got[0]
@@ -87,7 +87,7 @@ class LinearSplit:
 
     @staticmethod
     def backward_weight(work: WeightWork) -> None:
-        for module, x, _out, dy in work.linears:
+        for module, x, dy in work.linears:
             if dy is None:  # the output did not reach the loss
                 continue
             dy2 = dy.reshape(-1, dy.shape[-1])
@@ -99,7 +99,11 @@ class GraphSplit:
     """The split backward of any chunk, with torch pipelining's graph analysis (module docstring)."""
 
     def __init__(self, chunk: nn.Module):
+        # torch pipelining's private helpers, imported where they are used: only this fallback needs them
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
         self.chunk = chunk
+        self._input, self._weight = stage_backward_input, stage_backward_weight
 
     def forward(self, run, *args):
         return run(*args), None
@@ -107,11 +111,11 @@ class GraphSplit:
     def backward_input(self, outputs, grads, inp: torch.Tensor, notes) -> WeightWork:
         if not inp.requires_grad:
             return WeightWork(outputs=outputs, grads=grads)
-        _dinputs, groups = stage_backward_input(outputs, grads, [inp], list(self.chunk.parameters()))
+        _dinputs, groups = self._input(outputs, grads, [inp], list(self.chunk.parameters()))
         return WeightWork(param_groups=groups)
 
     def backward_weight(self, work: WeightWork) -> None:
-        stage_backward_weight(list(self.chunk.parameters()), work.param_groups)
+        self._weight(list(self.chunk.parameters()), work.param_groups)
 
 
 def split_for(chunk: nn.Module, recomputed: bool) -> LinearSplit | GraphSplit:

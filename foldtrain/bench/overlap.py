@@ -178,10 +178,9 @@ def defer_ratios(runs: list[RunResult], baseline: str = "interleaved-1f1b") -> l
             ),
             None,
         )
-        torch_runs = [
-            r for r in runs if r.impl == "torch" and r.network == net and r.ok and r.metrics.get("tokens_per_s")
-        ]
-        best = max(torch_runs, key=lambda r: r.metrics["tokens_per_s"], default=None)
+        best = _fastest(
+            [r for r in runs if r.impl == "torch" and r.network == net and r.ok and r.metrics.get("tokens_per_s")]
+        )
         for other, label in (
             (base, f"{baseline} (after-flush)"),
             (best, f"best torch anchor ({best.variant})" if best else "best torch anchor"),
@@ -229,7 +228,7 @@ def zero_bubble_ratios(runs: list[RunResult]) -> list[Ratio]:
     out: list[Ratio] = []
     for net in dict.fromkeys(r.network for r in runs):
         here = {_name(r): r for r in runs if r.network == net and not r.info.get("zero")}
-        fold_base = {k: r for k, r in here.items() if r.impl == "foldtrain"}
+        ours_by_name = {k: r for k, r in here.items() if r.impl == "foldtrain"}
         pairs = [("zb-h1", "1f1b"), ("interleaved-zb", "interleaved-1f1b"), ("fold-zb", "fold")]
         pairs += [
             ("fold-zb+defer", "fold+defer"),
@@ -237,15 +236,15 @@ def zero_bubble_ratios(runs: list[RunResult]) -> list[Ratio]:
             ("fold-zb+defer", "interleaved-1f1b"),
         ]
         for a, b in pairs:
-            if a not in fold_base:
+            if a not in ours_by_name:
                 continue
-            v, why = _ratio(fold_base[a], fold_base.get(b), names=(a, b))
+            v, why = _ratio(ours_by_name[a], ours_by_name.get(b), names=(a, b))
             out.append(Ratio(f"{a} / {b} tokens/s [{net}]", v, why))
             if (a, b) == ("zb-h1", "1f1b"):
                 for key in ("all_rank_idle_fraction", "peak_mem_mb"):
-                    v, why = _ratio(fold_base[a], fold_base.get(b), key, names=(a, b))
+                    v, why = _ratio(ours_by_name[a], ours_by_name.get(b), key, names=(a, b))
                     out.append(Ratio(f"{a} / {b} {key.replace('_', ' ')} [{net}]", v, why))
-        ours = [r for k, r in fold_base.items() if r.variant in ("zb-h1", "interleaved-zb", "fold-zb")]
+        ours = [r for r in ours_by_name.values() if r.variant in ("zb-h1", "interleaved-zb", "fold-zb")]
         for t in TORCH_ZERO_BUBBLE:
             theirs = here.get(f"torch:{t}")
             for r in ours if theirs is not None else []:

@@ -34,8 +34,9 @@ from foldtrain.bench.overlap import (
 from foldtrain.bench.results import RunResult
 from foldtrain.bench.tables import PIPE_HEADERS, pipeline_ratios, pipeline_rows
 from foldtrain.errors import FoldtrainError
+from foldtrain.schedules import SCHEDULE_NAMES
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "fold", "zb-h1", "interleaved-zb", "fold-zb")
+SCHEDULES = SCHEDULE_NAMES
 TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "fold")
 DEFAULT_TORCH = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")

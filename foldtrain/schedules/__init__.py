@@ -24,14 +24,7 @@ from .actions import (
     message_key,
     stage_rank,
 )
-from .generators import (
-    DP_SYNC_MODES,
-    SCHEDULE_NAMES,
-    SPLIT_BACKWARD,
-    build_schedule,
-    insert_comms,
-    insert_reductions,
-)
+from .generators import DP_SYNC_MODES, SCHEDULE_NAMES, build_schedule, insert_comms, insert_reductions
 from .rules import RankRules, Rule, StepPolicy, rank_rules, schedule_rules, step_policy, tie_segments
 from .validate import ScheduleError, activations_peak, validate_schedule
 
@@ -48,7 +41,6 @@ __all__ = [
     "Rule",
     "SCHEDULE_NAMES",
     "SEND_OPS",
-    "SPLIT_BACKWARD",
     "WEIGHT_OPS",
     "Schedule",
     "StepPolicy",

@@ -28,11 +28,10 @@ from foldtrain.errors import ConfigError
 from .actions import BACKWARD_OPS, WEIGHT_OPS, Action, Op, Schedule, chunks_of_rank, stage_rank
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "fold", "zb-h1", "interleaved-zb", "fold-zb")
-SPLIT_BACKWARD = frozenset({"zb-h1", "interleaved-zb", "fold-zb"})  # schedules of I / W actions
 DEFERRABLE = frozenset({"fold", "fold-zb"})  # schedules --fold.defer_reduce applies to
 DP_SYNC_MODES = ("after-flush", "per-chunk")
 
-Compute = list[tuple[Op, int, int]]  # (F or B, global segment, micro-batch)
+Compute = list[tuple[Op, int, int]]  # (F, B, I or W, global segment, micro-batch)
 
 
 # --------------------------------------------------------------------------- compute orders
@@ -58,31 +57,29 @@ def one_f_one_b_order(p: int, pp: int, virtual: int, m: int) -> Compute:
     return out
 
 
+def megatron_slot(op: Op, k: int, p: int, pp: int, virtual: int) -> tuple[Op, int, int]:
+    """Rank ``p``'s ``k``-th ``op`` in Megatron-LM's interleaved mapping: local chunk ``(k // P) % V`` (reversed,
+    ``V - 1 - ...``, for the backward's ops) on micro-batch ``(k // (P*V)) * P + k % P``."""
+    c = (k // pp) % virtual
+    if op is not Op.FORWARD:
+        c = virtual - 1 - c
+    return (op, c * pp + p, (k // (pp * virtual)) * pp + k % pp)
+
+
 def interleaved_order(p: int, pp: int, virtual: int, m: int) -> Compute:
     """Megatron-LM's interleaved 1F1B (``forward_backward_pipelining_with_interleaving``).
 
-    Rank ``p`` runs ``T = V * M`` virtual micro-batches each way. Forward number
-    ``k`` is local chunk ``(k // P) % V`` on micro-batch ``(k // (P*V)) * P + k % P``;
-    backward number ``k`` the same with the chunk reversed (``V - 1 - ...``).
+    Rank ``p`` runs ``T = V * M`` virtual micro-batches each way, in :func:`megatron_slot`'s mapping.
     Warm-up: ``min((P - p - 1) * 2 + (V - 1) * P, T)`` forwards; then
     ``F(w + k), B(k)`` pairs; then the remaining backwards.
     """
     total = virtual * m
-
-    def fwd(k: int) -> tuple[Op, int, int]:
-        c = (k // pp) % virtual
-        return (Op.FORWARD, c * pp + p, (k // (pp * virtual)) * pp + k % pp)
-
-    def bwd(k: int) -> tuple[Op, int, int]:
-        c = virtual - 1 - (k // pp) % virtual
-        return (Op.BACKWARD, c * pp + p, (k // (pp * virtual)) * pp + k % pp)
-
     warmup = min((pp - p - 1) * 2 + (virtual - 1) * pp, total)
-    out: Compute = [fwd(k) for k in range(warmup)]
+    out: Compute = [megatron_slot(Op.FORWARD, k, p, pp, virtual) for k in range(warmup)]
     for k in range(total - warmup):
-        out.append(fwd(warmup + k))
-        out.append(bwd(k))
-    out += [bwd(k) for k in range(total - warmup, total)]
+        out.append(megatron_slot(Op.FORWARD, warmup + k, p, pp, virtual))
+        out.append(megatron_slot(Op.BACKWARD, k, p, pp, virtual))
+    out += [megatron_slot(Op.BACKWARD, k, p, pp, virtual) for k in range(total - warmup, total)]
     return out
 
 
@@ -98,32 +95,27 @@ def fold_order(p: int, pp: int, virtual: int, m: int) -> Compute:
 def zero_bubble_order(p: int, pp: int, virtual: int, m: int) -> Compute:
     """ZB-H1 (``virtual == 1``) and its interleaved form (ZB1P, as torch's ``ScheduleInterleavedZeroBubble``).
 
-    1F1B (or Megatron's interleaved 1F1B, same chunk / micro-batch mapping) with every backward split in
+    1F1B (or Megatron's interleaved 1F1B, :func:`megatron_slot`'s mapping) with every backward split in
     ``I`` and ``W``: the ``I`` keeps the 1F1B position, so the gradient travels up the pipeline one ``I``
     per hop instead of one ``B``; rank ``p`` holds back its ``W`` by ``p`` micro-batches, and the held
-    ones run in the cool-down, where the rank would otherwise wait for the next gradient. Warm-up:
-    ``P - p - 1`` forwards (plus ``(V - 1) P`` when interleaved), one fewer per hop than interleaved 1F1B's
-    two, since a gradient needs only the ``I`` to come back. Activations live from ``F`` to ``W``: at most
-    ``P`` micro-batches (times ``V`` chunks' worth when interleaved) on every rank, 1F1B's bound on rank 0.
+    ones run in the cool-down, where the rank would otherwise wait for the next gradient. Warm-up: 1F1B's
+    ``P - p - 1`` forwards, or interleaved 1F1B's ``2 (P - p - 1) + (V - 1) P`` (torch's ZB1P warms up one
+    fewer per hop, which breaks the per-pair send / receive order NCCL's untagged channels need). Activations
+    live from ``F`` to ``W``: at most ``P`` micro-batches on every rank (1F1B's bound on rank 0), interleaved
+    1F1B's rank-0 peak when interleaved.
     """
     total = virtual * m
-
-    def pick(op: Op, k: int, reverse: bool) -> tuple[Op, int, int]:
-        c = (k // pp) % virtual
-        c = virtual - 1 - c if reverse else c
-        return (op, c * pp + p, (k // (pp * virtual)) * pp + k % pp)
-
     warmup = min((pp - p - 1) * (2 if virtual > 1 else 1) + (virtual - 1) * pp, total)
-    out: Compute = [pick(Op.FORWARD, k, False) for k in range(warmup)]
+    out: Compute = [megatron_slot(Op.FORWARD, k, p, pp, virtual) for k in range(warmup)]
     weights = 0
     for k in range(total):
         if warmup + k < total:
-            out.append(pick(Op.FORWARD, warmup + k, False))
-        out.append(pick(Op.BACKWARD_INPUT, k, True))
+            out.append(megatron_slot(Op.FORWARD, warmup + k, p, pp, virtual))
+        out.append(megatron_slot(Op.BACKWARD_INPUT, k, p, pp, virtual))
         if k >= p:
-            out.append(pick(Op.BACKWARD_WEIGHT, weights, True))
+            out.append(megatron_slot(Op.BACKWARD_WEIGHT, weights, p, pp, virtual))
             weights += 1
-    out += [pick(Op.BACKWARD_WEIGHT, k, True) for k in range(weights, total)]
+    out += [megatron_slot(Op.BACKWARD_WEIGHT, k, p, pp, virtual) for k in range(weights, total)]
     return out
 
 

@@ -117,7 +117,7 @@ def _check_compute(sched: Schedule) -> None:
                 f"(c{s},m{mb}) has both B and a split backward (I/W) on {where}; give it one or the other"
             )
         if not whole and not (i and w):
-            missing = "B" if not split & {(s, mb)} else ("W" if i else "I")
+            missing = "B" if (s, mb) not in split else ("W" if i else "I")
             raise ScheduleError(f"{missing}(c{s},m{mb}) is missing on {where}")
     before = {Op.BACKWARD: Op.FORWARD, Op.BACKWARD_INPUT: Op.FORWARD, Op.BACKWARD_WEIGHT: Op.BACKWARD_INPUT}
     what = {Op.FORWARD: "backward before its forward", Op.BACKWARD_INPUT: "weight gradient before its input gradient"}
@@ -324,14 +324,15 @@ def validate_schedule(sched: Schedule, *, channels: str = "per-pair", sends: str
     _symbolic_run(sched, sends)
 
 
-def activations_peak(sched: Schedule, rank: int) -> int:
+def activations_peak(sched: Schedule, rank: int, per_segment: dict[int, float] | None = None) -> float:
     """Most (segment, micro-batch) forwards on ``rank`` whose backward has not completed yet (its ``B``,
-    or its ``W``: the split backward keeps the activations until the weights' gradients are computed)."""
+    or its ``W``: the split backward keeps the activations until the weights' gradients are computed);
+    with ``per_segment``, the largest sum of their weights (a segment's activation bytes) instead."""
     live = peak = 0
     for a in sched.ranks[rank]:
         if a.op is Op.FORWARD:
-            live += 1
+            live += 1 if per_segment is None else per_segment[a.chunk]
             peak = max(peak, live)
         elif a.op in WEIGHT_OPS:
-            live -= 1
+            live -= 1 if per_segment is None else per_segment[a.chunk]
     return peak

@@ -130,17 +130,11 @@ class CostModel:
         self.priced = self.shape_for_attention()  # the block as its operations are priced
         self.block_f_parts = self.pass_parts(ops.block_forward(self.priced))
         self.t_block_f = self._pass(*self.block_f_parts)
-        self.t_block_b = (
-            c.backward_ratio * self.t_block_f
-            if c.backward_ratio > 0
-            else self.pass_time(ops.block_backward(self.priced))
-        )
-        # a split backward (zero-bubble schedules): W's share of a block's backward, measured or priced from the
-        # weight-gradient operations, and what splitting costs beyond the whole backward (measured, else nothing)
-        todo = ops.block_backward(self.priced)
-        whole = self.pass_time(todo, overhead=False)
-        priced = self.pass_time([op for op in todo if op.weight_grad], overhead=False) / whole if whole else 0.5
-        self.w_share = c.split_weight_share or priced
+        backward = ops.block_backward(self.priced)
+        self.t_block_b = c.backward_ratio * self.t_block_f if c.backward_ratio > 0 else self.pass_time(backward)
+        # a split backward (zero-bubble schedules): W's share of it, measured or priced from the weight-gradient
+        # operations, and what splitting costs beyond the whole backward (measured, else nothing)
+        self.w_share = c.split_weight_share or self.weight_share(backward)
         self.split_ratio = c.split_ratio or 1.0
         # Korthikanti et al.'s selective recomputation: the attention core again in the backward
         self.t_attn_recompute = self.pass_time(ops.attention_forward(self.priced), overhead=False)
@@ -237,6 +231,11 @@ class CostModel:
             return self.pass_time(todo, overhead=False) + weight
         norms = sum(self.op_time(op) for op in todo if op.kind == "norm")
         return self.t_head_gemms + self.tokens * cols / c.softmax_rate + weight + norms
+
+    def weight_share(self, backward: list[ops.Op]) -> float:
+        """The share of a block's backward (its operations) that computes the weights' gradients."""
+        whole = self.pass_time(backward, overhead=False)
+        return self.pass_time([op for op in backward if op.weight_grad], overhead=False) / whole if whole else 0.5
 
     def memory_bytes(self, todo: list[ops.Op]) -> float:
         """Bytes the memory-bound kernels of ``todo`` move (what ``calibrate`` fits ``elem_gbs`` against)."""

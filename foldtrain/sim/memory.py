@@ -21,24 +21,12 @@ allocations split the holes the loss's large tensors leave, so the resident peak
 
 from __future__ import annotations
 
-from foldtrain.schedules import WEIGHT_OPS, Op, Schedule
+from foldtrain.schedules import Schedule, activations_peak
 
 from .costs import CostModel, rank_segments, segment_params, stepped_share
 from .setup import Setup
 
 GB = 1e9
-
-
-def activations_live_bytes(sched: Schedule, p: int, per_segment: dict[int, float]) -> float:
-    """Largest sum of ``per_segment[s]`` over the (segment, micro-batch) forwards alive at once on rank ``p``."""
-    live = peak = 0.0
-    for a in sched.ranks[p]:
-        if a.op is Op.FORWARD:
-            live += per_segment[a.chunk]
-            peak = max(peak, live)
-        elif a.op in WEIGHT_OPS:  # a split backward keeps the activations until its W
-            live -= per_segment[a.chunk]
-    return peak
 
 
 def rank_memory(
@@ -81,7 +69,7 @@ def rank_memory(
         if g == 0:
             x += s.micro_batch * s.seq * s.d_model * s.act_bytes  # embedding output
         per_seg[g] = x
-    act = activations_live_bytes(sched, p, per_seg)
+    act = activations_peak(sched, p, per_seg)
     if s.ac:
         act += cm.act_bytes_block(recompute=False)  # one block recomputed at a time
     if s.segments - 1 in segs:

@@ -256,15 +256,12 @@ class Executor:
 
     def _backward(self, it: Iteration, a: Action, rule: Rule) -> None:
         s, m = a.chunk, a.mb
-        out = it.stage_outputs.pop((s, m))
+        outputs, grads = self._output_grads(it, s, m)
         inp = it.stage_inputs.pop((s, m))
         with self._span(f"B c{s} m{m}", "compute", op="B", chunk=s, mb=m):
-            if s == self.last:
-                torch.autograd.backward(out[0], out[1])
-            else:
-                torch.autograd.backward(out, it.received_grads.pop((s, m)))
+            torch.autograd.backward(outputs, grads)
             self.sync()
-        del out
+        del outputs, grads
         if s > 0:
             it.input_grads[(s, m)] = inp.grad
 
@@ -289,7 +286,7 @@ class Executor:
         inp = it.stage_inputs.pop((s, m))
         notes = it.forward_notes.pop((s, m))
         with self._span(f"I c{s} m{m}", "compute", op="I", chunk=s, mb=m):
-            it.weight_work[(s, m)] = self._split(s).backward_input(outputs, grads, inp, notes)
+            it.weight_work[(s, m)] = split_backward.backward_input(self._split(s), outputs, grads, inp, notes)
             self.sync()
         if s > 0:
             it.input_grads[(s, m)] = inp.grad

@@ -76,8 +76,6 @@ class LinearSplit:
             self.recording = None
 
     def backward_input(self, outputs, grads, inp: torch.Tensor, notes: list) -> WeightWork:
-        if not inp.requires_grad:
-            return WeightWork(outputs=outputs, grads=grads)
         wanted = [inp, *(p for p in self.others if p.requires_grad)]
         got = torch.autograd.grad(outputs, wanted, grads, allow_unused=True)
         inp.grad = got[0]
@@ -109,8 +107,6 @@ class GraphSplit:
         return run(*args), None
 
     def backward_input(self, outputs, grads, inp: torch.Tensor, notes) -> WeightWork:
-        if not inp.requires_grad:
-            return WeightWork(outputs=outputs, grads=grads)
         _dinputs, groups = self._input(outputs, grads, [inp], list(self.chunk.parameters()))
         return WeightWork(param_groups=groups)
 
@@ -123,6 +119,14 @@ def split_for(chunk: nn.Module, recomputed: bool) -> LinearSplit | GraphSplit:
     are kept (recomputation would note the recomputed products' tensors instead), else torch's."""
     plain = not any(hasattr(p, "placements") for p in chunk.parameters())
     return LinearSplit(chunk) if plain and not recomputed else GraphSplit(chunk)
+
+
+def backward_input(split, outputs, grads, inp: torch.Tensor, notes) -> WeightWork:
+    """``I``: ``inp.grad`` from the outputs' gradients (``notes``: what ``split.forward`` noted); returns what
+    the ``W`` needs. An input without a gradient (token ids) leaves the whole backward to the ``W``."""
+    if not inp.requires_grad:
+        return WeightWork(outputs=outputs, grads=grads)
+    return split.backward_input(outputs, grads, inp, notes)
 
 
 def backward_weight(split, work: WeightWork) -> None:

@@ -167,14 +167,17 @@ class CostModel:
         return self.peak * c.matmul_efficiency(smallest, rows=m == smallest and m < min(n, k))
 
     def attention_rate(self, op: ops.Op) -> float:
+        """FLOP/s of the fused attention kernel: measured at its shape, else the cluster's efficiency by
+        sequence and head dimension; times ``Setup.attention_speed`` (an older kernel than the cluster's)."""
         table = self.c.attn_bwd if op.name.endswith(".bwd") else self.c.attn_fwd
         measured = table.get(self.s.dtype, op.shape)
         if measured > 0:
-            return measured
+            return measured * self.s.attention_speed
         eff = self.c.attn_bwd_eff if op.name.endswith(".bwd") else self.c.attn_eff
         L, hd = op.shape[2], op.shape[3]
         seq, head = self.c.attn_half_seq, self.c.attn_half_hd
-        return self.peak * (eff or self.c.attn_eff) * (L / (L + seq) if seq > 0 else 1.0) * hd / (hd + head)
+        curve = (L / (L + seq) if seq > 0 else 1.0) * hd / (hd + head)
+        return self.peak * (eff or self.c.attn_eff) * curve * self.s.attention_speed
 
     def bandwidth(self, kind: str) -> float:
         c = self.c
@@ -257,7 +260,8 @@ class CostModel:
         if recompute:
             return L * b * d * s.act_bytes / sp
         core = 0.0 if s.selective or s.attention == "flash" else (5 if s.dropout else 2) * a * L / (d * t)
-        whole = (10 if s.dropout else 8) + (4 if ops.amp(self.shape) else 0)  # not split by tp
+        # not split by tp; foldtrain's fp32 norms keep fp32 inputs (MPT's low-precision norms keep half ones)
+        whole = (10 if s.dropout else 8) + (4 if ops.amp(self.shape) and s.native else 0)
         return L * b * d * (whole / sp + 24 / t + core) * s.act_bytes / 2
 
     # ---------------------------------------------------------------- compute

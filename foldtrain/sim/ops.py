@@ -14,12 +14,13 @@ product's ``layout`` says which operand is stored transposed, as PyTorch runs a 
 ``x W^T`` ("nt"), the input's gradient ``dy W`` ("nn"), the weight's ``x^T dy`` ("tn"); cuBLAS's speed
 depends on it where a leading dimension is odd (an unpadded vocabulary).
 
-``native`` adds what foldtrain's own block runs beyond the textbook operations (other systems fuse or avoid
-them): the linear layers' biases, whose gradients are reductions over the tokens; q, k and v as views of one
-product, whose gradients the backward packs back (a stack and a copy); and with ``autocast`` (bf16 / fp16
-over fp32 weights) an fp32 residual stream: the norms run in fp32 and their outputs are cast to the half
-type, each residual add reads the half branch and the fp32 stream, each weight is cast per pass and its
-gradient cast back.
+``autocast`` (bf16 / fp16 autocast over fp32 weights, whoever's block: foldtrain's ``--precision bf16``, or
+LLM Foundry's ``amp_bf16`` with FSDP's "DEFAULT" mixed precision) keeps an fp32 residual stream: the norms
+read fp32 and their outputs are cast to the half type, each residual add reads the half branch and the fp32
+stream, each weight is cast per pass and its gradient cast back. ``native`` adds what foldtrain's own block
+runs beyond the textbook operations (other systems fuse or avoid them): the linear layers' biases, whose
+gradients are reductions over the tokens; q, k and v as views of one product, whose gradients the backward
+packs back (a stack and a copy).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class BlockShape:
     dropout: bool = False
     seq_parallel: bool = False
     native: bool = False  # foldtrain's own block (module docstring)
-    autocast: bool = False  # with native: bf16 / fp16 autocast over fp32 weights, an fp32 residual stream
+    autocast: bool = False  # bf16 / fp16 autocast over fp32 weights: an fp32 residual stream (module docstring)
 
     @property
     def tokens(self) -> int:
@@ -139,8 +140,8 @@ def attention_backward(s: BlockShape) -> list[Op]:
 
 
 def amp(s: BlockShape) -> bool:
-    """Whether the block runs under foldtrain's autocast: fp32 residual stream and weights, half products."""
-    return s.native and s.autocast
+    """Whether the block runs under autocast over fp32 weights: an fp32 residual stream, half products."""
+    return s.autocast
 
 
 def stream(s: BlockShape) -> float:

@@ -69,6 +69,9 @@ class Setup:
     # Megatron's scatter/gather: each TP rank sends 1/tp of an activation (not foldtrain's executor)
     p2p_scatter: bool = False
     attention: str = "flash"  # foldtrain's SDPA; "unfused" for other systems' runs (two products, a softmax)
+    # a fused attention kernel's speed relative to the cluster's (FlashAttention-2's) figures: other systems'
+    # older kernels (foldtrain.sim.validation.gpu.ATTENTION_SPEED)
+    attention_speed: float = 1.0
     dropout: bool = False  # --model.dropout > 0: dropout kernels in every block
     seq_parallel: bool = False  # Megatron's sequence parallelism (other systems' runs): norms split over tp
     selective: bool = False  # selective recomputation of the attention core (other systems' runs)

@@ -157,4 +157,9 @@ def test_the_simulator_prices_foldtrains_block_natively_and_other_systems_not():
     pack = next(op for op in ops.block_backward(native.shape) if op.kind == "pack")
     assert native.op_time(pack) == approx(pack.bytes / 1e9)  # priced at its own bandwidth
     other = CostModel(dataclasses.replace(s, native=False), c)
-    assert other.t_block_b < native.t_block_b and not ops.amp(other.shape)
+    assert other.t_block_b < native.t_block_b
+    names = {op.name for op in ops.block_backward(other.shape)}
+    # autocast's fp32 stream and weight casts are autocast's, whoever's block; the bias sums and qkv pack not
+    assert ops.amp(other.shape) and "weights.cast.bwd" in names and not names & {"bias.grad", "qkv.grad_pack"}
+    # half-precision weights with fp32 masters: no autocast casts
+    assert not ops.amp(CostModel(dataclasses.replace(s, native=False, master=True), c).shape)

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from foldtrain.sim import ops
+from foldtrain.sim.costs import CostModel
 from foldtrain.sim.validation import gpu
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "validation-gpu.md"
@@ -55,3 +57,29 @@ def test_the_doc_holds_the_current_predictions():
     fresh = [line for line in gpu.table(rows) if line.startswith("| [")]
     doc = [line for line in DOC.read_text().splitlines() if line.startswith("| [")]
     assert doc == fresh
+
+
+def test_runs_are_simulated_with_their_published_precision_and_attention_kernel():
+    """LLM Foundry's "amp_bf16 | DEFAULT" runs autocast over fp32 parameters, gathered in fp32 (foldtrain's fsdp
+    under bf16, no masters); "bf16 | PURE" gathers half weights (bf16-master). MPT's Triton attention runs at
+    ATTENTION_SPEED of the preset's FlashAttention-2 figures: the attention's time doubles, nothing else moves."""
+    runs = {r["id"]: r for r in gpu.load_runs()}
+    default, pure = runs["mpt-7b-a100-80gb-8gpu"], runs["mpt-7b-a100-40gb-128gpu-ac"]
+    assert default["fsdp_mixed_precision"] == "DEFAULT" and "amp_bf16 | DEFAULT" in default["quote"]
+    assert pure["fsdp_mixed_precision"] == "PURE" and "bf16 | PURE" in pure["quote"]
+
+    def precision(run):
+        args = gpu.run_args(run)
+        return args[args.index("--precision") + 1]
+
+    assert precision(default) == "bf16" and gpu.autocast(default)
+    assert precision(pure) == "bf16-master" and not gpu.autocast(pure)
+    assert default["attention"] == "triton" and gpu.ATTENTION_SPEED["triton"] == 0.5
+    triton = gpu.predict(default)
+    flash = gpu.predict(default | {"attention": "flash"})
+    assert triton.step_time > flash.step_time
+    slow, fast = CostModel(triton.setup, triton.cluster), CostModel(flash.setup, flash.cluster)
+    att = [op for op in ops.block_forward(slow.priced) + ops.block_backward(slow.priced) if op.kind == "attention"]
+    for op in att:
+        kernel = slow.c.kernel_time
+        assert slow.op_time(op) - kernel == approx(2 * (fast.op_time(op) - kernel))

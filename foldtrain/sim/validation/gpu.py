@@ -88,10 +88,25 @@ def cluster_for(run: dict) -> Cluster:
     return dataclasses.replace(c, gpus_per_node=run["gpus_per_node"], memory=memory * 1e9, inter=inter, intra=intra)
 
 
-# a published data-parallel strategy -> the one the simulator models: FSDP's full sharding with half-precision
-# parameters gathered (MPT's "PURE" mixed precision: foldtrain's fsdp under bf16-master), ZeRO-1 as DDP's
-# overlapped all-reduce (the sharded optimizer step is not modelled)
-DP_STRATEGIES = {"fsdp-full-shard": ("fsdp", "bf16-master"), "ddp-zero1": ("ddp", "")}
+# a published data-parallel strategy -> the one the simulator models: FSDP's full sharding (foldtrain's fsdp),
+# ZeRO-1 as DDP's overlapped all-reduce (the sharded optimizer step is not modelled)
+DP_STRATEGIES = {"fsdp-full-shard": "fsdp", "ddp-zero1": "ddp"}
+# FSDP's mixed precision as LLM Foundry publishes it (its "MP Mode" column) -> foldtrain's precision: "PURE"
+# gathers and computes in bf16 (bf16-master); "DEFAULT" runs bf16 autocast over fp32 parameters, gathered in
+# fp32 (foldtrain's fsdp under bf16). Neither: the run's precision with fp32 masters.
+FSDP_PRECISION = {"PURE": "bf16-master", "DEFAULT": "bf16"}
+
+
+# a published fused-attention kernel -> its speed relative to FlashAttention-2, whose figures the presets hold:
+# MPT's Triton FlashAttention (Tri Dao's flash_attn_triton.py: "Triton forward + backward is slightly slower
+# than CUDA [FlashAttention] forward + backward"), and FlashAttention-2 "around 2x" FlashAttention
+# (microbenchmarks.toml: attention-triton-vs-fa1, a100-attention-fa2-peak)
+ATTENTION_SPEED = {"flash": 1.0, "triton": 0.5}
+
+
+def autocast(run: dict) -> bool:
+    """Whether the run computes under autocast over fp32 weights (no half-precision weight copy)."""
+    return run.get("fsdp_mixed_precision") == "DEFAULT"
 
 
 def run_args(run: dict) -> list[str]:
@@ -113,10 +128,10 @@ def run_args(run: dict) -> list[str]:
         "precision": run["precision"],
         "ac": "full" if run["recompute"] == "full" else "none",
     }
-    strategy, precision = DP_STRATEGIES.get(run.get("dp_strategy", ""), ("", ""))
+    strategy = DP_STRATEGIES.get(run.get("dp_strategy", ""), "")
     if strategy:  # a data-parallel engine: no pipeline schedule
         args["dp.strategy"] = strategy
-        args["precision"] = precision or args["precision"]
+        args["precision"] = FSDP_PRECISION.get(run.get("fsdp_mixed_precision", ""), args["precision"])
         del args["parallel.virtual"], args["parallel.schedule"]
     return [x for k, v in args.items() for x in (f"--{k}", str(v))]
 
@@ -125,13 +140,14 @@ def predict(run: dict) -> Result:
     s = resolve_setup(build_config(run_args(run)), full_check=False)
     s = dataclasses.replace(
         s,
-        attention="flash" if run["attention"] == "flash" else "unfused",
+        attention="unfused" if run["attention"].startswith("unfused") else "flash",
+        attention_speed=ATTENTION_SPEED.get(run["attention"], 1.0),
         dropout=bool(run.get("dropout", False)),
         seq_parallel=bool(run.get("sequence_parallel", False)),
         selective=run["recompute"] == "selective",
         # Megatron-LM's scatter/gather of pipeline activations over the TP ranks (not DeepSpeed's pipeline engine)
         p2p_scatter=run.get("system", "") in ("Megatron-LM", "NeMo"),
-        master=True,  # half-precision weights with fp32 masters, as these systems train
+        master=not autocast(run),  # half-precision weights with fp32 masters, unless autocast over fp32 ones
         native=False,  # their own blocks, not foldtrain's
     )
     return simulate_setup(s, cluster_for(run), check_memory=False)

@@ -7,7 +7,7 @@ TP innermost, then PP, then DP, so global rank = d*P + p and node = d). foldtrai
 ``fold`` (V=2) reducing each chunk as soon as its last backward is done, each with ``--profile``
 (all-rank idle fraction, exposed DP communication, gantt.png); against PyTorch's
 ``torch.distributed.pipelining`` schedules with a DDP-style all-reduce after the flush, and
-DeepSpeed's PipelineModule when installed. The zero-bubble schedules (``zb-h1``, ``interleaved-zb``,
+DeepSpeed's PipelineModule when installed. The zero-bubble schedules (``zb-h1``, ``zbv``, ``interleaved-zb``,
 ``fold-zb``) against torch's (``interleaved-zb``, ``zbv``, ``dualpipev``).
 
 ``--bound RATE`` measures each foldtrain configuration's compute-bound limit in the same invocation: right
@@ -117,7 +117,8 @@ OPTIONS = {"defer": ["--fold.defer_reduce", "true"], "zero": ["--optim.distribut
 
 def parse_schedule(spec: str, virtual: int) -> tuple[str, int, str, tuple[str, ...]]:
     """``fold`` / ``fold-zb`` -> (name, V, "per-chunk", ()); ``interleaved-1f1b`` / ``interleaved-zb`` ->
-    (..., V, "after-flush", ()); ``gpipe`` / ``1f1b`` / ``zb-h1`` -> (..., 1, "after-flush", ());
+    (..., V, "after-flush", ()); ``gpipe`` / ``1f1b`` / ``zb-h1`` -> (..., 1, "after-flush", ()); ``zbv`` -> (..., 2,
+    "after-flush", ()) whatever ``--virtual`` says;
     ``NAME:DP_SYNC`` overrides the sync; ``+defer`` adds ``--fold.defer_reduce`` (fold, fold-zb), ``+zero``
     ``--optim.distributed`` (e.g. ``fold+defer+zero``)."""
     spec, *options = spec.split("+")
@@ -130,7 +131,7 @@ def parse_schedule(spec: str, virtual: int) -> tuple[str, int, str, tuple[str, .
     name, _, sync = spec.partition(":")
     if name not in SCHEDULES:
         raise FoldtrainError(f"bench pipeline: unknown schedule '{name}'; choose from {', '.join(SCHEDULES)}")
-    v = virtual if name in VIRTUAL else 1
+    v = 2 if name == "zbv" else virtual if name in VIRTUAL else 1  # zbv: always two chunks in a V
     sync = sync or ("per-chunk" if name in PER_CHUNK else "after-flush")
     if sync not in ("after-flush", "per-chunk"):
         raise FoldtrainError(f"bench pipeline: unknown dp_sync '{sync}' in '{spec}'; use after-flush or per-chunk")

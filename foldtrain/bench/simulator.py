@@ -210,7 +210,7 @@ def run_benches(a: argparse.Namespace, out: Path) -> tuple[list[dict], list[dict
     print("bench pipeline ...", flush=True)
     pp_args = [
         "--schedules",
-        "gpipe,1f1b,interleaved-1f1b,interleaved-1f1b:per-chunk,fold:after-flush,fold,zb-h1,interleaved-zb,fold-zb",
+        "gpipe,1f1b,interleaved-1f1b,interleaved-1f1b:per-chunk,fold:after-flush,fold,zb-h1,zbv,interleaved-zb,fold-zb",
         "--anchors",
         "none",
         "--networks",

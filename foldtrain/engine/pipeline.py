@@ -49,8 +49,9 @@ from foldtrain.parallel.pipeline.executor import Executor
 from foldtrain.parallel.pipeline.p2p import P2P
 from foldtrain.parallel.pipeline.reducer import ChunkReducer
 from foldtrain.parallel.pipeline.stage import apply_activation_checkpointing, build_chunks, materialize
+from foldtrain.parallel.pipeline.tie import LocalTie
 from foldtrain.profile import StepProfiler, Timeline
-from foldtrain.schedules import build_schedule, step_policy
+from foldtrain.schedules import build_schedule, channels_of, step_policy
 from foldtrain.schedules.layout import validate_layout
 
 
@@ -66,7 +67,11 @@ class PipelineEngine:
         self.layout = lay = validate_layout(cfg, world)
         self.micro_batch = lay.micro_batch
         self.precision = Precision(cfg.precision, device)
-        self.topo = topo = get_topology(lay.dp, lay.pp, lay.tp, device.type, cfg.dp.timeout_s)
+        self.pipeline_schedule = sched = build_schedule(
+            cfg.parallel.schedule, lay.pp, lay.virtual, lay.microbatches, cfg.parallel.dp_sync, cfg.fold.defer_reduce
+        )
+        kinds = channels_of(sched) == "per-kind"
+        self.topo = topo = get_topology(lay.dp, lay.pp, lay.tp, device.type, cfg.dp.timeout_s, kinds)
         self.rank = topo.rank
         self.dp_rank, self.dp_world = topo.dp_rank, lay.dp
         self.shape: GPTShape = model.shape
@@ -87,10 +92,7 @@ class PipelineEngine:
             if last in self.chunks:
                 self.tied[last] = self.chunks[last].head.lm_head.weight
 
-        # ---- schedule, transport, the optimizer side, executor
-        self.pipeline_schedule = build_schedule(
-            cfg.parallel.schedule, lay.pp, lay.virtual, lay.microbatches, cfg.parallel.dp_sync, cfg.fold.defer_reduce
-        )
+        # ---- transport, the optimizer side, executor
         self.iteration = 0
         self.timeline = Timeline(self.rank, enabled=bool(cfg.profile))
         self.profiler = StepProfiler(self.timeline)
@@ -111,7 +113,7 @@ class PipelineEngine:
         """This pipeline rank's chunks (global segment -> chunk), materialised, tensor-parallel and
         recomputing as configured."""
         lay, device = self.layout, self.device
-        chunks = build_chunks(model, lay.layers, lay.pp, self.topo.pp_rank)
+        chunks = build_chunks(model, lay.layers, lay.pp, self.topo.pp_rank, self.pipeline_schedule.placement)
         for c in chunks:  # a model built on the meta device is materialised here, this rank's chunks only
             materialize(c, device, model.init_seed, self.shape.n_layer)
             c.to(device=device, dtype=self.precision.param_dtype)
@@ -138,8 +140,11 @@ class PipelineEngine:
             topo, timeout, self.device, pump=queue.pump if queue is not None and queue.group is not None else None
         )
         reducers = {}
+        local_tie = LocalTie(topo, p2p.wait_collective) if len(self.tied) == 2 else None  # both ends here
         for s, c in self.chunks.items():
-            reducers[s] = ChunkReducer(s, list(c.parameters()), self.tied.get(s), topo, timeout, p2p.cpu_timeout, queue)
+            reducers[s] = ChunkReducer(
+                s, list(c.parameters()), self.tied.get(s), topo, timeout, p2p.cpu_timeout, queue, local_tie
+            )
             if reducers[s].tie is not None:  # the tie's exchange: message sizes from the tokens of a global batch
                 reducers[s].tie.set_tokens(cfg.train.global_batch * cfg.train.seq_len)
         stepper = ChunkOptimizers(
@@ -174,6 +179,7 @@ class PipelineEngine:
             d_model=self.shape.d_model,
             timeline=self.timeline,
             sync=torch.cuda.synchronize if (self.cfg.profile and self.device.type == "cuda") else None,
+            rank_of=self.pipeline_schedule.rank_of,
         )
 
     @property
@@ -220,8 +226,9 @@ class PipelineEngine:
         return loss
 
     def _global_loss(self, loss_sum: torch.Tensor) -> float:
-        """Mean over data-parallel ranks of the last pipeline stage's loss, on every rank (one all-reduce)."""
-        contributes = self.topo.pp_rank == self.layout.pp - 1 and self.topo.tp_rank == 0
+        """Mean over data-parallel ranks of the last segment's loss, on every rank (one all-reduce)."""
+        holder = self.pipeline_schedule.rank_of(self.layout.segments - 1)
+        contributes = self.topo.pp_rank == holder and self.topo.tp_rank == 0
         t = (
             loss_sum.detach().float() / self.layout.dp if contributes else torch.zeros((), device=self.device)
         ).reshape(1)

@@ -50,6 +50,15 @@ class ChunkStates:
         weight shares the embedding's key (their states are identical), as in a single-process run."""
         return self.emb_fqn if (self.split_tie and fqn == self.head_fqn) else fqn
 
+    def _loaded_state(self, sd: dict, fqn: str) -> dict:
+        """A chunk parameter's loaded optimizer state. The head's tied copy reads the embedding's entry, cloned:
+        where one rank holds both copies (the V placement) two optimizers sharing its moments would step them
+        twice."""
+        st = sd["optim"]["state"][self._save_fqn(fqn)]
+        if self._save_fqn(fqn) == fqn:
+            return st
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+
     def _full_param_groups(self, optimizers: dict) -> list[dict]:
         """The optimizer's param_groups as the single-process engine saves them (full-model names),
         identical on every rank."""
@@ -91,7 +100,7 @@ class ChunkStates:
             keys = set(c.state_dict().keys())
             set_model_state_dict(c, {k: v for k, v in sd["model"].items() if k in keys})
             osd = get_optimizer_state_dict(c, optimizers[s])
-            osd["state"] = {fqn: sd["optim"]["state"][self._save_fqn(fqn)] for fqn in osd["state"]}
+            osd["state"] = {fqn: self._loaded_state(sd, fqn) for fqn in osd["state"]}
             set_optimizer_state_dict(c, optimizers[s], osd)
         self.steps.load_views(modules, optimizers)  # the chunks (and masters or slices) take the loaded state
         iteration = int(sd["lr_scheduler"]["last_epoch"])
@@ -133,7 +142,7 @@ class ChunkStates:
         ranges = part_ranges(shape.n_layer, layers)
         for p in range(1, topo.pp):
             src = topo.pipeline_peer(p)
-            for s in range(p, len(ranges), topo.pp):
+            for s in (s for s in range(len(ranges)) if self.executor.rank_of(s) == p):
                 for k in Chunk(s, [(i, full.parts[i]) for i in ranges[s]]).state_dict():
                     if self.split_tie and k == self.head_fqn:
                         continue

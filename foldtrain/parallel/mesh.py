@@ -16,7 +16,10 @@ and what a pipeline needs beyond them:
   ``a < b`` and ``p2p_down`` otherwise, so each (group, pair of ranks) carries one direction only.
   With NCCL (one stream per pair and communicator, operations in posting order) a send can then
   never sit in front of a later receive from the same peer, which the interleaved and fold
-  schedules need (they deadlock when sends rendezvous with receives on one stream).
+  schedules need (they deadlock when sends rendezvous with receives on one stream). With
+  ``kind_channels`` (the V placement of zbv, whose pairs of ranks carry activations of one chain and
+  gradients of the other in the same direction) gradients get two more such groups,
+  ``p2p_up_grad`` / ``p2p_down_grad``, so each (group, pair) carries one kind in one direction.
 * ``tie_group``: the two ranks of this rank's pipeline holding the first and the last model
   segment: ``{(d, 0, t), (d, P-1, t)}``. The token embedding and the output projection are one
   tied weight; with a pipeline they live on pipeline ranks 0 and P-1 as two copies. Each copy's
@@ -59,6 +62,8 @@ class Topology:
     p2p_up: Any
     p2p_down: Any
     tie_group: Any
+    p2p_up_grad: Any = None  # kind_channels: the gradients' own direction groups
+    p2p_down_grad: Any = None
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -81,25 +86,34 @@ class Topology:
         d, _, t = self.coords
         return global_rank(d, p, t, self.pp, self.tp)
 
-    def p2p_group(self, src_p: int, dst_p: int):
-        """The group carrying messages from pipeline rank ``src_p`` to ``dst_p``."""
+    def p2p_group(self, src_p: int, dst_p: int, grad: bool = False):
+        """The group carrying messages (gradients if ``grad``) from pipeline rank ``src_p`` to ``dst_p``."""
+        if grad and self.p2p_up_grad is not None:
+            return self.p2p_up_grad if src_p < dst_p else self.p2p_down_grad
         return self.p2p_up if src_p < dst_p else self.p2p_down
 
 
 _CACHE: dict[tuple, Topology] = {}
 
 
-def get_topology(dp: int, pp: int, tp: int, device_type: str = "cpu", timeout_s: float | None = None) -> Topology:
+def get_topology(
+    dp: int,
+    pp: int,
+    tp: int,
+    device_type: str = "cpu",
+    timeout_s: float | None = None,
+    kind_channels: bool = False,
+) -> Topology:
     """The process groups and tensor-parallel mesh of this layout (created once per process and layout).
 
     Groups are created on every rank in the same order (``new_group`` is collective); ``timeout_s``
-    applies to all of them.
+    applies to all of them. ``kind_channels``: separate point-to-point groups for gradients (module docstring).
     """
     from datetime import timedelta
 
     from torch.distributed.device_mesh import DeviceMesh
 
-    key = (dp, pp, tp, device_type, dist.get_world_size())
+    key = (dp, pp, tp, device_type, dist.get_world_size(), kind_channels)
     if key in _CACHE:
         return _CACHE[key]
     rank = dist.get_rank()
@@ -120,19 +134,24 @@ def get_topology(dp: int, pp: int, tp: int, device_type: str = "cpu", timeout_s:
     tp_g = groups([[global_rank(d, p, t, pp, tp) for t in range(tp)] for d in range(dp) for p in range(pp)])
     tp_mesh = DeviceMesh.from_group(tp_g, device_type, mesh_dim_names=("tp",))
     up = down = tie = None
+    directions = []  # (up, down) per kind: activations, then gradients with kind_channels
     if pp > 1:
-        for d in range(dp):
-            for t in range(tp):
-                ranks = [global_rank(d, p, t, pp, tp) for p in range(pp)]
-                g_up = dist.new_group(ranks, **kw)
-                g_down = dist.new_group(ranks, **kw)
-                if (d, t) == (d0, t0):
-                    up, down = g_up, g_down
+        for _kind in range(2 if kind_channels else 1):
+            for d in range(dp):
+                for t in range(tp):
+                    ranks = [global_rank(d, p, t, pp, tp) for p in range(pp)]
+                    g_up = dist.new_group(ranks, **kw)
+                    g_down = dist.new_group(ranks, **kw)
+                    if (d, t) == (d0, t0):
+                        directions.append((g_up, g_down))
+        up, down = directions[0]
         for d in range(dp):
             for t in range(tp):
                 g = dist.new_group([global_rank(d, 0, t, pp, tp), global_rank(d, pp - 1, t, pp, tp)], **kw)
                 if (d, t) == (d0, t0) and p0 in (0, pp - 1):
                     tie = g
     topo = Topology(dp, pp, tp, rank, tp_mesh, dp_g, pp_g, tp_g, up, down, tie)
+    if len(directions) > 1:
+        topo.p2p_up_grad, topo.p2p_down_grad = directions[1]
     _CACHE[key] = topo
     return topo

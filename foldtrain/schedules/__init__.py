@@ -24,9 +24,9 @@ from .actions import (
     message_key,
     stage_rank,
 )
-from .generators import DP_SYNC_MODES, SCHEDULE_NAMES, build_schedule, insert_comms, insert_reductions
+from .generators import DP_SYNC_MODES, PLACEMENT, SCHEDULE_NAMES, build_schedule, insert_comms, insert_reductions
 from .rules import RankRules, Rule, StepPolicy, rank_rules, schedule_rules, step_policy, tie_segments
-from .validate import ScheduleError, activations_peak, validate_schedule
+from .validate import ScheduleError, activations_peak, channels_of, validate_schedule
 
 __all__ = [
     "Action",
@@ -35,6 +35,7 @@ __all__ = [
     "COMPUTE_OPS",
     "DP_SYNC_MODES",
     "Op",
+    "PLACEMENT",
     "RECV_OPS",
     "REDUCE_OPS",
     "RankRules",
@@ -47,6 +48,7 @@ __all__ = [
     "ScheduleError",
     "activations_peak",
     "build_schedule",
+    "channels_of",
     "chunks_of_rank",
     "format_schedule",
     "insert_comms",

@@ -4,11 +4,15 @@ A schedule is one list of :class:`Action` per pipeline rank, for ONE training
 iteration. The same lists drive the torch executor, the simulator and the
 timeline plots.
 
-Placement (folded, as Megatron's interleaved schedule and Fold3D): the model is
-cut into ``S = P * V`` segments; segment ``s`` lives on rank ``s % P`` as that
-rank's local chunk ``s // P``. The chain of segments wraps around the ring of
-ranks ``V`` times; rank ``P-1`` sends the output of segment ``c*P + P-1`` to
-rank 0's segment ``(c+1)*P``.
+Placement: the model is cut into ``S = P * V`` segments. ``"loop"`` (folded, as
+Megatron's interleaved schedule and Fold3D, every schedule but zbv): segment ``s``
+lives on rank ``s % P`` as that rank's local chunk ``s // P``; the chain of
+segments wraps around the ring of ranks ``V`` times, rank ``P-1`` sending the
+output of segment ``c*P + P-1`` to rank 0's segment ``(c+1)*P``. ``"v"`` (ZB-V,
+``V = 2``): rank ``p`` holds segments ``p`` and ``2P-1-p``; the chain runs down
+the ranks and back up, so rank ``P-1`` hands segment ``P-1``'s output to its own
+segment ``P`` without a transfer, and rank 0 holds both the first and the last
+segment (the tied embedding's two ends).
 
 ``Action.chunk`` is always the GLOBAL segment id, and it is always a segment
 that lives on the rank whose list holds the action:
@@ -87,18 +91,25 @@ class Action:
         return f"{self.op.value}(c{self.chunk},m{self.mb}{arrow}{self.peer})"
 
 
-def stage_rank(s: int, pp: int) -> int:
+PLACEMENTS = ("loop", "v")
+
+
+def stage_rank(s: int, pp: int, placement: str = "loop") -> int:
     """Pipeline rank that holds global segment ``s``."""
+    if placement == "v":
+        return s if s < pp else 2 * pp - 1 - s
     return s % pp
 
 
-def local_chunk(s: int, pp: int) -> int:
+def local_chunk(s: int, pp: int, placement: str = "loop") -> int:
     """Index of segment ``s`` among its rank's chunks (0 = earliest in the model)."""
     return s // pp
 
 
-def chunks_of_rank(p: int, pp: int, virtual: int) -> list[int]:
+def chunks_of_rank(p: int, pp: int, virtual: int, placement: str = "loop") -> list[int]:
     """Global segment ids held by rank ``p``, ascending."""
+    if placement == "v":
+        return [p, 2 * pp - 1 - p]
     return [c * pp + p for c in range(virtual)]
 
 
@@ -139,10 +150,19 @@ class Schedule:
     dp_sync: str
     defer_reduce: bool
     ranks: list[list[Action]] = field(default_factory=list)
+    placement: str = "loop"  # which rank holds which segment (module docstring)
 
     @property
     def segments(self) -> int:
         return self.pp * self.virtual
+
+    def rank_of(self, s: int) -> int:
+        """Pipeline rank that holds segment ``s``."""
+        return stage_rank(s, self.pp, self.placement)
+
+    def chunks_of(self, p: int) -> list[int]:
+        """Segments held by rank ``p``, ascending."""
+        return chunks_of_rank(p, self.pp, self.virtual, self.placement)
 
     def compute_only(self, rank: int) -> list[Action]:
         """Rank ``rank``'s compute actions (F, B, I, W), in order."""
@@ -164,7 +184,9 @@ def format_schedule(sched: Schedule, *, all_actions: bool = False) -> str:
     """Each rank's compute actions (or every action) on one line."""
     head = (
         f"{sched.name}: pp={sched.pp} virtual={sched.virtual} microbatches={sched.microbatches} "
-        f"dp_sync={sched.dp_sync}" + (" defer_reduce" if sched.defer_reduce else "")
+        f"dp_sync={sched.dp_sync}"
+        + (" defer_reduce" if sched.defer_reduce else "")
+        + (f" placement={sched.placement}" if sched.placement != "loop" else "")
     )
     width = len(str(max(sched.pp - 1, 0)))
     lines = [head]

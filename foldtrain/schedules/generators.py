@@ -1,6 +1,6 @@
 """Schedule generators: gpipe, 1f1b, interleaved-1f1b and fold (Fold3D's AIAO), and the zero-bubble
-schedules that split the backward into ``I`` and ``W`` (Qi et al., ICLR 2024): zb-h1, interleaved-zb
-and fold-zb.
+schedules that split the backward into ``I`` and ``W`` (Qi et al., ICLR 2024): zb-h1, zbv,
+interleaved-zb and fold-zb.
 
 Each generator only decides the ORDER OF COMPUTE on every rank (a list of
 ``F`` / ``B`` / ``I`` / ``W`` actions); :func:`insert_comms` and :func:`insert_reductions` then
@@ -18,7 +18,8 @@ Requirements on the micro-batch count ``M`` (checked by :func:`build_schedule`):
 * ``interleaved-1f1b`` and ``interleaved-zb``: ``M`` a multiple of ``P`` (hence ``M >= P``), as in
   Megatron-LM's ``forward_backward_pipelining_with_interleaving`` whose
   chunk / micro-batch mapping works on groups of ``P`` micro-batches.
-* ``zb-h1``, ``fold-zb``: any ``M >= 1``.
+* ``zb-h1``, ``fold-zb``, ``zbv``: any ``M >= 1`` (``zbv`` needs ``--parallel.virtual 2``: its V
+  placement, :mod:`.actions`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from foldtrain.errors import ConfigError
 
 from .actions import BACKWARD_OPS, WEIGHT_OPS, Action, Op, Schedule, chunks_of_rank, stage_rank
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "fold", "zb-h1", "interleaved-zb", "fold-zb")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "fold", "zb-h1", "zbv", "interleaved-zb", "fold-zb")
+PLACEMENT = {"zbv": "v"}  # schedules whose segments are not placed in a loop (actions.PLACEMENTS)
 DEFERRABLE = frozenset({"fold", "fold-zb"})  # schedules --fold.defer_reduce applies to
 DP_SYNC_MODES = ("after-flush", "per-chunk")
 
@@ -132,12 +134,61 @@ def fold_zb_order(p: int, pp: int, virtual: int, m: int) -> Compute:
     return fwd + inputs + weights
 
 
+def zbv_order(p: int, pp: int, virtual: int, m: int) -> Compute:
+    """ZB-V (Qi et al., ICLR 2024, Section 6; torch's ``ScheduleZBVZeroBubble``), on the V placement: rank ``p``
+    holds the down-going segment ``p`` and the up-going segment ``2P-1-p``.
+
+    Warm-up: ``2(P-p)-1`` forwards of the down segment, then ``p`` pairs (up, down) of forwards, then ``P-p``
+    rounds of the up segment's ``F, I, W`` (rank 0's up segment is the last: its gradient is ready at once).
+    Steady state: the down segment's ``F, I, W``, then the up segment's, until every forward ran. Cool-down:
+    ``p`` pairs of ``I`` (down, up) with their ``W`` held back, then ``P-p`` rounds of the down segment's ``I``
+    each followed by its oldest held ``W``, then the held ``W`` of the up segment, then of the down one. The
+    phases assume at least ``2P-1`` micro-batches; with fewer the order is built for ``2P-1`` and the
+    missing micro-batches' actions are dropped (as torch does)."""
+    down, up = p, 2 * pp - 1 - p
+    n = max(m, 2 * pp - 1)
+    out: Compute = []
+    nxt = {(Op.FORWARD, down): 0, (Op.FORWARD, up): 0, (Op.BACKWARD_INPUT, down): 0, (Op.BACKWARD_INPUT, up): 0}
+    nxt.update({(Op.BACKWARD_WEIGHT, down): 0, (Op.BACKWARD_WEIGHT, up): 0})
+
+    def emit(op: Op, s: int) -> None:
+        out.append((op, s, nxt[(op, s)]))
+        nxt[(op, s)] += 1
+
+    for _ in range(2 * (pp - p) - 1):
+        emit(Op.FORWARD, down)
+    for _ in range(p):
+        emit(Op.FORWARD, up)
+        emit(Op.FORWARD, down)
+    for _ in range(pp - p):
+        for op in (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
+            emit(op, up)
+    while nxt[(Op.FORWARD, up)] < nxt[(Op.FORWARD, down)] or nxt[(Op.FORWARD, down)] < n:
+        if nxt[(Op.FORWARD, down)] < n:
+            emit(Op.FORWARD, down)
+        emit(Op.BACKWARD_INPUT, down)
+        emit(Op.BACKWARD_WEIGHT, down)
+        for op in (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
+            emit(op, up)
+    for _ in range(p):
+        emit(Op.BACKWARD_INPUT, down)
+        emit(Op.BACKWARD_INPUT, up)
+    for _ in range(pp - p):
+        emit(Op.BACKWARD_INPUT, down)
+        emit(Op.BACKWARD_WEIGHT, down)
+    for s in (up, down):
+        while nxt[(Op.BACKWARD_WEIGHT, s)] < nxt[(Op.BACKWARD_INPUT, s)]:
+            emit(Op.BACKWARD_WEIGHT, s)
+    return [(op, s, mb) for op, s, mb in out if mb < m]
+
+
 _ORDERS = {
     "gpipe": gpipe_order,
     "1f1b": one_f_one_b_order,
     "interleaved-1f1b": interleaved_order,
     "fold": fold_order,
     "zb-h1": zero_bubble_order,
+    "zbv": zbv_order,
     "interleaved-zb": zero_bubble_order,
     "fold-zb": fold_zb_order,
 }
@@ -146,20 +197,21 @@ _ORDERS = {
 # --------------------------------------------------------------------------- insertion passes
 
 
-def insert_comms(compute: Compute, p: int, pp: int, virtual: int) -> list[Action]:
+def insert_comms(compute: Compute, p: int, pp: int, virtual: int, placement: str = "loop") -> list[Action]:
     """Wrap rank ``p``'s compute order with its point-to-point transfers.
 
     Before ``F(s)`` whose input comes from another rank: ``RECV_ACT(s, peer=rank(s-1))``;
     after ``F(s)`` whose output goes to another rank: ``SEND_ACT(s, peer=rank(s+1))``;
     before ``B(s)`` / ``I(s)`` whose output-gradient comes from another rank: ``RECV_GRAD(s, peer=rank(s+1))``;
     after ``B(s)`` / ``I(s)`` whose input-gradient goes to another rank: ``SEND_GRAD(s, peer=rank(s-1))``.
-    Every id is the local segment (recvs name the consumer, sends the producer).
+    Every id is the local segment (recvs name the consumer, sends the producer). Neighbours on the same rank
+    (the V placement's turn) hand over without a transfer.
     """
     n_seg = pp * virtual
     out: list[Action] = []
     for op, s, mb in compute:
-        prev_r = stage_rank(s - 1, pp) if s > 0 else None
-        next_r = stage_rank(s + 1, pp) if s < n_seg - 1 else None
+        prev_r = stage_rank(s - 1, pp, placement) if s > 0 else None
+        next_r = stage_rank(s + 1, pp, placement) if s < n_seg - 1 else None
         if op is Op.FORWARD:
             if prev_r is not None and prev_r != p:
                 out.append(Action(Op.RECV_ACT, s, mb, prev_r))
@@ -250,6 +302,11 @@ def _check(name: str, pp: int, virtual: int, microbatches: int, dp_sync: str, de
         )
     if dp_sync not in DP_SYNC_MODES:
         raise ConfigError(f"unknown --parallel.dp_sync {dp_sync!r}; use one of {', '.join(DP_SYNC_MODES)}")
+    if name == "zbv" and virtual != 2:
+        raise ConfigError(
+            f"schedule zbv runs exactly two chunks per rank (its V placement) but --parallel.virtual is {virtual}; "
+            "set --parallel.virtual 2, or use interleaved-zb or fold-zb for other chunk counts"
+        )
     single = {"1f1b": "interleaved-1f1b or fold", "zb-h1": "interleaved-zb or fold-zb"}
     if name in single and virtual > 1:
         raise ConfigError(
@@ -299,8 +356,10 @@ def build_schedule(
     only chunk is the last to finish backward, which is never deferred).
     """
     _check(name, pp, virtual, microbatches, dp_sync, defer_reduce)
+    placement = PLACEMENT.get(name, "loop")
     ranks = []
     for p in range(pp):
         compute = _ORDERS[name](p, pp, virtual, microbatches)
-        ranks.append(insert_reductions(insert_comms(compute, p, pp, virtual), dp_sync, defer_reduce))
-    return Schedule(name, pp, virtual, microbatches, dp_sync, defer_reduce, ranks)
+        actions = insert_comms(compute, p, pp, virtual, placement)
+        ranks.append(insert_reductions(actions, dp_sync, defer_reduce))
+    return Schedule(name, pp, virtual, microbatches, dp_sync, defer_reduce, ranks, placement)

@@ -19,7 +19,8 @@ strict check) requires, for every ordered pair (src, dst), that the sends of
 src to dst -- activations and gradients together -- come in the same order as
 dst's receives from src, so one channel per direction is safe.
 ``channels="per-kind"`` only requires it per (src, dst, kind), for an
-executor that keeps activations and gradients on separate channels.
+executor that keeps activations and gradients on separate channels, as foldtrain's does
+for the V placement (zbv; :func:`channels_of`).
 
 The executor must honour the async model: never block on a send before later
 actions are issued. With NCCL that means sends must not sit in front of later
@@ -45,9 +46,7 @@ from .actions import (
     Action,
     Op,
     Schedule,
-    chunks_of_rank,
     message_key,
-    stage_rank,
 )
 
 
@@ -71,8 +70,8 @@ def _check_structure(sched: Schedule) -> None:
                 raise ScheduleError(f"{w}: not an Action")
             if not 0 <= a.chunk < n_seg:
                 raise ScheduleError(f"{w}: segment {a.chunk} outside [0, {n_seg})")
-            if stage_rank(a.chunk, pp) != p:
-                raise ScheduleError(f"{w}: segment {a.chunk} lives on rank {stage_rank(a.chunk, pp)}, not {p}")
+            if sched.rank_of(a.chunk) != p:
+                raise ScheduleError(f"{w}: segment {a.chunk} lives on rank {sched.rank_of(a.chunk)}, not {p}")
             if a.op in REDUCE_OPS:
                 if a.mb is not None or a.peer is not None:
                     raise ScheduleError(f"{w}: reduction actions take no micro-batch or peer")
@@ -87,9 +86,9 @@ def _check_structure(sched: Schedule) -> None:
             other = a.chunk + (1 if a.op in (Op.SEND_ACT, Op.RECV_GRAD) else -1)
             if not 0 <= other < n_seg:
                 raise ScheduleError(f"{w}: segment {a.chunk} has no neighbour segment {other} to talk to")
-            if a.peer != stage_rank(other, pp) or a.peer == p:
+            if a.peer != sched.rank_of(other) or a.peer == p:
                 raise ScheduleError(
-                    f"{w}: peer must be rank {stage_rank(other, pp)} (holder of segment {other}), got {a.peer}"
+                    f"{w}: peer must be rank {sched.rank_of(other)} (holder of segment {other}), got {a.peer}"
                 )
 
 
@@ -108,7 +107,7 @@ def _check_compute(sched: Schedule) -> None:
             raise ScheduleError(f"{op.value}(c{s},m{mb}) appears {counts[dup[0]]} times; each must appear at most once")
     split = set(seen[Op.BACKWARD_INPUT]) | set(seen[Op.BACKWARD_WEIGHT])
     for s, mb in sorted(expected):
-        where = f"rank {stage_rank(s, sched.pp)}"
+        where = f"rank {sched.rank_of(s)}"
         if (s, mb) not in seen[Op.FORWARD]:
             raise ScheduleError(f"F(c{s},m{mb}) is missing on {where}")
         whole, i, w = ((s, mb) in seen[op] for op in (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT))
@@ -180,7 +179,7 @@ def _check_comms(sched: Schedule, channels: str) -> dict[tuple, tuple[int, int]]
 def _check_reductions(sched: Schedule) -> None:
     for p, acts in enumerate(sched.ranks):
         last_compute = max((i for i, a in enumerate(acts) if a.op in COMPUTE_OPS), default=-1)
-        for c in chunks_of_rank(p, sched.pp, sched.virtual):
+        for c in sched.chunks_of(p):
             pos: dict[Op, list[int]] = {op: [] for op in REDUCE_OPS}
             for i, a in enumerate(acts):
                 if a.op in REDUCE_OPS and a.chunk == c:
@@ -217,11 +216,11 @@ def _check_reductions(sched: Schedule) -> None:
 
 def _local_ready(a: Action, done: set[tuple], p: int, sched: Schedule, deferred: set[int]) -> str | None:
     """None when the local inputs of ``a`` exist, else what is missing."""
-    pp, n_seg = sched.pp, sched.segments
+    n_seg = sched.segments
     if a.op is Op.FORWARD:
         need = []
         if a.chunk > 0:
-            if stage_rank(a.chunk - 1, pp) == p:
+            if sched.rank_of(a.chunk - 1) == p:
                 need.append((Op.FORWARD, a.chunk - 1, a.mb))
             else:
                 need.append((Op.RECV_ACT, a.chunk, a.mb))
@@ -230,7 +229,7 @@ def _local_ready(a: Action, done: set[tuple], p: int, sched: Schedule, deferred:
     elif a.op in BACKWARD_OPS:
         need = [(Op.FORWARD, a.chunk, a.mb)]
         if a.chunk < n_seg - 1:
-            if stage_rank(a.chunk + 1, pp) == p:
+            if sched.rank_of(a.chunk + 1) == p:
                 need.append((BACKWARD_OPS, a.chunk + 1, a.mb))
             else:
                 need.append((Op.RECV_GRAD, a.chunk, a.mb))
@@ -311,8 +310,17 @@ def _symbolic_run(sched: Schedule, sends: str) -> None:
         raise ScheduleError(f"deadlock ({sends} sends): {blocked}")
 
 
-def validate_schedule(sched: Schedule, *, channels: str = "per-pair", sends: str = "async") -> None:
-    """Raise :class:`ScheduleError` unless ``sched`` runs correctly (see module docstring)."""
+def channels_of(sched: Schedule) -> str:
+    """The channels the executor's transport gives ``sched`` (:mod:`foldtrain.parallel.pipeline.p2p`): one per
+    kind and direction for the V placement, whose pairs of ranks carry activations one way and gradients of
+    the other chain the same way; one per direction otherwise."""
+    return "per-kind" if sched.placement == "v" else "per-pair"
+
+
+def validate_schedule(sched: Schedule, *, channels: str | None = None, sends: str = "async") -> None:
+    """Raise :class:`ScheduleError` unless ``sched`` runs correctly (see module docstring); ``channels``
+    defaults to the ones the executor gives it (:func:`channels_of`)."""
+    channels = channels or channels_of(sched)
     if channels not in ("per-kind", "per-pair"):
         raise ValueError(f"channels must be per-kind or per-pair, got {channels!r}")
     if sends not in ("async", "rendezvous"):

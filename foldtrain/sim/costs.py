@@ -33,6 +33,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from foldtrain.schedules import PLACEMENT, chunks_of_rank, stage_rank
+
 from . import ops
 from .cluster import KIND_BANDWIDTH, Cluster
 from .setup import Setup
@@ -116,7 +118,13 @@ def wave_efficiency(m: int, n: int, batch: int, sms: float) -> float:
 
 
 def rank_segments(s: Setup, p: int) -> list[int]:
-    return [c * s.pp + p for c in range(s.virtual)]
+    """The segments pipeline rank ``p`` holds, in the schedule's placement."""
+    return chunks_of_rank(p, s.pp, s.virtual, PLACEMENT.get(s.schedule, "loop"))
+
+
+def segment_rank(s: Setup, seg: int) -> int:
+    """The pipeline rank holding segment ``seg``, in the schedule's placement."""
+    return stage_rank(seg, s.pp, PLACEMENT.get(s.schedule, "loop"))
 
 
 class CostModel:

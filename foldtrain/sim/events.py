@@ -672,7 +672,8 @@ class Sim:
 
     def _tie_end(self, side: int) -> tuple[int, int]:
         """(pipeline rank, segment) of the tie's embedding end (side 0) or head end (side 1)."""
-        return (0, 0) if side == 0 else (self.sched.pp - 1, self.sched.segments - 1)
+        last = self.sched.segments - 1
+        return (0, 0) if side == 0 else (self.sched.rank_of(last), last)
 
     def _tie_done(self, p: int, c: int, it: int, t: float) -> None:
         key = (p, c, it, "tie")

@@ -34,7 +34,7 @@ from foldtrain.profile.analysis import summarize
 from foldtrain.schedules import Op, StepPolicy, build_schedule, step_policy
 
 from .cluster import Cluster
-from .costs import CostModel, Placement, model_params, segment_params, stepped_share, whole_params
+from .costs import CostModel, Placement, model_params, segment_params, segment_rank, stepped_share, whole_params
 from .dataparallel import simulate_dataparallel
 from .events import Sim, run_schedule
 from .fsdp import simulate_fsdp
@@ -263,10 +263,14 @@ class RunCosts:
         n = s.dp
         rows, cols = s.vocab / s.tp, s.d_model
         union = rows * (1.0 - (1.0 - 1.0 / s.vocab) ** (s.dp * s.microbatches * s.micro_batch * s.seq))
-        sent = union if seg == 0 and 2 * union <= rows else rows
+        other = segment_rank(s, self.last if seg == 0 else 0)
+        local = other == p  # both ends on this rank (the V placement): dense copies, added here
+        sent = union if seg == 0 and 2 * union <= rows and not local else rows
         nbytes = sent * cols * s.grad_bytes
         phases: list = self.ring(p, nbytes) if n > 1 else []  # (3D: no wire compression)
-        other = s.pp - 1 if seg == 0 else 0
+        if local:
+            self._tie[(p, seg)] = out = {"dp": phases, "send": []}
+            return out
         key, weight, lat = self.pl.p2p_link(p, other)
         if key[0] == "p2p":
             key = ("tie", p)  # the pair's own stream of the link, beside the pipeline's transfers

@@ -549,6 +549,7 @@ def test_pipeline_plan():
     with pytest.raises(FoldtrainError, match="unknown schedule option"):
         pipeline.parse_schedule("fold+later", 2)
     assert pipeline.parse_schedule("fold+zero+defer", 2) == ("fold", 2, "per-chunk", ("defer", "zero"))
+    assert pipeline.parse_schedule("zbv", 4) == ("zbv", 2, "after-flush", ())  # always two chunks in a V
 
 
 def test_pipeline_plan_zero_bubble_and_bound():

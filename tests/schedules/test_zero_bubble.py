@@ -21,7 +21,6 @@ from foldtrain.schedules import (
     ScheduleError,
     activations_peak,
     build_schedule,
-    stage_rank,
     validate_schedule,
 )
 from foldtrain.sim import simulate_order
@@ -48,7 +47,7 @@ def torch_order(sched: Schedule) -> dict[int, list]:
 
 def shapes(name):
     for pp, v, m in itertools.product((1, 2, 4), (1, 2, 4), (1, 2, 4, 8)):
-        if name in ("1f1b", "zb-h1") and v != 1:
+        if name in ("1f1b", "zb-h1") and v != 1 or name == "zbv" and v != 2:
             continue
         if name in ("interleaved-1f1b", "interleaved-zb") and (v < 2 or m % pp):
             continue
@@ -67,7 +66,7 @@ def test_torch_pipelining_validates_every_schedule(name, pp, v, m):
         validate_schedule(s)
         order = torch_order(s)
         tps._validate_schedule(order, pp, s.segments, m)
-        tps._simulate_comms_compute(order, lambda st: stage_rank(st, pp), s.segments)
+        tps._simulate_comms_compute(order, s.rank_of, s.segments)
 
 
 def ops_of(s, p):
@@ -165,3 +164,31 @@ def test_defer_applies_to_fold_zb_only_among_new_ones():
     build_schedule("fold-zb", 2, 2, 4, "per-chunk", True)
     with pytest.raises(ConfigError, match="fold or fold-zb"):
         build_schedule("zb-h1", 2, 1, 4, "per-chunk", True)
+
+
+def test_zbv_places_segments_in_a_v_and_orders_as_zb_v():
+    """Rank p holds segments p and 2P-1-p; the turn (P-1 -> P on rank P-1) and the tie's two ends (rank 0) need no
+    transfer; rank 0 warms up with 2P-1 forwards of its down segment, then the last segment's F, I, W at once."""
+    s = build_schedule("zbv", 4, 2, 8)
+    assert s.placement == "v" and [s.chunks_of(p) for p in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [s.rank_of(seg) for seg in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    comms = [a for acts in s.ranks for a in acts if a.op in (Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD)]
+    assert not [a for a in comms if {a.chunk, a.chunk + (1 if a.op in (Op.SEND_ACT, Op.RECV_GRAD) else -1)} == {3, 4}]
+    assert ops_of(s, 0)[:10] == [("F", 0, mb) for mb in range(7)] + [("F", 7, 0), ("I", 7, 0), ("W", 7, 0)]
+    # 1F1B's activation memory: at most 2P half-size chunks' micro-batches alive on every rank (P full stages')
+    assert [activations_peak(s, p) for p in range(4)] == [8, 8, 8, 8]
+    # fewer micro-batches than the warm-up needs (2P-1): the same order with the missing ones dropped
+    few = build_schedule("zbv", 4, 2, 3)
+    assert ops_of(few, 0) == [x for x in ops_of(build_schedule("zbv", 4, 2, 7), 0) if x[2] < 3]
+
+
+def test_zbv_needs_per_kind_channels_and_two_chunks():
+    """A pair of ranks carries activations of one chain and gradients of the other the same way: FIFO per kind
+    holds (the executor's gradients get their own groups), one FIFO per pair would not."""
+    s = build_schedule("zbv", 2, 2, 4)
+    validate_schedule(s)  # channels_of(s) == "per-kind"
+    with pytest.raises(ScheduleError, match="order mismatch"):
+        validate_schedule(s, channels="per-pair")
+    for v in (1, 3):
+        with pytest.raises(ConfigError, match="zbv runs exactly two chunks per rank.*--parallel.virtual 2"):
+            build_schedule("zbv", 2, v, 4)

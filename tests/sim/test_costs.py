@@ -542,3 +542,21 @@ def test_split_backward_prices_i_and_w_from_the_blocks_operations(cluster):
     gpu = ["--model.preset", "gpt2-medium", *base, "--train.micro_batch", "1"]
     one, zb = (simulate(_cfg(*gpu, "--parallel.schedule", n), load_cluster("dgx-a100")) for n in ("1f1b", "zb-h1"))
     assert zb.step_time < 0.95 * one.step_time  # the W fill 1F1B's cool-down
+
+
+def test_zbv_places_both_tie_ends_on_rank_0_and_the_turn_on_the_last_rank(cluster):
+    """The V placement in the simulator, as the executor runs it: rank 0 holds the first and the last segment (the
+    embedding, the head and the loss buffers), its tied copies are reduced over dp and added there (no send), and the
+    turn on rank P-1 moves nothing; the step predicts no faster than the loop placement's interleaved-zb by more
+    than its smaller bubble allows."""
+    c = from_dict(cluster_dict(device__memory_gb=1000))
+    base = ["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.virtual", "2", "--train.global_batch", "16"]
+    v = simulate(_cfg(*base, "--parallel.schedule", "zbv", "--parallel.dp_sync", "per-chunk"), c)
+    loop = simulate(_cfg(*base, "--parallel.schedule", "interleaved-zb", "--parallel.dp_sync", "per-chunk"), c)
+    costs = RunCosts(v.setup, c)
+    assert costs.tie(0, 0)["send"] == [] and costs.tie(0, 3)["send"] == [] and costs.tie(0, 0)["dp"]
+    # rank 0 holds both tied copies (the loop placement: one on each rank), the same blocks' share otherwise
+    tied = 50257 * 768 * 4
+    assert v.memory[0]["params"] - v.memory[1]["params"] == approx(2 * tied, rel=0.05)
+    assert loop.memory[0]["params"] - loop.memory[1]["params"] == approx(0, abs=0.05 * tied)
+    assert 0.5 < v.step_time / loop.step_time < 1.5

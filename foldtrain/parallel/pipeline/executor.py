@@ -7,7 +7,9 @@ module gives each action its meaning, one handler per op:
 
 * ``F(s, m)``  forward of local segment ``s`` on micro-batch ``m``. Segment 0 takes the tokens;
   any other segment the activation ``RA`` received, as a leaf with ``requires_grad`` (its ``.grad``
-  is what ``SG`` sends back). The LAST segment fuses its head: it runs the body, then the head and
+  is what ``SG`` sends back), or, where the previous segment is on this rank too (the V placement's
+  turn), that segment's output, handed over as if sent (and its input's gradient handed back to it).
+  The LAST segment fuses its head: it runs the body, then the head and
   the loss on the detached hidden state and immediately their backward, frees the logits and keeps
   only ``d loss / d hidden`` for its ``B`` (Fold3D's fused head: the last rank can start backward
   right after its last forward, and never holds more than one micro-batch's logits).
@@ -131,6 +133,7 @@ class Executor:
         d_model: int,
         timeline,
         sync: Callable[[], None] | None = None,
+        rank_of: Callable[[int], int] | None = None,  # segment -> pipeline rank (the schedules' placement)
     ):
         self.chunks = chunks
         self.n_seg = n_segments
@@ -148,6 +151,7 @@ class Executor:
         self.d_model = d_model
         self.tl = timeline
         self.sync = sync or (lambda: None)
+        self.rank_of = rank_of or (lambda s: s % self.pp)
         self.awaiting_step: set[int] = set()  # chunks whose reduction was launched, not yet stepped
         self._rules: tuple[Schedule, RankRules] | None = None
         self._splits: dict = {}  # segment -> its split backward (zero-bubble schedules)
@@ -227,7 +231,12 @@ class Executor:
     def _forward(self, it: Iteration, a: Action, rule: Rule) -> None:
         s, m = a.chunk, a.mb
         chunk = self.chunks[s]
-        inp = it.xs[m] if s == 0 else it.received_acts.pop((s, m)).requires_grad_(True)
+        if s == 0:
+            inp = it.xs[m]
+        elif self._local(s - 1):  # as if sent: a leaf of the transfer's dtype
+            inp = it.stage_outputs[(s - 1, m)].detach().to(self.act_dtype).requires_grad_(True)
+        else:
+            inp = it.received_acts.pop((s, m)).requires_grad_(True)
         self.stepper.weights_ready(s)
         with self._span(f"F c{s} m{m}", "compute", op="F", chunk=s, mb=m):
             with self.precision.forward_context():
@@ -270,7 +279,13 @@ class Executor:
         out = it.stage_outputs.pop((s, m))
         if s == self.last:
             return [out[0]], [out[1]]
+        if self._local(s + 1):  # the next segment's input gradient, as if sent
+            return [out], [it.input_grads.pop((s + 1, m)).to(self.act_dtype)]
         return [out], [it.received_grads.pop((s, m))]
+
+    def _local(self, s: int) -> bool:
+        """Whether segment ``s`` is on this rank (a neighbour handed over without a transfer)."""
+        return self.rank_of(s) == self.p
 
     def _split(self, s: int):
         """Chunk ``s``'s split backward (:mod:`.split_backward`), made on first use."""
@@ -306,7 +321,7 @@ class Executor:
             t, kind = it.input_grads.pop((s, m)), GRAD
         t = t.to(self.act_dtype).contiguous()
         with self._span(f"{a.op.value} c{s} m{m}", "send", chunk=s, mb=m, peer=a.peer):
-            work = self.p2p.isend(t, a.peer, self.p2p.tag(kind, s, m, self.n_seg, it.n_mb))
+            work = self.p2p.isend(t, a.peer, self.p2p.tag(kind, s, m, self.n_seg, it.n_mb), kind == GRAD)
         it.sends.append((work, t, a))
 
     def _recv(self, it: Iteration, a: Action, rule: Rule) -> None:
@@ -318,7 +333,7 @@ class Executor:
         tag = self.p2p.tag(kind, producer, m, self.n_seg, it.n_mb)
         with self._span(f"{a.op.value} c{s} m{m}", "recv_wait", chunk=s, mb=m, peer=a.peer):
             into[(s, m)] = self.p2p.recv(
-                self._shape(it, m), self.act_dtype, a.peer, tag, f"{what} of chunk {s} microbatch {m}"
+                self._shape(it, m), self.act_dtype, a.peer, tag, f"{what} of chunk {s} microbatch {m}", kind == GRAD
             )
 
     def _launch_reduce(self, it: Iteration, a: Action, rule: Rule) -> None:
@@ -402,25 +417,30 @@ class Executor:
         n_mb = len(xs)
         losses: list[torch.Tensor] = []
         sends: list = []
+        local: dict = {}  # outputs handed to the next segment on this rank
         for s in sorted(self.chunks):
             self.stepper.weights_ready(s)
             for m in range(n_mb):
-                inp = xs[m] if s == 0 else self._recv_eval(xs, s, m)
+                inp = xs[m] if s == 0 else local.pop((s - 1, m), None)
+                inp = self._recv_eval(xs, s, m) if inp is None else inp
                 with self.precision.forward_context():
                     out = self.chunks[s](inp)
                     if s == self.last:
                         losses.append(self.loss_fn(out, ys[m]).float())
                         continue
                 t = out.to(self.act_dtype).contiguous()
-                peer = (s + 1) % self.pp
-                sends.append((self.p2p.isend(t, peer, self.p2p.tag(EVAL_ACT, s, m, self.n_seg, n_mb)), t, s, m))
+                if self._local(s + 1):
+                    local[(s, m)] = t
+                    continue
+                tag = self.p2p.tag(EVAL_ACT, s, m, self.n_seg, n_mb)
+                sends.append((self.p2p.isend(t, self.rank_of(s + 1), tag), t, s, m))
         for work, _t, s, m in sends:
             what = f"its receive of evaluation activations of chunk {s + 1} microbatch {m}"
-            self.p2p.wait(work, what, (s + 1) % self.pp)
+            self.p2p.wait(work, what, self.rank_of(s + 1))
         return losses
 
     def _recv_eval(self, xs: list[torch.Tensor], s: int, m: int) -> torch.Tensor:
         shape = (xs[m].shape[0], xs[m].shape[1], self.d_model)
         tag = self.p2p.tag(EVAL_ACT, s - 1, m, self.n_seg, len(xs))
         what = f"evaluation activations of chunk {s} microbatch {m}"
-        return self.p2p.recv(shape, self.act_dtype, (s - 1) % self.pp, tag, what)
+        return self.p2p.recv(shape, self.act_dtype, self.rank_of(s - 1), tag, what)

@@ -5,7 +5,8 @@ group for that pair (``p2p_up`` if ``a < b`` else ``p2p_down``) with a tag uniqu
 (kind, producing segment, micro-batch). gloo matches by tag, and ``isend`` never blocks the CPU.
 With NCCL (no tags; one stream per communicator and pair, operations in posting order) each
 (group, pair) carries one direction only, so a send never sits in front of a receive, and the
-per-pair posting orders match because the schedules are validated for per-pair FIFO channels;
+per-pair posting orders match because the schedules are validated for per-pair FIFO channels
+(per kind, with the gradients' own groups, for the V placement: ``channels_of``);
 receives are waited on without an explicit timeout there: every group carries ``--dp.timeout_s``
 as its own timeout and ``TORCH_NCCL_BLOCKING_WAIT=1`` (set by ``foldtrain.distributed``) makes a wait
 raise once it passes, so a stalled peer is named the same way as on gloo. The NCCL path is untested
@@ -70,12 +71,14 @@ class P2P:
     def tag(self, kind: int, seg: int, mb: int, n_seg: int, n_mb: int) -> int:
         return (kind * n_seg + seg) * n_mb + mb
 
-    def isend(self, t: torch.Tensor, dst_p: int, tag: int):
-        return collectives.isend(t, group=self.topo.p2p_group(self.p, dst_p), group_dst=dst_p, tag=tag)
+    def isend(self, t: torch.Tensor, dst_p: int, tag: int, grad: bool = False):
+        group = self.topo.p2p_group(self.p, dst_p, grad)
+        return collectives.isend(t, group=group, group_dst=dst_p, tag=tag)
 
-    def recv(self, shape, dtype, src_p: int, tag: int, what: str) -> torch.Tensor:
+    def recv(self, shape, dtype, src_p: int, tag: int, what: str, grad: bool = False) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        work = collectives.irecv(buf, group=self.topo.p2p_group(src_p, self.p), group_src=src_p, tag=tag)
+        group = self.topo.p2p_group(src_p, self.p, grad)
+        work = collectives.irecv(buf, group=group, group_src=src_p, tag=tag)
         self.wait(work, what, src_p)
         return buf
 

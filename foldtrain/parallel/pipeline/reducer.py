@@ -6,7 +6,7 @@ import torch
 
 from foldtrain.parallel.pipeline.deadlines import DeadlineQueue, ReductionBucket
 from foldtrain.parallel.pipeline.p2p import bounded_wait, local_part
-from foldtrain.parallel.pipeline.tie import TieSide
+from foldtrain.parallel.pipeline.tie import LocalTie, TieSide
 
 
 def _row_offset(tied) -> int:
@@ -40,6 +40,7 @@ class ChunkReducer:
         timeout_s: float,
         cpu_timeout: bool,
         queue: DeadlineQueue | None = None,  # dp > 1: the rank's deadline-ordered reductions
+        local_tie: LocalTie | None = None,  # both ends of the tie on this rank (the V placement)
     ):
         self.segment = segment
         self.params = [p for p in params if p is not tied]
@@ -51,11 +52,12 @@ class ChunkReducer:
         self.queue = queue
         self.buckets: list[ReductionBucket] = []
         self.deferred = False
-        self.tie = (
-            TieSide(segment != 0, topo, self._wait, _row_offset(tied), local_part(tied).detach())
-            if tied is not None
-            else None
-        )
+        if tied is None:
+            self.tie = None
+        elif local_tie is not None:
+            self.tie = local_tie.end(head=segment != 0)
+        else:
+            self.tie = TieSide(segment != 0, topo, self._wait, _row_offset(tied), local_part(tied).detach())
         self.pending = False  # launched, not yet waited
         # --optim.distributed: the chunk's ChunkShards; its own gradients are then reduce-scattered into them
         self.shards = None

@@ -9,7 +9,8 @@ segments and materialises only those (:func:`materialize`), with exactly the val
 process draws for them (:mod:`foldtrain.model.init`: every parameter from its own generator).
 
 Tied embedding: with a pipeline (``P > 1``) the token embedding (segment 0, pipeline rank 0) and
-the output projection (segment ``S - 1``, pipeline rank ``P - 1``) live on different ranks. The
+the output projection (segment ``S - 1``: pipeline rank ``P - 1``, or rank 0 in the V placement) live in
+different chunks. The
 last rank gets its own copy of the weight (same initial values); the executor sums the two
 copies' gradients over the tie group before either optimizer steps, so both copies take the same
 update and stay equal — exactly the single-process tied weight (Megatron's embedding group).
@@ -24,6 +25,7 @@ import torch.nn as nn
 
 from foldtrain.model.gpt import GPT, Block, Head
 from foldtrain.model.init import init_weights
+from foldtrain.schedules import chunks_of_rank
 
 
 class Chunk(nn.Module):
@@ -64,17 +66,19 @@ def part_ranges(n_layer: int, layers: list[list[int]] | tuple) -> list[list[int]
     return out
 
 
-def build_chunks(model: GPT, layers, pp: int, pp_rank: int) -> list[Chunk]:
-    """This pipeline rank's chunks (local chunk ``c`` = global segment ``c * pp + pp_rank``).
+def build_chunks(model: GPT, layers, pp: int, pp_rank: int, placement: str = "loop") -> list[Chunk]:
+    """This pipeline rank's chunks, in model order (the segments ``chunks_of_rank`` gives it: ``c * pp +
+    pp_rank`` for the loop placement, ``pp_rank`` and ``2 pp - 1 - pp_rank`` for the V placement).
 
     Takes ownership of ``model``: the parts this rank does not hold are replaced by empty modules
-    so their memory is freed, and with ``pp > 1`` the last rank's output projection becomes its own
-    copy of the tied embedding weight.
+    so their memory is freed, and with ``pp > 1`` the output projection becomes its own copy of the
+    tied embedding weight (also where the V placement puts both ends on one rank: the tie's two copies
+    behave the same whichever rank holds them).
     """
     n_layer = len(model.parts) - 2
     ranges = part_ranges(n_layer, layers)
     segments = len(ranges)
-    mine = [s for s in range(segments) if s % pp == pp_rank]
+    mine = chunks_of_rank(pp_rank, pp, segments // pp, placement)
     keep = {i for s in mine for i in ranges[s]}
     head = model.parts[-1]
     if pp > 1 and (segments - 1) in mine:

@@ -24,6 +24,9 @@ other lacks, within the replica, over ``topo.tie_group`` (pipeline ranks 0 and P
   embedding takes the head's dense copy and adds its own rows. ``a + b == b + a`` in IEEE
   arithmetic, so both copies are bit for bit the same.
 
+With the V placement (zbv) both ends are on pipeline rank 0: :class:`LocalTie` reduces each copy over dp
+and adds the two there.
+
 On a commodity network this moves the dense tied gradient off the end of the iteration: what
 crosses the data-parallel link after segment 0's backward is the rows only, and the head's dense
 copy crosses the pipeline's link during the backward, not after it. Deadlock-free: an end's sends
@@ -200,3 +203,73 @@ class TieSide:
         if self.state != "idle":
             self.wait()
         self.tok_work = self.tokens = None
+
+
+class LocalTie:
+    """Both ends of the tie on one rank (the V placement of zbv: segments 0 and ``S - 1`` on pipeline rank 0).
+
+    Each end's copy is averaged over its data-parallel group on its own, as :class:`TieSide` does it, and the
+    two are then added on the rank (no exchange between pipeline ranks): the embedding's copy plus the head's,
+    into both, so they stay equal. :meth:`end` gives each chunk's reducer its side, with :class:`TieSide`'s
+    methods."""
+
+    def __init__(self, topo, wait):
+        self.dp_group, self.dp = topo.dp_group, topo.dp
+        self.wait_fn = wait
+        self.sides = {head: LocalTieSide(self, head) for head in (False, True)}
+
+    def end(self, head: bool) -> LocalTieSide:
+        return self.sides[head]
+
+    def finish(self) -> None:
+        """Once both ends launched: wait for their dp reductions and give both copies the sum."""
+        emb, head = self.sides[False], self.sides[True]
+        if "idle" in (emb.state, head.state):
+            idle = "embedding" if emb.state == "idle" else "head"
+            raise RuntimeError(f"the tied weight's {idle} end has not launched its reduction before the other's wait")
+        for side in (emb, head):
+            if side.dp_work is not None:
+                self.wait_fn(side.dp_work, "data-parallel all-reduce of the tied embedding's gradient")
+                side.dp_work = None
+        total = emb.grad + head.grad
+        for side in (emb, head):
+            side.grad.copy_(total)
+            side.grad, side.state = None, "idle"
+
+
+class LocalTieSide:
+    """One end of a :class:`LocalTie`."""
+
+    def __init__(self, tie: LocalTie, head: bool):
+        self.tie, self.head = tie, head
+        self.grad: torch.Tensor | None = None
+        self.dp_work = None
+        self.state = "idle"  # idle -> launched -> idle (at either end's wait)
+        self.last_rows = None  # as TieSide's: the dp reduction sends the dense copy
+
+    def set_tokens(self, tokens_per_step: int) -> None:
+        """Nothing to size: no message crosses to another pipeline rank."""
+
+    def begin(self, xs: list[torch.Tensor]) -> None:
+        """Nothing to gather: the whole dense copy is reduced."""
+
+    def launch(self, g: torch.Tensor) -> None:
+        self.grad, self.state = g, "launched"
+        if self.tie.dp > 1:
+            self.dp_work = collectives.all_reduce(g.div_(self.tie.dp), group=self.tie.dp_group, async_op=True)
+
+    def progress(self) -> None:
+        """Nothing to hand over."""
+
+    def handoff(self) -> None:
+        """Nothing to hand over."""
+
+    def wait(self) -> None:
+        if self.state != "idle":
+            self.tie.finish()
+
+    def reset(self) -> None:
+        """Before loading a checkpoint: finish a reduction in flight, forget the sum."""
+        if self.dp_work is not None:
+            self.tie.wait_fn(self.dp_work, "data-parallel all-reduce of the tied embedding's gradient")
+        self.grad, self.dp_work, self.state = None, None, "idle"

@@ -10,7 +10,8 @@ combinations a schedule cannot run, skipped here explicitly:
   ``--optim.grad_clip 0``) is one extra case per layout.
 
 The split-backward (zero-bubble) schedules run per-chunk on every layout, ``fold-zb`` with deferral too
-(:func:`zero_bubble_cases`): ``zb-h1`` where ``V == 1``, ``interleaved-zb`` and ``fold-zb`` where ``V >= 2``.
+(:func:`zero_bubble_cases`): ``zb-h1`` where ``V == 1``, ``interleaved-zb`` and ``fold-zb`` where ``V >= 2``,
+``zbv`` (the V placement: the turn on the last rank and the tie on rank 0 without transfers) where ``V == 2``.
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ def valid(schedule: str, v: int) -> bool:
         return v == 1  # 1F1B runs one chunk per rank
     if schedule in ("interleaved-1f1b", "interleaved-zb"):
         return v >= 2  # interleaving needs several chunks per rank
+    if schedule == "zbv":
+        return v == 2  # the V placement: two chunks per rank
     return True
 
 
 def zero_bubble_cases(layout: tuple[int, int, int, int], n_layer: int = 8, tag: str = "zb", **extra) -> list[dict]:
     """The split-backward schedules on ``layout``: per-chunk reduction, and fold-zb with deferral."""
     v = layout[3]
-    names = [n for n in ("zb-h1", "interleaved-zb", "fold-zb") if valid(n, v)]
+    names = [n for n in ("zb-h1", "zbv", "interleaved-zb", "fold-zb") if valid(n, v)]
     out = [_one(layout, n, "per-chunk", tag, n_layer=n_layer, **extra) for n in names]
     if v >= 2:
         out.append(_one(layout, "fold-zb", "per-chunk", tag, defer=True, n_layer=n_layer, **extra))
@@ -151,6 +154,9 @@ def equivalence_cases(world: int) -> list[dict]:
             # pp x tp: the weights' groups of DTensor parameters
             *zero_bubble_cases((1, 2, 2, 1), n_layer=2, m=2),
             _one((1, 2, 2, 2), "interleaved-zb", "per-chunk", "zb", n_layer=4, m=2),
+            # zbv: the V turn on rank 3, the tie on rank 0 (after-flush: every reduction after the flush); pp x tp
+            _one((1, 4, 1, 2), "zbv", "after-flush", "zb"),
+            _one((1, 2, 2, 2), "zbv", "per-chunk", "zb", n_layer=4, m=2),
         ]
     if world == 8:  # 8 processes on few cores: 2 micro-batches; the last case pads a 63-word vocabulary to 64
         return [
@@ -161,6 +167,7 @@ def equivalence_cases(world: int) -> list[dict]:
             _one((2, 2, 2, 1), "1f1b", "per-chunk", "zero-m32", n_layer=2, m=2, zero=True, **M32),
             *zero_bubble_cases((2, 2, 2, 1), n_layer=2, m=2),
             _one((2, 2, 2, 2), "interleaved-zb", "per-chunk", "zb", n_layer=4, m=2),
+            _one((2, 2, 2, 2), "zbv", "per-chunk", "zb", n_layer=4, m=2),
         ]
     return []
 
@@ -212,6 +219,15 @@ CKPT_CASES = [
         n_layer=8,
         zero=True,
     ),
+    # the V placement (zbv): rank 0's two chunks (first and last segment), the tied copy's state on rank 0
+    dict(
+        id="ckpt-dp2-pp2-tp1-v2-zbv-per-chunk",
+        layout=(2, 2, 1, 2),
+        schedule="zbv",
+        dp_sync="per-chunk",
+        defer=False,
+        n_layer=8,
+    ),
 ]
 
 # deadline-ordered reductions (world 4): fold V=4 with deferral, profiled; also checked against one process
@@ -259,5 +275,6 @@ ORDER_CASES = {
         _one((1, 4, 1, 1), "gpipe", "per-chunk", "order"),
         _one((2, 2, 1, 2), "fold-zb", "per-chunk", "order", defer=True),
         _one((2, 2, 1, 2), "interleaved-zb", "per-chunk", "order"),
+        _one((2, 2, 1, 2), "zbv", "per-chunk", "order"),
     ],
 }

@@ -75,24 +75,29 @@ def run_engine(cfg, steps_range, engine=None, seed=None):
 
 
 def tied_copies_equal(engine) -> bool | None:
-    """On global rank 0: whether the output projection's tied copy (pipeline rank P-1 of replica 0, TP rank 0)
-    is bit for bit the token embedding's after training; None where the pipeline does not split the tie."""
+    """On global rank 0: whether the output projection's tied copy (the last segment's holder in replica 0, TP
+    rank 0: pipeline rank P-1, or rank 0 itself in the V placement) is bit for bit the token embedding's after
+    training; None where the pipeline does not split the tie."""
     from foldtrain.parallel.pipeline.p2p import local_part
 
     lay, topo = engine.layout, engine.topo
     d, p, t = topo.coords
-    if lay.pp == 1 or (d, t) != (0, 0) or p not in (0, lay.pp - 1):
+    head_rank = engine.pipeline_schedule.rank_of(lay.segments - 1)
+    if lay.pp == 1 or (d, t) != (0, 0) or p not in (0, head_rank):
         return None
-    if p == lay.pp - 1:
-        dist.send(
-            local_part(engine.chunks[lay.segments - 1].head.lm_head.weight).detach().contiguous(),
-            dst=topo.pipeline_peer(0),
-        )
+    head = (
+        local_part(engine.chunks[lay.segments - 1].head.lm_head.weight).detach().contiguous()
+        if p == head_rank
+        else None
+    )
+    if p != 0:
+        dist.send(head, dst=topo.pipeline_peer(0))
         return None
     w = local_part(engine.chunks[0].parts["0"].wte.weight).detach()
-    other = torch.empty_like(w)
-    dist.recv(other, src=topo.pipeline_peer(lay.pp - 1))
-    return bool(torch.equal(w, other))
+    if head is None:
+        head = torch.empty_like(w)
+        dist.recv(head, src=topo.pipeline_peer(head_rank))
+    return bool(torch.equal(w, head))
 
 
 @contextlib.contextmanager

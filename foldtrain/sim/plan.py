@@ -21,6 +21,7 @@ from typing import Any
 
 from foldtrain.config import build_config, to_toml, validate
 from foldtrain.errors import ConfigError, FoldtrainError
+from foldtrain.schedules.generators import DEFERRABLE
 
 from .cluster import Cluster
 from .costs import CostModel, Placement, rank_segments, segment_params, stepped_share
@@ -108,18 +109,13 @@ def _variants(base, gpus: int, cluster: Cluster):
                     for v in (1, 2, 4, 8):
                         if v > 1 and (pp == 1 or pp * v > m.n_layer):
                             continue
-                        scheds = ("gpipe", "1f1b") if v == 1 else ("interleaved-1f1b", "fold")
-                        if pp == 1:
-                            scheds = ("1f1b",)
-                        for sc in scheds:
-                            if sc == "interleaved-1f1b" and M % pp:
-                                continue
+                        for sc in _schedules(pp, v, M):
                             for sync in (
                                 ("after-flush", "per-chunk") if dp > 1 and pp > 1 and v > 1 else ("after-flush",)
                             ):
                                 for defer in (
                                     (False, True)
-                                    if sc == "fold" and sync == "per-chunk" and v > 1 and allow_defer
+                                    if sc in DEFERRABLE and sync == "per-chunk" and v > 1 and allow_defer
                                     else (False,)
                                 ):
                                     for dist in (True,) if base.optim.distributed else (False, True)[: 1 + (dp > 1)]:
@@ -161,13 +157,25 @@ def _make_cfg(base, c: dict):
     return cfg
 
 
+def _schedules(pp: int, v: int, M: int) -> list[str]:
+    """The schedules a layout of ``pp`` ranks x ``v`` chunks x ``M`` micro-batches can run."""
+    if pp == 1:
+        return ["1f1b"]
+    if v == 1:
+        return ["gpipe", "1f1b", "zb-h1"]
+    out = ["fold", "fold-zb"] + (["interleaved-1f1b", "interleaved-zb"] if M % pp == 0 else [])
+    return out + (["zbv"] if v == 2 else [])
+
+
 def _live_chunks(s: Setup) -> int:
     """Micro-batch x chunk activations alive at once on the busiest rank (rank 0)."""
     M, P, V = s.microbatches, s.pp, s.virtual
-    if s.schedule in ("gpipe", "fold"):
+    if s.schedule in ("gpipe", "fold", "fold-zb"):
         return M * V
-    if s.schedule == "1f1b":
+    if s.schedule in ("1f1b", "zb-h1"):
         return min(P, M) if s.mode == "3d" else 1
+    if s.schedule == "zbv":
+        return min(M * V, 2 * P)
     return min(M * V, 2 * (P - 1) + (V - 1) * P + 1)
 
 
@@ -177,11 +185,14 @@ def estimate(s: Setup, c: Cluster) -> tuple[float, float]:
     segs = range(s.segments)
     u = sum(cm.forward(g) + cm.backward(g) for g in segs) / s.segments  # one chunk x micro-batch, F + B
     M, P, V = s.microbatches, s.pp, s.virtual
-    t = (V * M + P - 1) * u if s.mode == "3d" else M * u
+    # the pipeline's fill: F + B per hop, or F + I where the split backward fills the rest with W (zero bubble)
+    split = s.schedule in ("zb-h1", "zbv", "interleaved-zb", "fold-zb")
+    fill = sum(cm.forward(g) + cm.backward_input(g) for g in segs) / s.segments if split else u
+    t = V * M * u + (P - 1) * fill if s.mode == "3d" else M * u
     if P > 1:
         key, w, lat = pl.p2p_link(0, 1)
         bw = c.inter.bw / w if key[0] == "nic" else c.intra.bw
-        t += 2 * (P - 1) * (lat + cm.activation_bytes() / bw) * (V if s.schedule in ("interleaved-1f1b", "fold") else 1)
+        t += 2 * (P - 1) * (lat + cm.activation_bytes() / bw) * (V if V > 1 else 1)
     if s.dp > 1:
         key, w, bw, lat = pl.dp_link(0)
         if key[0] == "nic":  # the node's interface, shared by the stages (x tp ranks) the node holds

@@ -97,3 +97,28 @@ def test_the_simulator_pads_the_vocabulary_as_the_trainer_does():
     assert resolve_setup(cfg).vocab == GPTShape.from_config(cfg.model, 4).embedding_rows == 50260
     tps = {v["tp"] for v in _variants(build_config(args), 8, load_cluster("dgx-a100"))}
     assert tps == {1, 2, 4}  # 12 heads: tp 8 does not divide them; the odd vocabulary no longer rules tp out
+
+
+def test_plan_considers_the_zero_bubble_schedules_where_they_run():
+    """zb-h1 with one chunk per rank, zbv with two, interleaved-zb where M is a multiple of P, fold-zb with and
+    without deferral (when clipping is off); each candidate is a layout the trainer accepts, and the closed form
+    prices a split schedule's fill as F + I, below its whole-backward twin's."""
+    from foldtrain.schedules import build_schedule
+    from foldtrain.sim.cluster import load_cluster
+    from foldtrain.sim.plan import _make_cfg, _variants, estimate
+    from foldtrain.sim.setup import resolve_setup
+
+    base = build_config(["--model.preset", "gpt2-small", "--train.global_batch", "16", "--optim.grad_clip", "0"])
+    c = load_cluster("dgx-a100")
+    cands = list(_variants(base, 8, c))
+    by = {(x["schedule"], x["virtual"]) for x in cands if x["pp"] > 1}
+    assert {("zb-h1", 1), ("zbv", 2), ("interleaved-zb", 2), ("fold-zb", 4)} <= by
+    assert not {s for s, v in by if s == "zbv" and v != 2} and not {s for s, v in by if s == "zb-h1" and v != 1}
+    assert any(x["schedule"] == "fold-zb" and x["defer"] for x in cands)
+    for x in cands:
+        if x["pp"] > 1:
+            build_schedule(x["schedule"], x["pp"], x["virtual"], x["M"], x["dp_sync"], x["defer"])
+    pick = next(x for x in cands if x["schedule"] == "zb-h1" and x["ac"] == "none")
+    zb = resolve_setup(_make_cfg(base, pick))
+    one = resolve_setup(_make_cfg(base, dict(pick, schedule="1f1b")))
+    assert estimate(zb, c)[0] < estimate(one, c)[0]

@@ -55,7 +55,7 @@ import torch
 from foldtrain.parallel.pipeline import split_backward
 from foldtrain.parallel.pipeline.deadlines import DeadlineQueue
 from foldtrain.parallel.pipeline.p2p import P2P
-from foldtrain.schedules import Action, Op, RankRules, Rule, Schedule, StepPolicy, rank_rules
+from foldtrain.schedules import Action, Op, RankRules, Rule, Schedule, StepPolicy, rank_rules, stage_rank
 
 ACT, GRAD, EVAL_ACT = 0, 1, 2
 
@@ -151,7 +151,7 @@ class Executor:
         self.d_model = d_model
         self.tl = timeline
         self.sync = sync or (lambda: None)
-        self.rank_of = rank_of or (lambda s: s % self.pp)
+        self.rank_of = rank_of or (lambda s: stage_rank(s, self.pp))
         self.awaiting_step: set[int] = set()  # chunks whose reduction was launched, not yet stepped
         self._rules: tuple[Schedule, RankRules] | None = None
         self._splits: dict = {}  # segment -> its split backward (zero-bubble schedules)

@@ -156,6 +156,7 @@ def equivalence_cases(world: int) -> list[dict]:
             _one((1, 2, 2, 2), "interleaved-zb", "per-chunk", "zb", n_layer=4, m=2),
             # zbv: the V turn on rank 3, the tie on rank 0 (after-flush: every reduction after the flush); pp x tp
             _one((1, 4, 1, 2), "zbv", "after-flush", "zb"),
+            _one((2, 2, 1, 2), "zbv", "per-chunk", "zb-zero", zero=True),
             _one((1, 2, 2, 2), "zbv", "per-chunk", "zb", n_layer=4, m=2),
         ]
     if world == 8:  # 8 processes on few cores: 2 micro-batches; the last case pads a 63-word vocabulary to 64

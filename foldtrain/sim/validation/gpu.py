@@ -93,7 +93,8 @@ def cluster_for(run: dict) -> Cluster:
 DP_STRATEGIES = {"fsdp-full-shard": "fsdp", "ddp-zero1": "ddp"}
 # FSDP's mixed precision as LLM Foundry publishes it (its "MP Mode" column) -> foldtrain's precision: "PURE"
 # gathers and computes in bf16 (bf16-master); "DEFAULT" runs bf16 autocast over fp32 parameters, gathered in
-# fp32 (foldtrain's fsdp under bf16). Neither: the run's precision with fp32 masters.
+# fp32 (foldtrain's fsdp under bf16; DEFAULT's bf16 reduce-scatter is priced as foldtrain's fp32 one, twice its
+# bytes: an upper bound, mostly hidden behind the backward). Neither: the run's precision with fp32 masters.
 FSDP_PRECISION = {"PURE": "bf16-master", "DEFAULT": "bf16"}
 
 

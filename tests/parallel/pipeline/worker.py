@@ -139,7 +139,8 @@ def _equivalence_case(case: dict) -> dict | None:
 
 
 def optimizer_share(engine) -> dict:
-    """Rank 0's parameter elements and the elements AdamW steps there (its masters or slices)."""
+    """Rank 0's parameter elements (the local parts; and the whole tensors') and the elements AdamW steps there
+    (its masters or slices)."""
     from foldtrain.parallel.pipeline.p2p import local_part
 
     stepped = sum(
@@ -147,6 +148,7 @@ def optimizer_share(engine) -> dict:
     )
     return {
         "param_elems": sum(local_part(p).numel() for p in engine.model.parameters()),
+        "full_elems": sum(p.numel() for p in engine.model.parameters()),  # DTensors: the whole tensor's
         "tied_elems": sum(local_part(t).numel() for t in engine.tied.values()),
         "optim_elems": stepped,
     }

@@ -121,9 +121,36 @@ def equivalence_case(case: dict) -> dict | None:
         return _equivalence_case(case)
 
 
+@contextlib.contextmanager
+def counting_reduce_scatters():
+    """Count the reduce-scatters FSDP2 issues (it calls ``torch.distributed.reduce_scatter_single``)."""
+    calls = [0]
+    real = dist.reduce_scatter_single
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted
+    try:
+        yield calls
+    finally:
+        dist.reduce_scatter_single = real
+
+
+def fsdp_groups(engine) -> int:
+    """The FSDP parameter groups of this rank's chunks (each reduce-scatters its gradients as one)."""
+    from torch.distributed.fsdp import fully_shard
+
+    states = [st for c in engine.chunks.values() for st in fully_shard.state(c)._state_ctx.all_states]
+    return sum(len(st._fsdp_param_groups) for st in states)
+
+
 def _equivalence_case(case: dict) -> dict | None:
     cfg = make_cfg(case)
-    engine, losses, norms = run_engine(cfg, range(STEPS))
+    with counting_reduce_scatters() as reduce_scatters:
+        engine, losses, norms = run_engine(cfg, range(STEPS))
+    fsdp = {"reduce_scatters": reduce_scatters[0], "fsdp_groups": fsdp_groups(engine)} if case.get("fsdp") else {}
     ev = engine.eval_loss(val_data(cfg.model.vocab_size))
     full = engine.eval_model()
     tie_equal = tied_copies_equal(engine)
@@ -135,6 +162,7 @@ def _equivalence_case(case: dict) -> dict | None:
         "tie_rows": tie.last_rows if tie else None,
         "tie_equal": tie_equal,
         **optimizer_share(engine),
+        **fsdp,
     }
 
 

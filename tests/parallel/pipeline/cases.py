@@ -84,9 +84,9 @@ FSDP_DP_PP = [
     _one((2, 2, 1, 1), "1f1b", "after-flush", "fsdp-fp16m32", precision="fp16-master", masters_in_fp32=True, **FSDP),
     _one((2, 2, 1, 2), "fold", "per-chunk", "fsdp-ac", ac="full", **FSDP),
 ]
-# with tensor parallelism: 2D (dp, tp) DTensors
+# with tensor parallelism: 2D (dp, tp) DTensors; the norm over shards of both really clips (every step)
 FSDP_DP_PP_TP = [
-    _one((2, 2, 2, 1), "1f1b", "per-chunk", "fsdp", n_layer=2, m=2, **FSDP),
+    _one((2, 2, 2, 1), "1f1b", "per-chunk", "fsdp-clip", n_layer=2, m=2, grad_clip=0.05, **FSDP),
     _one((2, 2, 2, 2), "interleaved-1f1b", "after-flush", "fsdp-keep", n_layer=4, m=2, reshard=False, **FSDP),
     _one((2, 2, 2, 2), "fold", "per-chunk", "fsdp", n_layer=4, m=2, **FSDP),
 ]

@@ -186,11 +186,6 @@ def check_fsdp(cfg, schedule) -> None:
     """What ``--dp.strategy fsdp`` (every chunk fully sharded over dp) cannot be combined with in the 3D engine:
     one ConfigError line each, naming the problem and the fix."""
     p = cfg.parallel
-    if p.pp == 1:
-        raise ConfigError(
-            f"--dp.strategy fsdp with a --parallel layout needs a pipeline (--parallel.pp > 1), got pp 1 "
-            f"(dp {p.dp}, tp {p.tp}); raise --parallel.pp, or run fsdp without --parallel (it shards over every rank)"
-        )
     if cfg.fold.defer_reduce:
         raise ConfigError(
             "--fold.defer_reduce cannot be combined with --dp.strategy fsdp: FSDP reduce-scatters each chunk's "

@@ -197,7 +197,7 @@ FSDP_PP = ("--dp.strategy", "fsdp", "--parallel.dp", "2", "--parallel.pp", "2")
 
 
 def test_fsdp_runs_in_the_3d_engine():
-    """--dp.strategy fsdp with a pipeline (and tensor parallelism) is a layout of the 3D engine."""
+    """--dp.strategy fsdp with a --parallel layout (pipeline, tensor parallelism, or both) runs in the 3D engine."""
     for sched in ("gpipe", "1f1b"):
         assert validate_layout(cfg(*FSDP_PP, "--parallel.schedule", sched), 4).dp == 2
     for sched in ("interleaved-1f1b", "fold"):
@@ -205,6 +205,9 @@ def test_fsdp_runs_in_the_3d_engine():
     lay = validate_layout(cfg(*FSDP_PP, "--parallel.tp", "2", "--precision", "bf16-master"), 8)
     assert (lay.dp, lay.pp, lay.tp) == (2, 2, 2)
     assert uses_3d_engine(cfg(*FSDP_PP))
+    # no pipeline: data x tensor parallel (2D), or --parallel.dp alone
+    assert validate_layout(cfg("--dp.strategy", "fsdp", "--parallel.dp", "2", "--parallel.tp", "2"), 4).pp == 1
+    assert validate_layout(cfg("--dp.strategy", "fsdp", "--parallel.dp", "4"), 4).dp == 4
 
 
 def test_fsdp_refusals():
@@ -213,9 +216,6 @@ def test_fsdp_refusals():
     from foldtrain.config import validate
 
     fold = ("--parallel.virtual", "2", "--parallel.schedule", "fold", "--parallel.dp_sync", "per-chunk")
-    assert "--dp.strategy fsdp with a --parallel layout needs a pipeline (--parallel.pp > 1)" in err(
-        4, "--dp.strategy", "fsdp", "--parallel.dp", "2", "--parallel.tp", "2"
-    )
     assert "--fold.defer_reduce cannot be combined with --dp.strategy fsdp" in err(
         4, *FSDP_PP, *fold, "--fold.defer_reduce", "true"
     )

@@ -78,6 +78,7 @@ FSDP_DP_PP = [
     _one((2, 2, 1, 2), "fold", "after-flush", "fsdp-noclip", clip=0.0, **FSDP),  # early steps at each WR
     _one((2, 2, 1, 2), "fold", "per-chunk", "fsdp-m32", **FSDP, **M32),
     _one((2, 2, 1, 2), "fold", "per-chunk", "fsdp-bf16m", precision="bf16-master", **FSDP),
+    _one((2, 2, 1, 2), "interleaved-1f1b", "after-flush", "fsdp-bf16", precision="bf16", **FSDP),
     _one((2, 2, 1, 1), "1f1b", "per-chunk", "fsdp-fp16", precision="fp16", **FSDP),
     # loss scaling over fp32 shards at the fp32 tolerance (real fp16-master reduces in fp32, more exactly than the
     # single process's fp16 gradients: its norms differ by about 1.4e-3)

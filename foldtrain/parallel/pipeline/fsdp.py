@@ -20,6 +20,10 @@ tie group sums them.
 
 The iteration's gradient norm is :func:`norm_sq` summed over every rank: each element of a sharded gradient
 once, a part replicated over tensor-parallel ranks weighted by ``1/tp``.
+
+The reduction calls FSDP2 internals (a group's ``post_backward``, the root's final callback, the states of
+a root), as torch's own pipelining does in ``perform_reduce_grad``; they are those of the installed torch
+(2.13), so a torch upgrade may need this module to follow torch pipelining's.
 """
 
 from __future__ import annotations
@@ -53,6 +57,19 @@ def reshard(chunk: nn.Module) -> None:
     for m in chunk.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
+
+
+def param_groups(chunk: nn.Module) -> list:
+    """Every FSDP parameter group of a sharded chunk (each all-gathers and reduce-scatters as one). FSDP2
+    internals, read as torch pipelining reads them (an older FSDP2 state holds one ``_fsdp_param_group``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    groups = []
+    for state in fully_shard.state(chunk)._state_ctx.all_states:
+        many = getattr(state, "_fsdp_param_groups", None)
+        one = getattr(state, "_fsdp_param_group", None)
+        groups += list(many) if many is not None else ([one] if one is not None else [])
+    return groups
 
 
 def _replicas(t) -> int:
@@ -109,9 +126,8 @@ class FSDPChunkReducer:
 
         self._sync_on_this_backward(True)
         state = fully_shard.state(self.chunk)
-        for s in state._state_ctx.all_states:
-            for group in s._fsdp_param_groups:
-                group.post_backward()
+        for group in param_groups(self.chunk):
+            group.post_backward()
         state._root_post_backward_final_callback()
         if self.tied is not None:  # both ends issue it: a copy without a gradient sums zeros
             if self.tied.grad is None:

@@ -140,10 +140,9 @@ def counting_reduce_scatters():
 
 def fsdp_groups(engine) -> int:
     """The FSDP parameter groups of this rank's chunks (each reduce-scatters its gradients as one)."""
-    from torch.distributed.fsdp import fully_shard
+    from foldtrain.parallel.pipeline.fsdp import param_groups
 
-    states = [st for c in engine.chunks.values() for st in fully_shard.state(c)._state_ctx.all_states]
-    return sum(len(st._fsdp_param_groups) for st in states)
+    return sum(len(param_groups(c)) for c in engine.chunks.values())
 
 
 def _equivalence_case(case: dict) -> dict | None:

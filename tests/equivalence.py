@@ -137,6 +137,8 @@ def make_cfg(c: dict, steps: int = STEPS, out: str = "", **over):
         "precision": c.get("precision", "fp32"),
         "ac": c.get("ac", "none"),
         "dp.timeout_s": 60,
+        "dp.strategy": "fsdp" if c.get("fsdp") else "none",
+        "dp.reshard_after_forward": c.get("reshard", True),
         "train.device": "cpu",
     }
     if c.get("layers_per_chunk"):

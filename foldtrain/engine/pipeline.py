@@ -44,6 +44,7 @@ from foldtrain.errors import ConfigError
 from foldtrain.model.gpt import GPT, GPTShape
 from foldtrain.optim import Precision
 from foldtrain.parallel.mesh import get_topology
+from foldtrain.parallel.pipeline import fsdp
 from foldtrain.parallel.pipeline.deadlines import DeadlineQueue
 from foldtrain.parallel.pipeline.executor import Executor
 from foldtrain.parallel.pipeline.p2p import P2P
@@ -76,6 +77,7 @@ class PipelineEngine:
         self.dp_rank, self.dp_world = topo.dp_rank, lay.dp
         self.shape: GPTShape = model.shape
         self.n_parts = len(model.parts)
+        self.fsdp = cfg.dp.strategy == "fsdp"  # chunks fully sharded over dp (parallel/pipeline/fsdp.py)
         # the full model's parameter names (tied weight once) before the split unties it: checkpoint param_groups
         full_params = [(n, p.dim()) for n, p in model.named_parameters()]
 
@@ -114,9 +116,11 @@ class PipelineEngine:
         recomputing as configured."""
         lay, device = self.layout, self.device
         chunks = build_chunks(model, lay.layers, lay.pp, self.topo.pp_rank, self.pipeline_schedule.placement)
+        # FSDP keeps fp32 shards and gathers the master precisions' half-precision weights itself
+        dtype = torch.float32 if self.fsdp else self.precision.param_dtype
         for c in chunks:  # a model built on the meta device is materialised here, this rank's chunks only
             materialize(c, device, model.init_seed, self.shape.n_layer)
-            c.to(device=device, dtype=self.precision.param_dtype)
+            c.to(device=device, dtype=dtype)
         if lay.tp > 1:
             from foldtrain.parallel.tensor import apply_tensor_parallel
 
@@ -125,28 +129,40 @@ class PipelineEngine:
         if self.cfg.ac == "full":
             for c in chunks:
                 apply_activation_checkpointing(c)
+        if self.fsdp:
+            for c in chunks:
+                fsdp.shard_chunk(c, self.topo.dp_mesh, self.cfg.dp.reshard_after_forward, self.precision)
         return {c.segment: c for c in chunks}
+
+    def _build_reducers(self, queue, p2p) -> dict:
+        """Each local chunk's data-parallel reduction: the engine's own all-reduce, or FSDP's reduce-scatter."""
+        topo, timeout = self.topo, self.cfg.dp.timeout_s
+        reducers = {}
+        local_tie = LocalTie(topo, p2p.wait_collective) if len(self.tied) == 2 else None  # both ends here (zbv)
+        for s, c in self.chunks.items():
+            if self.fsdp:
+                reducers[s] = fsdp.FSDPChunkReducer(s, c, self.tied.get(s), topo, p2p.wait_collective)
+                continue
+            reducers[s] = ChunkReducer(
+                s, list(c.parameters()), self.tied.get(s), topo, timeout, p2p.cpu_timeout, queue, local_tie
+            )
+            if reducers[s].tie is not None:  # the tie's exchange: message sizes from the tokens of a global batch
+                reducers[s].tie.set_tokens(self.cfg.train.global_batch * self.cfg.train.seq_len)
+        return reducers
 
     def _build_executor(self) -> Executor:
         """The deadline queue, transport, per-chunk reducers and optimizers this rank's executor drives."""
         cfg, lay, topo, timeout = self.cfg, self.layout, self.topo, self.cfg.dp.timeout_s
         policy = step_policy(cfg.optim.grad_clip > 0, self.precision.scaler.enabled, lay.tp)
         queue = None
-        if lay.dp > 1:  # deadline-ordered reductions: a second dp group when any chunk is deferred
+        if lay.dp > 1 and not self.fsdp:  # deadline-ordered reductions: a second dp group when any chunk is deferred
             defer = cfg.fold.defer_reduce and lay.virtual > 1
             queue = DeadlineQueue(topo, self.timeline, cfg.fold.bucket_mb * 2**20, timeout, defer)
             queue.hold_back(policy.hold_deferred)
         p2p = P2P(
             topo, timeout, self.device, pump=queue.pump if queue is not None and queue.group is not None else None
         )
-        reducers = {}
-        local_tie = LocalTie(topo, p2p.wait_collective) if len(self.tied) == 2 else None  # both ends here
-        for s, c in self.chunks.items():
-            reducers[s] = ChunkReducer(
-                s, list(c.parameters()), self.tied.get(s), topo, timeout, p2p.cpu_timeout, queue, local_tie
-            )
-            if reducers[s].tie is not None:  # the tie's exchange: message sizes from the tokens of a global batch
-                reducers[s].tie.set_tokens(cfg.train.global_batch * cfg.train.seq_len)
+        reducers = self._build_reducers(queue, p2p)
         stepper = ChunkOptimizers(
             self.chunks,
             cfg,
@@ -258,6 +274,9 @@ class PipelineEngine:
                     total += sum(loss * xm.shape[0] for loss, xm in zip(losses, xs)) / x.shape[0]
         finally:
             self.model.train()
+            if self.fsdp:  # no backward reshards what the forwards gathered
+                for c in self.chunks.values():
+                    fsdp.reshard(c)
         return self._global_loss(total / max(len(batches), 1))
 
     # ------------------------------------------------------------------ profiling

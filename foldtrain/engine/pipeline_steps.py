@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from foldtrain import collectives
 from foldtrain.optim import WarmupCosine, adamw_state, build_optimizer
+from foldtrain.parallel.pipeline import fsdp
 from foldtrain.parallel.pipeline.p2p import local_part
 from foldtrain.parallel.pipeline.zero import ChunkShards
 
@@ -46,6 +47,7 @@ class ChunkOptimizers:
         self.wait_collective = wait_collective
         self.schedule = WarmupCosine(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.steps)
         self.shards = None
+        self.fsdp = cfg.dp.strategy == "fsdp"  # the chunks are fully sharded: every norm sums local shards
         if cfg.optim.distributed and topo.dp > 1:  # this dp rank's slices own AdamW (ZeRO-1)
             deferred_bytes = cfg.fold.bucket_mb * 2**20  # a deferred chunk's reduction: the deadline queue's buckets
             self.shards = {
@@ -56,8 +58,10 @@ class ChunkOptimizers:
             }
             self.owners, self.pairs, self.head_copy = {}, {}, None
             self.optimizers = {s: z.optimizer for s, z in self.shards.items()}
-        else:  # the modules AdamW steps: the chunks themselves, or their fp32 masters
-            self.owners = {s: _fp32_copy(c) for s, c in chunks.items()} if precision.master else chunks
+        else:  # the modules AdamW steps: the chunks themselves, or their fp32 masters (FSDP's shards are fp32)
+            self.owners = (
+                {s: _fp32_copy(c) for s, c in chunks.items()} if precision.master and not self.fsdp else chunks
+            )
             self.pairs = {s: list(zip(chunks[s].parameters(), self.owners[s].parameters())) for s in chunks}
             self.head_copy = next((m for s in chunks for p, m in self.pairs[s] if p is head_copy), None)
             self.optimizers = {
@@ -131,6 +135,8 @@ class ChunkOptimizers:
         if self.shards is not None:
             return self.shards[s].norm_sq()
         grads = [p.grad for p in self.owners[s].parameters() if p.grad is not None and p is not self.head_copy]
+        if self.fsdp:
+            return fsdp.norm_sq(grads, self.device)
         if not grads:
             return torch.zeros((), device=self.device)
         return torch.nn.utils.get_total_norm(grads, foreach=True).float() ** 2
@@ -169,10 +175,10 @@ class ChunkOptimizers:
         device = self.device
         early = sum(self.early_norms_sq.values(), torch.zeros((), device=device))
         self.early_norms_sq.clear()
-        if self.shards is not None:  # every rank holds a weighted share: one sum over all of them
-            sq = (sum((z.norm_sq() for z in self.shards.values()), early)).reshape(1)
+        if self.shards is not None or self.fsdp:  # every rank holds a weighted share: one sum over all of them
+            sq = (sum((self._chunk_norm_sq(s) for s in sorted(self.chunks)), early)).reshape(1)
             work = collectives.all_reduce(sq, async_op=True)
-            self.wait_collective(work, "all-reduce of the gradient norm over every rank's slices")
+            self.wait_collective(work, "all-reduce of the gradient norm over every rank's shards")
             return sq.sqrt()[0]
         norm_params = [p for s in sorted(self.owners) for p in self.owners[s].parameters() if p is not self.head_copy]
         if self.topo.tp > 1:

@@ -78,6 +78,13 @@ class Precision:
         """dtype of the model's own parameters (half for the master modes)."""
         return self.half_dtype if self.master else torch.float32
 
+    @property
+    def fsdp_dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
+        """``(param_dtype, reduce_dtype)`` of FSDP2's ``MixedPrecisionPolicy``: in the master modes the weights
+        are gathered in :attr:`param_dtype` for compute and the gradients reduced in fp32, the sharded fp32
+        parameters being the masters; otherwise FSDP keeps the parameters' dtype (autocast does the rest)."""
+        return (self.param_dtype, torch.float32) if self.master else (None, None)
+
     def forward_context(self):
         if self.autocast:
             return torch.autocast(device_type=self.device.type, dtype=self.half_dtype)

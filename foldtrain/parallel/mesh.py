@@ -8,8 +8,13 @@ should share a node), then pipeline, then data parallel::
 :func:`get_topology` creates, once per process and layout, every group a 3D run uses, each with
 ``--dp.timeout_s`` as its timeout (so a stalled collective ends within it on NCCL too, not after
 the backend's default of minutes): the ``dp``, ``pp`` and ``tp`` groups of this rank's
-coordinates, a one-dimensional tensor-parallel ``DeviceMesh`` over the ``tp`` group for DTensor,
-and what a pipeline needs beyond them:
+coordinates, the ``DeviceMesh`` es of DTensor (below), and what a pipeline needs beyond them:
+
+* ``mesh``: a two-dimensional ``(dp, tp)`` ``DeviceMesh`` over the ranks that share this rank's pipeline
+  coordinate, built on the ``dp`` and ``tp`` groups (no new group); ``tp_mesh`` and ``dp_mesh`` are its
+  two dimensions. Tensor parallelism shards over ``tp_mesh``, FSDP (``--dp.strategy fsdp``) over
+  ``dp_mesh``: FSDP2 composes with parameters that are already tensor-parallel DTensors only when both
+  meshes are dimensions of one parent mesh, as torchtitan's 2D meshes are.
 
 * ``p2p_up`` / ``p2p_down``: two groups over this rank's pipeline (same ranks as the ``pp`` group),
   one per direction. A message from pipeline rank ``a`` to ``b`` goes over ``p2p_up`` when
@@ -55,7 +60,7 @@ class Topology:
     pp: int
     tp: int
     rank: int
-    tp_mesh: Any  # one-dimensional DeviceMesh over the tp group, for DTensor
+    tp_mesh: Any  # the tensor-parallel dimension of ``mesh`` (DTensor's tensor parallelism)
     dp_group: Any
     pp_group: Any
     tp_group: Any
@@ -64,6 +69,8 @@ class Topology:
     tie_group: Any
     p2p_up_grad: Any = None  # kind_channels: the gradients' own direction groups
     p2p_down_grad: Any = None
+    mesh: Any = None  # the 2D (dp, tp) DeviceMesh of this rank's pipeline coordinate
+    dp_mesh: Any = None  # its data-parallel dimension (FSDP's)
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -132,7 +139,12 @@ def get_topology(
     dp_g = groups([[global_rank(d, p, t, pp, tp) for d in range(dp)] for p in range(pp) for t in range(tp)])
     pp_g = groups([[global_rank(d, p, t, pp, tp) for p in range(pp)] for d in range(dp) for t in range(tp)])
     tp_g = groups([[global_rank(d, p, t, pp, tp) for t in range(tp)] for d in range(dp) for p in range(pp)])
-    tp_mesh = DeviceMesh.from_group(tp_g, device_type, mesh_dim_names=("tp",))
+    mesh = DeviceMesh.from_group(
+        [dp_g, tp_g],
+        device_type,
+        mesh=[[global_rank(d, p0, t, pp, tp) for t in range(tp)] for d in range(dp)],
+        mesh_dim_names=("dp", "tp"),
+    )
     up = down = tie = None
     directions = []  # (up, down) per kind: activations, then gradients with kind_channels
     if pp > 1:
@@ -150,7 +162,7 @@ def get_topology(
                 g = dist.new_group([global_rank(d, 0, t, pp, tp), global_rank(d, pp - 1, t, pp, tp)], **kw)
                 if (d, t) == (d0, t0) and p0 in (0, pp - 1):
                     tie = g
-    topo = Topology(dp, pp, tp, rank, tp_mesh, dp_g, pp_g, tp_g, up, down, tie)
+    topo = Topology(dp, pp, tp, rank, mesh["tp"], dp_g, pp_g, tp_g, up, down, tie, mesh=mesh, dp_mesh=mesh["dp"])
     if len(directions) > 1:
         topo.p2p_up_grad, topo.p2p_down_grad = directions[1]
     _CACHE[key] = topo

@@ -29,9 +29,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from foldtrain.errors import ConfigError
+from foldtrain.schedules.actions import Op
 from foldtrain.schedules.generators import build_schedule
 
-__all__ = ["Layout", "check_tp", "chunk_layers", "resolve_microbatches", "uses_3d_engine", "validate_layout"]
+__all__ = [
+    "Layout",
+    "check_fsdp",
+    "check_tp",
+    "chunk_layers",
+    "resolve_microbatches",
+    "uses_3d_engine",
+    "validate_layout",
+]
 
 
 @dataclass(frozen=True)
@@ -173,6 +182,29 @@ def check_tp(n_head: int, d_model: int, vocab_size: int | None, tp: int) -> None
         )
 
 
+def check_fsdp(cfg, schedule) -> None:
+    """What ``--dp.strategy fsdp`` (every chunk fully sharded over dp) cannot be combined with in the 3D engine:
+    one ConfigError line each, naming the problem and the fix."""
+    p = cfg.parallel
+    if cfg.fold.defer_reduce:
+        raise ConfigError(
+            "--fold.defer_reduce cannot be combined with --dp.strategy fsdp: FSDP reduce-scatters each chunk's "
+            "gradients itself and its next forward all-gathers the stepped shards, so there is no reduction to defer; "
+            "drop --fold.defer_reduce or use --dp.strategy none"
+        )
+    if cfg.optim.distributed:
+        raise ConfigError(
+            "--optim.distributed cannot be combined with --dp.strategy fsdp: FSDP already shards the optimizer "
+            "state (with the parameters and gradients) over --parallel.dp; drop --optim.distributed"
+        )
+    if any(a.op is Op.BACKWARD_INPUT for a in schedule.ranks[0]):
+        raise ConfigError(
+            f"--parallel.schedule {p.schedule} cannot be combined with --dp.strategy fsdp: its split backward "
+            f"computes the weights' gradients (W) apart from FSDP's backward hooks, after the chunk's parameters may "
+            f"be resharded; use gpipe, 1f1b, interleaved-1f1b or fold, or --dp.strategy none"
+        )
+
+
 def validate_layout(cfg, world_size: int) -> Layout:
     """Every layout check of the 3D engine that needs no process group; returns the resolved layout.
 
@@ -189,11 +221,11 @@ def validate_layout(cfg, world_size: int) -> Layout:
             f"launch {dp * pp * tp} processes (torchrun --nproc-per-node {dp * pp * tp}) or change "
             f"--parallel.dp/pp/tp so their product is {world_size}"
         )
-    if cfg.dp.strategy != "none":
+    if cfg.dp.strategy not in ("none", "fsdp"):
         raise ConfigError(
             f"--dp.strategy {cfg.dp.strategy} cannot be combined with a --parallel layout "
-            f"(dp {dp}, pp {pp}, tp {tp}): the 3D engine does its own data-parallel gradient all-reduce; "
-            f"use --dp.strategy none with --parallel.dp N, or --parallel.dp/pp/tp 1 with the strategy"
+            f"(dp {dp}, pp {pp}, tp {tp}): the 3D engine does its own data-parallel gradient all-reduce, or FSDP's; "
+            f"use --dp.strategy none or fsdp with --parallel.dp N, or --parallel.dp/pp/tp 1 with the strategy"
         )
     if v > 1 and pp == 1:
         raise ConfigError(
@@ -202,7 +234,9 @@ def validate_layout(cfg, world_size: int) -> Layout:
         )
     n_micro, micro = resolve_microbatches(cfg)
 
-    build_schedule(p.schedule, pp, v, n_micro, p.dp_sync, cfg.fold.defer_reduce)
+    schedule = build_schedule(p.schedule, pp, v, n_micro, p.dp_sync, cfg.fold.defer_reduce)
+    if cfg.dp.strategy == "fsdp":
+        check_fsdp(cfg, schedule)
     check_tp(m.n_head, m.d_model, None, tp)  # the vocabulary is padded to a multiple of tp
     layers = chunk_layers(m.n_layer, pp * v, p.layers_per_chunk or None)
     if cfg.fold.defer_reduce:

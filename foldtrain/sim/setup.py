@@ -118,6 +118,11 @@ def _dp_strategy(cfg) -> str:
     ConfigError for a strategy that cannot run with this layout."""
     p, d = cfg.parallel, cfg.dp
     strategy = "allreduce" if d.strategy == "horovod" else d.strategy
+    if strategy == "fsdp" and p.pp * p.tp > 1:
+        raise ConfigError(
+            f"the simulator does not model --dp.strategy fsdp in the 3D engine (--parallel.pp {p.pp} / tp {p.tp}) yet; "
+            "simulate the layout with --dp.strategy none (its own all-reduce), or fsdp with pp = tp = 1"
+        )
     if strategy != "none" and p.pp * p.tp > 1:
         raise ConfigError(
             f"--dp.strategy {d.strategy} cannot be combined with --parallel.pp {p.pp} / tp {p.tp}: "

@@ -191,3 +191,40 @@ def test_valid_layouts_resolve():
             )
     assert uses_3d_engine(cfg("--parallel.dp", "2")) and uses_3d_engine(cfg("--parallel.tp", "2"))
     assert not uses_3d_engine(cfg())
+
+
+FSDP_PP = ("--dp.strategy", "fsdp", "--parallel.dp", "2", "--parallel.pp", "2")
+
+
+def test_fsdp_runs_in_the_3d_engine():
+    """--dp.strategy fsdp with a --parallel layout (pipeline, tensor parallelism, or both) runs in the 3D engine."""
+    for sched in ("gpipe", "1f1b"):
+        assert validate_layout(cfg(*FSDP_PP, "--parallel.schedule", sched), 4).dp == 2
+    for sched in ("interleaved-1f1b", "fold"):
+        validate_layout(cfg(*FSDP_PP, "--parallel.virtual", "2", "--parallel.schedule", sched), 4)
+    lay = validate_layout(cfg(*FSDP_PP, "--parallel.tp", "2", "--precision", "bf16-master"), 8)
+    assert (lay.dp, lay.pp, lay.tp) == (2, 2, 2)
+    assert uses_3d_engine(cfg(*FSDP_PP))
+    # no pipeline: data x tensor parallel (2D), or --parallel.dp alone
+    assert validate_layout(cfg("--dp.strategy", "fsdp", "--parallel.dp", "2", "--parallel.tp", "2"), 4).pp == 1
+    assert validate_layout(cfg("--dp.strategy", "fsdp", "--parallel.dp", "4"), 4).dp == 4
+
+
+def test_fsdp_refusals():
+    """Each combination fsdp does not run in the 3D engine is one line naming the problem and the fix, raised by
+    the config checks every rank runs before any process group starts."""
+    from foldtrain.config import validate
+
+    fold = ("--parallel.virtual", "2", "--parallel.schedule", "fold", "--parallel.dp_sync", "per-chunk")
+    assert "--fold.defer_reduce cannot be combined with --dp.strategy fsdp" in err(
+        4, *FSDP_PP, *fold, "--fold.defer_reduce", "true"
+    )
+    assert "--optim.distributed cannot be combined with --dp.strategy fsdp" in err(
+        4, *FSDP_PP, "--optim.distributed", "true"
+    )
+    for sched, v in (("zb-h1", "1"), ("zbv", "2"), ("interleaved-zb", "2"), ("fold-zb", "2")):
+        msg = err(4, *FSDP_PP, "--parallel.schedule", sched, "--parallel.virtual", v)
+        assert f"--parallel.schedule {sched} cannot be combined with --dp.strategy fsdp" in msg
+    assert "--dp.strategy sharded-ps cannot be combined" in err(4, *FSDP_PP[2:], "--dp.strategy", "sharded-ps")
+    with pytest.raises(ConfigError, match="--optim.distributed cannot be combined with --dp.strategy fsdp"):
+        validate(cfg(*FSDP_PP, "--optim.distributed", "true"), 4)

@@ -38,8 +38,8 @@ class FSDPStrategy(DataParallelStrategy):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.mesh = init_device_mesh(self.device.type, (self.world,))
-        half = self.precision.half_dtype if self.precision.master else None
-        policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32 if half else None)
+        param_dtype, reduce_dtype = self.precision.fsdp_dtypes
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         opts = dict(mesh=self.mesh, reshard_after_forward=cfg.dp.reshard_after_forward, mp_policy=policy)
         for block in self.model.blocks:
             fully_shard(block, **opts)

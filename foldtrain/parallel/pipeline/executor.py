@@ -214,7 +214,7 @@ class Executor:
         rules = self.rules(sched)
         it = Iteration(rules, xs, ys, torch.zeros((), dtype=torch.float32, device=xs[0].device))
         it.split = any(a.op is Op.BACKWARD_INPUT for a in rules.actions)  # the forwards note what the W needs
-        for r in self._ties:
+        for r in self.reducers.values():
             r.begin(xs)
         for a, rule in rules.steps():
             self._between_actions()

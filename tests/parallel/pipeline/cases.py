@@ -70,6 +70,34 @@ def _one(layout, schedule, dp_sync, tag, defer=False, n_layer=8, **extra) -> dic
     return c
 
 
+# --dp.strategy fsdp: every chunk fully sharded over dp (FSDP2), 4 micro-batches (2 under tp) accumulated
+# before each chunk's reduce-scatter; the blocks' weights freed after the forward (reshard) or kept
+FSDP = dict(fsdp=True)
+FSDP_DP_PP = [
+    _one((2, 2, 1, 1), "1f1b", "after-flush", "fsdp", **FSDP),
+    _one((2, 2, 1, 1), "gpipe", "per-chunk", "fsdp-keep", reshard=False, **FSDP),
+    _one((2, 2, 1, 2), "interleaved-1f1b", "per-chunk", "fsdp", **FSDP),
+    _one((2, 2, 1, 2), "fold", "per-chunk", "fsdp-keep", reshard=False, **FSDP),
+    _one((2, 2, 1, 2), "fold", "after-flush", "fsdp-noclip", clip=0.0, **FSDP),  # early steps at each WR
+    _one((2, 2, 1, 2), "fold", "per-chunk", "fsdp-m32", **FSDP, **M32),
+    _one((2, 2, 1, 2), "fold", "per-chunk", "fsdp-bf16m", precision="bf16-master", **FSDP),
+    _one((2, 2, 1, 2), "interleaved-1f1b", "after-flush", "fsdp-bf16", precision="bf16", **FSDP),
+    _one((2, 2, 1, 1), "1f1b", "per-chunk", "fsdp-fp16", precision="fp16", **FSDP),
+    # loss scaling over fp32 shards at the fp32 tolerance (real fp16-master reduces in fp32, more exactly than the
+    # single process's fp16 gradients: its norms differ by about 1.4e-3)
+    _one((2, 2, 1, 1), "1f1b", "after-flush", "fsdp-fp16m32", precision="fp16-master", masters_in_fp32=True, **FSDP),
+    _one((2, 2, 1, 2), "fold", "per-chunk", "fsdp-ac", ac="full", **FSDP),
+    # no pipeline: FSDP over tensor-parallel DTensors (torchtitan's 2D), the tied embedding one parameter
+    _one((2, 1, 2, 1), "gpipe", "per-chunk", "fsdp-2d", n_layer=2, m=2, **FSDP),
+]
+# with tensor parallelism: 2D (dp, tp) DTensors; the norm over shards of both really clips (every step)
+FSDP_DP_PP_TP = [
+    _one((2, 2, 2, 1), "1f1b", "per-chunk", "fsdp-clip", n_layer=2, m=2, grad_clip=0.05, **FSDP),
+    _one((2, 2, 2, 2), "interleaved-1f1b", "after-flush", "fsdp-keep", n_layer=4, m=2, reshard=False, **FSDP),
+    _one((2, 2, 2, 2), "fold", "per-chunk", "fsdp", n_layer=4, m=2, **FSDP),
+]
+
+
 def equivalence_cases(world: int) -> list[dict]:
     if world == 2:
         return [
@@ -158,6 +186,7 @@ def equivalence_cases(world: int) -> list[dict]:
             _one((1, 4, 1, 2), "zbv", "after-flush", "zb"),
             _one((2, 2, 1, 2), "zbv", "per-chunk", "zb-zero", zero=True),
             _one((1, 2, 2, 2), "zbv", "per-chunk", "zb", n_layer=4, m=2),
+            *FSDP_DP_PP,
         ]
     if world == 8:  # 8 processes on few cores: 2 micro-batches; the last case pads a 63-word vocabulary to 64
         return [
@@ -169,6 +198,7 @@ def equivalence_cases(world: int) -> list[dict]:
             *zero_bubble_cases((2, 2, 2, 1), n_layer=2, m=2),
             _one((2, 2, 2, 2), "interleaved-zb", "per-chunk", "zb", n_layer=4, m=2),
             _one((2, 2, 2, 2), "zbv", "per-chunk", "zb", n_layer=4, m=2),
+            *FSDP_DP_PP_TP,
         ]
     return []
 
@@ -230,6 +260,19 @@ CKPT_CASES = [
         n_layer=8,
     ),
 ]
+
+# FSDP: the sharded chunks saved under the single-process names, resumed, and loaded by one process
+CKPT_CASES.append(
+    dict(
+        id="ckpt-dp2-pp2-tp1-v2-fold-per-chunk-fsdp",
+        layout=(2, 2, 1, 2),
+        schedule="fold",
+        dp_sync="per-chunk",
+        defer=False,
+        n_layer=8,
+        fsdp=True,
+    )
+)
 
 # deadline-ordered reductions (world 4): fold V=4 with deferral, profiled; also checked against one process
 DEADLINE_CASES = [

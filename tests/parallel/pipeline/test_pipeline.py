@@ -23,6 +23,7 @@ from tests.parallel.pipeline.cases import (
     MICRO,
     ORDER_CASES,
     PROFILE_CASES,
+    STEPS,
     equivalence_cases,
 )
 from tests.support import torchrun
@@ -101,6 +102,12 @@ def test_matches_single_process(suite, world, case):
     tied = r["tied_elems"]
     share = (r["param_elems"] - tied) / dp + tied if case.get("zero") else r["param_elems"]
     assert share <= r["optim_elems"] <= share + 2 * case["layout"][3] * dp, (r["param_elems"], r["optim_elems"])
+    # FSDP: every parameter is sharded over dp (on top of tp): rank 0 holds about 1/dp of its chunks' elements
+    # outside tensor parallelism's shards, and AdamW steps only those; the micro-batches' gradients accumulate
+    # unsharded and each FSDP group reduce-scatters once per step, not once per micro-batch
+    if case.get("fsdp"):
+        assert r["param_elems"] <= r["full_elems"] / dp + 2 * r["full_elems"] / (dp * D), r
+        assert r["reduce_scatters"] == STEPS * r["fsdp_groups"] > 0, (r["reduce_scatters"], r["fsdp_groups"])
     # a padded vocabulary: the embedding and the head (one tensor, two names) had padding rows, which stayed zero
     padded = (2, 0.0) if case.get("vocab_pad") else (0, 0.0)
     assert (r["padding_rows"], r["padding_abs_max"]) == padded, r

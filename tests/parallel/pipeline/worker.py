@@ -126,9 +126,35 @@ def equivalence_case(case: dict) -> dict | None:
         return _equivalence_case(case)
 
 
+@contextlib.contextmanager
+def counting_reduce_scatters():
+    """Count the reduce-scatters FSDP2 issues (it calls ``torch.distributed.reduce_scatter_single``)."""
+    calls = [0]
+    real = dist.reduce_scatter_single
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted
+    try:
+        yield calls
+    finally:
+        dist.reduce_scatter_single = real
+
+
+def fsdp_groups(engine) -> int:
+    """The FSDP parameter groups of this rank's chunks (each reduce-scatters its gradients as one)."""
+    from foldtrain.parallel.pipeline.fsdp import param_groups
+
+    return sum(len(param_groups(c)) for c in engine.chunks.values())
+
+
 def _equivalence_case(case: dict) -> dict | None:
     cfg = make_cfg(case)
-    engine, losses, norms = run_engine(cfg, range(STEPS))
+    with counting_reduce_scatters() as reduce_scatters:
+        engine, losses, norms = run_engine(cfg, range(STEPS))
+    fsdp = {"reduce_scatters": reduce_scatters[0], "fsdp_groups": fsdp_groups(engine)} if case.get("fsdp") else {}
     ev = engine.eval_loss(val_data(cfg.model.vocab_size))
     full = engine.eval_model()
     tie_equal = tied_copies_equal(engine)
@@ -140,11 +166,13 @@ def _equivalence_case(case: dict) -> dict | None:
         "tie_rows": tie.last_rows if tie else None,
         "tie_equal": tie_equal,
         **optimizer_share(engine),
+        **fsdp,
     }
 
 
 def optimizer_share(engine) -> dict:
-    """Rank 0's parameter elements and the elements AdamW steps there (its masters or slices)."""
+    """Rank 0's parameter elements (the local parts; and the whole tensors') and the elements AdamW steps there
+    (its masters or slices)."""
     from foldtrain.parallel.pipeline.p2p import local_part
 
     stepped = sum(
@@ -152,6 +180,7 @@ def optimizer_share(engine) -> dict:
     )
     return {
         "param_elems": sum(local_part(p).numel() for p in engine.model.parameters()),
+        "full_elems": sum(p.numel() for p in engine.model.parameters()),  # DTensors: the whole tensor's
         "tied_elems": sum(local_part(t).numel() for t in engine.tied.values()),
         "optim_elems": stepped,
     }

@@ -24,8 +24,8 @@ other lacks, within the replica, over ``topo.tie_group`` (pipeline ranks 0 and P
   embedding takes the head's dense copy and adds its own rows. ``a + b == b + a`` in IEEE
   arithmetic, so both copies are bit for bit the same.
 
-With the V placement (zbv) both ends are on pipeline rank 0: :class:`LocalTie` reduces each copy over dp
-and adds the two there.
+With the V placement (zbv) both ends are on pipeline rank 0: :class:`LocalTie` adds the two copies there and
+reduces the sum over dp.
 
 On a commodity network this moves the dense tied gradient off the end of the iteration: what
 crosses the data-parallel link after segment 0's backward is the rows only, and the head's dense
@@ -208,10 +208,11 @@ class TieSide:
 class LocalTie:
     """Both ends of the tie on one rank (the V placement of zbv: segments 0 and ``S - 1`` on pipeline rank 0).
 
-    Each end's copy is averaged over its data-parallel group on its own, as :class:`TieSide` does it, and the
-    two are then added on the rank (no exchange between pipeline ranks): the embedding's copy plus the head's,
-    into both, so they stay equal. :meth:`end` gives each chunk's reducer its side, with :class:`TieSide`'s
-    methods."""
+    No exchange between pipeline ranks, and one data-parallel reduction instead of two: the head's copy is final
+    first (the fused head computes it in the last segment's forward), so the embedding end adds it to its own copy
+    when its gradient is final too and all-reduces the sum over dp, averaged; the head's copy takes the result, so
+    the two stay equal. The dense sum is as many bytes as :class:`TieSide`'s head alone sends. :meth:`end` gives
+    each chunk's reducer its side, with :class:`TieSide`'s methods."""
 
     def __init__(self, topo, wait):
         self.dp_group, self.dp = topo.dp_group, topo.dp
@@ -221,19 +222,25 @@ class LocalTie:
     def end(self, head: bool) -> LocalTieSide:
         return self.sides[head]
 
-    def finish(self) -> None:
-        """Once both ends launched: wait for their dp reductions and give both copies the sum."""
+    def reduce(self) -> None:
+        """The embedding end's launch: its copy plus the head's, averaged over dp (async)."""
         emb, head = self.sides[False], self.sides[True]
-        if "idle" in (emb.state, head.state):
-            idle = "embedding" if emb.state == "idle" else "head"
-            raise RuntimeError(f"the tied weight's {idle} end has not launched its reduction before the other's wait")
+        if head.state == "idle":
+            raise RuntimeError("the tied weight's head end has not launched before the embedding end's reduction")
+        emb.grad.add_(head.grad)
+        if self.dp > 1:
+            emb.dp_work = collectives.all_reduce(emb.grad.div_(self.dp), group=self.dp_group, async_op=True)
+
+    def finish(self) -> None:
+        """Once the embedding end launched: wait for the sum's reduction; the head's copy takes it."""
+        emb, head = self.sides[False], self.sides[True]
+        if emb.state == "idle":
+            raise RuntimeError("the tied weight's embedding end has not launched its reduction before the head's wait")
+        if emb.dp_work is not None:
+            self.wait_fn(emb.dp_work, "data-parallel all-reduce of the tied embedding's gradient")
+            emb.dp_work = None
+        head.grad.copy_(emb.grad)
         for side in (emb, head):
-            if side.dp_work is not None:
-                self.wait_fn(side.dp_work, "data-parallel all-reduce of the tied embedding's gradient")
-                side.dp_work = None
-        total = emb.grad + head.grad
-        for side in (emb, head):
-            side.grad.copy_(total)
             side.grad, side.state = None, "idle"
 
 
@@ -251,12 +258,12 @@ class LocalTieSide:
         """Nothing to size: no message crosses to another pipeline rank."""
 
     def begin(self, xs: list[torch.Tensor]) -> None:
-        """Nothing to gather: the whole dense copy is reduced."""
+        """Nothing to gather: the whole dense sum is reduced."""
 
     def launch(self, g: torch.Tensor) -> None:
         self.grad, self.state = g, "launched"
-        if self.tie.dp > 1:
-            self.dp_work = collectives.all_reduce(g.div_(self.tie.dp), group=self.tie.dp_group, async_op=True)
+        if not self.head:
+            self.tie.reduce()
 
     def progress(self) -> None:
         """Nothing to hand over."""

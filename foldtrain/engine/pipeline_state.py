@@ -54,8 +54,9 @@ class ChunkStates:
         """A chunk parameter's loaded optimizer state. The head's tied copy reads the embedding's entry, cloned:
         where one rank holds both copies (the V placement) two optimizers sharing its moments would step them
         twice."""
-        st = sd["optim"]["state"][self._save_fqn(fqn)]
-        if self._save_fqn(fqn) == fqn:
+        key = self._save_fqn(fqn)
+        st = sd["optim"]["state"][key]
+        if key == fqn:
             return st
         return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
 

@@ -24,7 +24,15 @@ from .actions import (
     message_key,
     stage_rank,
 )
-from .generators import DP_SYNC_MODES, PLACEMENT, SCHEDULE_NAMES, build_schedule, insert_comms, insert_reductions
+from .generators import (
+    DP_SYNC_MODES,
+    SCHEDULE_NAMES,
+    SPLIT_BACKWARD,
+    build_schedule,
+    insert_comms,
+    insert_reductions,
+    placement_of,
+)
 from .rules import RankRules, Rule, StepPolicy, rank_rules, schedule_rules, step_policy, tie_segments
 from .validate import ScheduleError, activations_peak, channels_of, validate_schedule
 
@@ -35,13 +43,13 @@ __all__ = [
     "COMPUTE_OPS",
     "DP_SYNC_MODES",
     "Op",
-    "PLACEMENT",
     "RECV_OPS",
     "REDUCE_OPS",
     "RankRules",
     "Rule",
     "SCHEDULE_NAMES",
     "SEND_OPS",
+    "SPLIT_BACKWARD",
     "WEIGHT_OPS",
     "Schedule",
     "StepPolicy",
@@ -55,6 +63,7 @@ __all__ = [
     "insert_reductions",
     "local_chunk",
     "message_key",
+    "placement_of",
     "rank_rules",
     "schedule_rules",
     "stage_rank",

@@ -91,9 +91,6 @@ class Action:
         return f"{self.op.value}(c{self.chunk},m{self.mb}{arrow}{self.peer})"
 
 
-PLACEMENTS = ("loop", "v")
-
-
 def stage_rank(s: int, pp: int, placement: str = "loop") -> int:
     """Pipeline rank that holds global segment ``s``."""
     if placement == "v":
@@ -101,8 +98,8 @@ def stage_rank(s: int, pp: int, placement: str = "loop") -> int:
     return s % pp
 
 
-def local_chunk(s: int, pp: int, placement: str = "loop") -> int:
-    """Index of segment ``s`` among its rank's chunks (0 = earliest in the model)."""
+def local_chunk(s: int, pp: int) -> int:
+    """Index of segment ``s`` among its rank's chunks (0 = earliest in the model), in either placement."""
     return s // pp
 
 

@@ -29,7 +29,8 @@ from foldtrain.errors import ConfigError
 from .actions import BACKWARD_OPS, WEIGHT_OPS, Action, Op, Schedule, chunks_of_rank, stage_rank
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "fold", "zb-h1", "zbv", "interleaved-zb", "fold-zb")
-PLACEMENT = {"zbv": "v"}  # schedules whose segments are not placed in a loop (actions.PLACEMENTS)
+SPLIT_BACKWARD = frozenset({"zb-h1", "zbv", "interleaved-zb", "fold-zb"})  # schedules of I / W actions
+_PLACEMENT = {"zbv": "v"}  # schedules whose segments are not placed in a loop (:mod:`.actions`)
 DEFERRABLE = frozenset({"fold", "fold-zb"})  # schedules --fold.defer_reduce applies to
 DP_SYNC_MODES = ("after-flush", "per-chunk")
 
@@ -132,6 +133,11 @@ def fold_zb_order(p: int, pp: int, virtual: int, m: int) -> Compute:
     inputs = [(Op.BACKWARD_INPUT, s, mb) for s in reversed(segs) for mb in reversed(range(m))]
     weights = [(Op.BACKWARD_WEIGHT, s, mb) for s in segs for mb in reversed(range(m))]
     return fwd + inputs + weights
+
+
+def placement_of(name: str) -> str:
+    """Which rank holds which segment under schedule ``name``: ``"loop"`` or ``"v"`` (:mod:`.actions`)."""
+    return _PLACEMENT.get(name, "loop")
 
 
 def zbv_order(p: int, pp: int, virtual: int, m: int) -> Compute:
@@ -356,7 +362,7 @@ def build_schedule(
     only chunk is the last to finish backward, which is never deferred).
     """
     _check(name, pp, virtual, microbatches, dp_sync, defer_reduce)
-    placement = PLACEMENT.get(name, "loop")
+    placement = placement_of(name)
     ranks = []
     for p in range(pp):
         compute = _ORDERS[name](p, pp, virtual, microbatches)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from foldtrain.schedules import PLACEMENT, chunks_of_rank, stage_rank
+from foldtrain.schedules import chunks_of_rank, placement_of, stage_rank
 
 from . import ops
 from .cluster import KIND_BANDWIDTH, Cluster
@@ -119,12 +119,12 @@ def wave_efficiency(m: int, n: int, batch: int, sms: float) -> float:
 
 def rank_segments(s: Setup, p: int) -> list[int]:
     """The segments pipeline rank ``p`` holds, in the schedule's placement."""
-    return chunks_of_rank(p, s.pp, s.virtual, PLACEMENT.get(s.schedule, "loop"))
+    return chunks_of_rank(p, s.pp, s.virtual, placement_of(s.schedule))
 
 
 def segment_rank(s: Setup, seg: int) -> int:
     """The pipeline rank holding segment ``seg``, in the schedule's placement."""
-    return stage_rank(seg, s.pp, PLACEMENT.get(s.schedule, "loop"))
+    return stage_rank(seg, s.pp, placement_of(s.schedule))
 
 
 class CostModel:

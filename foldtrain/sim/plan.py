@@ -21,7 +21,7 @@ from typing import Any
 
 from foldtrain.config import build_config, to_toml, validate
 from foldtrain.errors import ConfigError, FoldtrainError
-from foldtrain.schedules.generators import DEFERRABLE
+from foldtrain.schedules.generators import DEFERRABLE, SPLIT_BACKWARD
 
 from .cluster import Cluster
 from .costs import CostModel, Placement, rank_segments, segment_params, stepped_share
@@ -186,7 +186,7 @@ def estimate(s: Setup, c: Cluster) -> tuple[float, float]:
     u = sum(cm.forward(g) + cm.backward(g) for g in segs) / s.segments  # one chunk x micro-batch, F + B
     M, P, V = s.microbatches, s.pp, s.virtual
     # the pipeline's fill: F + B per hop, or F + I where the split backward fills the rest with W (zero bubble)
-    split = s.schedule in ("zb-h1", "zbv", "interleaved-zb", "fold-zb")
+    split = s.schedule in SPLIT_BACKWARD
     fill = sum(cm.forward(g) + cm.backward_input(g) for g in segs) / s.segments if split else u
     t = V * M * u + (P - 1) * fill if s.mode == "3d" else M * u
     if P > 1:

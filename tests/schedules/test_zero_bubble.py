@@ -192,3 +192,12 @@ def test_zbv_needs_per_kind_channels_and_two_chunks():
     for v in (1, 3):
         with pytest.raises(ConfigError, match="zbv runs exactly two chunks per rank.*--parallel.virtual 2"):
             build_schedule("zbv", 2, v, 4)
+
+
+def test_split_backward_names_exactly_the_schedules_with_i_actions():
+    """The planner prices SPLIT_BACKWARD's fill as F + I: the set must be the schedules that emit I / W."""
+    from foldtrain.schedules import SPLIT_BACKWARD
+
+    for name in SCHEDULE_NAMES:
+        s = build_schedule(name, 2, 2 if name not in ("1f1b", "zb-h1") else 1, 4)
+        assert (name in SPLIT_BACKWARD) == any(a.op is Op.BACKWARD_INPUT for acts in s.ranks for a in acts), name

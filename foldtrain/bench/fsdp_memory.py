@@ -11,6 +11,12 @@ visible at all. The simulator's memory model (``foldtrain simulate``: ``params +
 ``comm_buffers``) predicts both from the configuration alone.
 
     foldtrain bench fsdp-memory [--preset gpt2-small] [--vocab 8192] [--ranks 4] [--reshard true]
+                                [--pp 2 [--schedule 1f1b]]
+
+With ``--pp`` the ranks run the 3D engine (dp = ranks / pp, every chunk sharded over dp, 4 micro-batches of one
+row) and each rank is held against the simulator's memory of its pipeline stage: there FSDP accumulates every
+micro-batch's gradients unsharded in fp32 and keeps the chunk's blocks gathered until the chunk's reduction, as
+torch pipelining drives it, so the sampling sees them.
 
 Reads FSDP2's private ``FSDPParam`` state (``_unsharded_param``) for the unsharded bytes.
 """
@@ -28,16 +34,21 @@ MB = 2**20
 
 
 def config_args(a) -> list[str]:
-    return [
+    common = [
         *("--model.preset", a.preset, "--model.vocab_size", str(a.vocab)),
         *("--dp.strategy", "fsdp", "--dp.reshard_after_forward", a.reshard),
-        *("--train.seq_len", "32", "--train.global_batch", str(2 * a.ranks), "--train.micro_batch", "2"),
-        *("--precision", "fp32", "--train.device", "cpu"),
+        *("--precision", "fp32", "--train.device", "cpu", "--train.seq_len", "32"),
     ]
+    if a.pp == 1:
+        return [*common, "--train.global_batch", str(2 * a.ranks), "--train.micro_batch", "2"]
+    dp = a.ranks // a.pp  # the 3D engine: every chunk sharded over dp, 4 micro-batches of one row
+    layout = ["--parallel.dp", str(dp), "--parallel.pp", str(a.pp), "--parallel.schedule", a.schedule]
+    return [*common, *layout, "--train.global_batch", str(4 * dp), "--train.micro_batch", "1"]
 
 
 def fsdp_params(model) -> list:
-    """Every ``FSDPParam`` of the model's FSDP units (private FSDP2 state)."""
+    """Every ``FSDPParam`` of the model's FSDP units (private FSDP2 state); ``model``: the replicated engine's
+    model, or the 3D engine's chunks."""
     from torch.distributed.fsdp import FSDPModule
 
     out = []
@@ -46,6 +57,12 @@ def fsdp_params(model) -> list:
             group = m._get_fsdp_state()._fsdp_param_group
             out += list(group.fsdp_params) if group is not None else []
     return out
+
+
+def optimizers(engine) -> list:
+    """The engine's AdamW instances: the replicated engine's one, or the 3D engine's one per chunk."""
+    steps = getattr(engine, "steps", None)
+    return list(steps.optimizers.values()) if steps is not None else [engine.state.optimizer]
 
 
 class Sampler:
@@ -68,6 +85,8 @@ class Sampler:
             total += full.untyped_storage().nbytes()
             if full.grad is not None:
                 total += full.grad.untyped_storage().nbytes()
+            acc = getattr(p, "unsharded_accumulated_grad", None)  # gradients accumulated in the reduce dtype
+            total += acc.untyped_storage().nbytes() if acc is not None else 0
         return total
 
     def sample(self) -> None:
@@ -112,24 +131,27 @@ def worker(out: Path, argv: list[str]) -> None:
     cfg = build_config(argv)
     engine = build_engine(cfg, build_model(cfg), DistEnv(rank, world, rank, torch.device("cpu")), 2)
     sampler = Sampler(engine.model)
-    seen = {}
-    opt = engine.state.optimizer
-
-    def before_step(o, *_):
-        seen["grads"] = sum(local_bytes(p.grad) for g in o.param_groups for p in g["params"] if p.grad is not None)
-
-    opt.register_step_pre_hook(before_step)
+    seen: dict[int, int] = {}
+    opts = optimizers(engine)
+    for i, opt in enumerate(opts):
+        opt.register_step_pre_hook(
+            lambda o, *_, i=i: seen.__setitem__(
+                i, sum(local_bytes(p.grad) for g in o.param_groups for p in g["params"] if p.grad is not None)
+            )
+        )
+    dp_rank, dp = getattr(engine, "dp_rank", rank), getattr(engine, "dp_world", world)
     g = torch.Generator().manual_seed(0)
     for step in range(2):
         x = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.train.seq_len + 1), generator=g)
-        mine = x[rank::world]
+        mine = x[dp_rank::dp]
         engine.train_step(mine[:, :-1].contiguous(), mine[:, 1:].contiguous())
         if step == 0:
             sampler.watch_gradients()
     row = {
+        "pp_rank": getattr(getattr(engine, "topo", None), "pp_rank", 0),
         "params": sum(local_bytes(p) for p in engine.model.parameters()),
-        "grads": seen["grads"],
-        "optimizer": sum(local_bytes(t) for st in opt.state.values() for k, t in st.items() if k != "step"),
+        "grads": sum(seen.values()),
+        "optimizer": sum(local_bytes(t) for o in opts for st in o.state.values() for k, t in st.items() if k != "step"),
         "unsharded_peak": sampler.peak,  # a lower bound (the module docstring says why)
     }
     every = [None] * world
@@ -154,32 +176,19 @@ def model_sizes(argv: list[str]) -> tuple[int, int, int]:
     return total, block, total - cfg.model.n_layer * block
 
 
-def predicted(argv: list[str], ranks: int) -> dict[str, float]:
-    """The simulator's memory of rank 0 (the simulator takes the ranks as ``--parallel.dp``)."""
+def predicted(argv: list[str], ranks: int, pp: int) -> list[dict[str, float]]:
+    """The simulator's memory per pipeline rank (without a pipeline it takes the ranks as ``--parallel.dp``)."""
     from foldtrain.config import build_config
     from foldtrain.sim.cluster import load_cluster
     from foldtrain.sim.simulate import simulate
 
-    cfg = build_config([*argv, "--parallel.dp", str(ranks)])
-    return simulate(cfg, load_cluster("dgx-a100"), check_memory=False).memory[0]
+    cfg = build_config(argv if pp > 1 else [*argv, "--parallel.dp", str(ranks)])
+    return simulate(cfg, load_cluster("dgx-a100"), check_memory=False).memory
 
 
-def main(argv: list[str] | None = None) -> int:
-    if argv and argv[0] == "--worker":
-        worker(Path(argv[1]), argv[2:])
-        return 0
-    ap = argparse.ArgumentParser(
-        prog="foldtrain bench fsdp-memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--preset", default="gpt2-small")
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--reshard", choices=("true", "false"), default="true", help="--dp.reshard_after_forward")
-    a = ap.parse_args(argv)
-    args = config_args(a)
-    rows = gather_from_workers("fsdp-memory", a.ranks, args)
+def dp_report(a, args: list[str], rows: list[dict], pred: dict) -> None:
+    """Without a pipeline: each rank against the model's 1/N + one block, and rank 0 against the simulator."""
     total, block, root = model_sizes(args)
-    pred = predicted(args, a.ranks)
     full, one = 16 * total, 16 * block  # fp32 parameter, gradient and AdamW's two moments
     print(f"fsdp over {a.ranks} ranks, {a.preset} with a {a.vocab}-word vocabulary, fp32, reshard_after_forward")
     print(f"{a.reshard}: {total / 1e6:.1f} M parameters, a block {block / 1e6:.2f} M, the root unit (embedding, head, ")
@@ -209,6 +218,50 @@ def main(argv: list[str] | None = None) -> int:
         "it also counts a block's gradient and the fp32 reduce-scatter input in flight, which the sampling does "
         "not see)"
     )
+
+
+def pipeline_report(a, rows: list[dict], preds: list[dict]) -> None:
+    """With a pipeline: each rank's sharded state and unsharded peak against the simulator's for its stage."""
+    dp = a.ranks // a.pp
+    print(f"fsdp in the 3D engine: dp {dp} x pp {a.pp} ({a.schedule}, 4 micro-batches), {a.preset} with a ")
+    print(f"{a.vocab}-word vocabulary, fp32, reshard_after_forward {a.reshard}")
+    print()
+    print("| rank | stage | sharded state MB | simulator | error | unsharded peak MB, at least | simulator | error |")
+    print("|---|---|---|---|---|---|---|---|")
+    for i, m in enumerate(rows):
+        p = preds[m["pp_rank"]]
+        state = m["params"] + m["grads"] + m["optimizer"]
+        sim_state = p["params"] + p["grads"] + p["optimizer"]
+        held, sim_held = m["unsharded_peak"], p["comm_buffers"]
+        print(
+            f"| {i} | {m['pp_rank']} | {state / MB:.1f} | {sim_state / MB:.1f} | {sim_state / state - 1:+.1%} | "
+            f"{held / MB:.1f} | {sim_held / MB:.1f} | {sim_held / max(held, 1) - 1:+.1%} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv and argv[0] == "--worker":
+        worker(Path(argv[1]), argv[2:])
+        return 0
+    ap = argparse.ArgumentParser(
+        prog="foldtrain bench fsdp-memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--preset", default="gpt2-small")
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages: fsdp in the 3D engine over ranks / pp")
+    ap.add_argument("--schedule", default="1f1b", help="with --pp: the pipeline schedule")
+    ap.add_argument("--reshard", choices=("true", "false"), default="true", help="--dp.reshard_after_forward")
+    a = ap.parse_args(argv)
+    if a.ranks % a.pp or a.ranks // a.pp < 2:
+        raise SystemExit(f"foldtrain bench fsdp-memory: --ranks {a.ranks} needs at least 2 x --pp {a.pp}, a multiple")
+    args = config_args(a)
+    rows = gather_from_workers("fsdp-memory", a.ranks, args)
+    preds = predicted(args, a.ranks, a.pp)
+    if a.pp == 1:
+        dp_report(a, args, rows, preds[0])
+    else:
+        pipeline_report(a, rows, preds)
     return 0
 
 

@@ -112,7 +112,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-OPTIONS = {"defer": ["--fold.defer_reduce", "true"], "zero": ["--optim.distributed", "true"]}
+OPTIONS = {
+    "defer": ["--fold.defer_reduce", "true"],
+    "zero": ["--optim.distributed", "true"],
+    "fsdp": ["--dp.strategy", "fsdp"],
+}
 
 
 def parse_schedule(spec: str, virtual: int) -> tuple[str, int, str, tuple[str, ...]]:
@@ -120,13 +124,13 @@ def parse_schedule(spec: str, virtual: int) -> tuple[str, int, str, tuple[str, .
     (..., V, "after-flush", ()); ``gpipe`` / ``1f1b`` / ``zb-h1`` -> (..., 1, "after-flush", ()); ``zbv`` -> (..., 2,
     "after-flush", ()) whatever ``--virtual`` says;
     ``NAME:DP_SYNC`` overrides the sync; ``+defer`` adds ``--fold.defer_reduce`` (fold, fold-zb), ``+zero``
-    ``--optim.distributed`` (e.g. ``fold+defer+zero``)."""
+    ``--optim.distributed`` (e.g. ``fold+defer+zero``), ``+fsdp`` ``--dp.strategy fsdp``."""
     spec, *options = spec.split("+")
     for what in options:
         if what not in OPTIONS:
             raise FoldtrainError(
-                f"bench pipeline: unknown schedule option '+{what}'; choose from +defer (fold+defer) and +zero "
-                "(the distributed optimizer)"
+                f"bench pipeline: unknown schedule option '+{what}'; choose from +defer (fold+defer), +zero "
+                "(the distributed optimizer) and +fsdp (every chunk fully sharded over dp)"
             )
     name, _, sync = spec.partition(":")
     if name not in SCHEDULES:

@@ -7,7 +7,8 @@ One invocation: (1) calibrates this machine in the conditions of the runs (compu
 on loopback, gloo across two emulated nodes at 1 Gbit/s);
 (2) runs ``foldtrain bench dp`` (ps, sharded-ps, allreduce, ddp at 2 and 4 ranks, loopback and
 1 Gbit/s) and ``foldtrain bench pipeline`` (every schedule x dp_sync, the zero-bubble ones, fold and
-fold-zb with and without deferral, two emulated nodes at 1 Gbit/s); (3) simulates every run with the calibrated cluster;
+fold-zb with and without deferral, 1f1b and fold with fsdp, two emulated nodes at 1 Gbit/s); (3) simulates
+every run with the calibrated cluster;
 (4) writes the comparison, and the measured and simulated Gantt charts of one fold run. Needs
 root and iproute2 for the emulated network.
 """
@@ -210,7 +211,8 @@ def run_benches(a: argparse.Namespace, out: Path) -> tuple[list[dict], list[dict
     print("bench pipeline ...", flush=True)
     pp_args = [
         "--schedules",
-        "gpipe,1f1b,interleaved-1f1b,interleaved-1f1b:per-chunk,fold:after-flush,fold,zb-h1,zbv,interleaved-zb,fold-zb",
+        "gpipe,1f1b,interleaved-1f1b,interleaved-1f1b:per-chunk,fold:after-flush,fold,zb-h1,zbv,interleaved-zb,fold-zb,"
+        "1f1b+fsdp,fold+fsdp",
         "--anchors",
         "none",
         "--networks",
@@ -303,9 +305,12 @@ def pipeline_setup(r: dict, comp: dict, loop: dict, net: dict, cores: int) -> tu
     ]
     if r.get("defer"):
         args += ["--fold.defer_reduce", "--optim.grad_clip", "0"]
+    if r["info"].get("fsdp"):
+        args += ["--dp.strategy", "fsdp"]
     # 4 processes on the machine
     c = cluster_of(comp, 4, cores, loop[2], net, 2, "this machine, 2 nodes x 2 ranks, 1gbit", busy=loop[4])
-    return args, c, f"pp {r['variant']} V{v} {sync}" + (" defer" if r.get("defer") else "")
+    label = f"pp {r['variant']} V{v} {sync}" + (" defer" if r.get("defer") else "")
+    return args, c, label + (" fsdp" if r["info"].get("fsdp") else "")
 
 
 def simulate_runs(runs: list[dict], comp: dict, loop: dict, net: dict, cores: int) -> tuple[list[tuple], tuple | None]:

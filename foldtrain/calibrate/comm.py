@@ -140,9 +140,18 @@ def links(loop: dict, net: dict | None, hop: float | None = None):
     from foldtrain.sim.cluster import Link
 
     hop = loop.get("collective_latency_s", 0.0) if hop is None else hop
-    intra = Link(loop["allreduce_bw"], loop["latency_s"], hop)
+    # gloo's reduce_scatter_tensor (FSDP2's) is an all-reduce of the whole input, then this rank's chunk
+    # (ProcessGroupGloo, pytorch/pytorch#118911): twice a ring reduce-scatter's bytes, half its bus bandwidth
+    intra = Link(loop["allreduce_bw"], loop["latency_s"], hop, rs_bw=loop["allreduce_bw"] / 2)
     inter = (
-        Link(net["allreduce_bw"], net["latency_s"], max(net.get("collective_latency_s", 0.0), hop)) if net else intra
+        Link(
+            net["allreduce_bw"],
+            net["latency_s"],
+            max(net.get("collective_latency_s", 0.0), hop),
+            rs_bw=net["allreduce_bw"] / 2,
+        )
+        if net
+        else intra
     )
     return intra, inter
 

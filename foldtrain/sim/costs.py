@@ -313,9 +313,11 @@ class CostModel:
         blocks = self.s.layers[seg] * self.t_block_b
         return self.backward(seg) + blocks * (self.split_ratio - 1.0) - self.backward_weight(seg)
 
-    def optim(self, seg: int, shard: float = 1.0) -> float:
+    def optim(self, seg: int, shard: float = 1.0, masters: bool = True) -> float:
+        """AdamW on ``shard`` of segment ``seg``; ``masters=False``: the stepped fp32 weights are the only copy
+        (FSDP's shards), no half copy to write."""
         s = self.s
-        per = 28 + (6 if s.master else 0)
+        per = 28 + (6 if s.master and masters else 0)
         n = segment_params(s, seg) * shard
         if self.c.optim_rate > 0:  # calibrated (a CPU: AdamW's arithmetic binds it, not its bytes)
             return n * per / 28 / self.c.optim_rate + self.c.layer_overhead

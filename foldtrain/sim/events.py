@@ -12,6 +12,9 @@ handler per op, with the durations and bytes of a :class:`Costs`:
   ``node.oversubscribed_efficiency`` when more ranks than cores are busy (the optimizer step too),
   and a reduction's transfer also needs ``costs.comm_cpu`` core-seconds there (gloo's threads
   sending, receiving and summing), so communication slows compute down as on the host;
+* before a compute action, the all-gathers it needs (``costs.unshard``: FSDP's units found sharded) run on the
+  rank's reduction stream and the rank waits for them (``reduce_wait``); likewise before an ``LR`` what it
+  waits for (``costs.blocking_reduce``: FSDP's reduce-scatters);
 * ``SA`` / ``SG`` post a transfer (never block); it starts after the link's latency; on a
   dedicated link between two ranks of a node transfers go one after another in posting order
   (one stream per pair), on a node's network interface they share it with the transfers in
@@ -80,6 +83,13 @@ class Costs(Protocol):
     def optim(self, p: int, c: int) -> float:
         """Seconds of chunk ``c``'s optimizer step."""
 
+    def unshard(self, p: int, a: Action) -> list[Phase] | None:
+        """All-gathers compute action ``a`` waits for on the rank's reduction stream (FSDP's), or ``None``."""
+
+    def blocking_reduce(self, p: int, c: int) -> list[Phase] | None:
+        """What chunk ``c``'s ``LR`` waits for on the reduction stream before its reduction (FSDP's
+        reduce-scatters), or ``None``."""
+
     def gather(self, p: int, c: int) -> list[Phase] | None:
         """The all-gather of chunk ``c``'s weights its step starts (the distributed optimizer), on the rank's
         reduction stream, which the chunk's next forward waits for; ``None``: none."""
@@ -123,6 +133,7 @@ class RankState:
     stepped_early: set = field(default_factory=set)  # chunks whose WR stepped them this iteration
     step_start: float = 0.0
     debt: float = 0.0  # the executor's own host work for the actions since the last compute, not yet paid
+    prepared: tuple = ()  # (iteration, pc) of the action whose waits (unshard, blocking reduce) are done
 
     @property
     def deferred(self) -> frozenset[int]:
@@ -307,7 +318,24 @@ class Sim:
     def _launched(self, r: RankState, label: str) -> None:
         r.launches.append((r.it, label))
 
+    def _wait_first(self, r: RankState, phases: list[Phase] | None, label: str, chunk: int) -> bool:
+        """Collectives the current action waits for before it runs (on the reduction stream, recorded as
+        ``reduce_wait``): True once they are done; else ``r`` is parked and resumes when they are."""
+        if not phases or r.prepared == (r.it, r.pc):
+            return True
+        t0 = r.t
+
+        def done(start: float, t: float) -> None:
+            r.prepared = (r.it, r.pc)
+            self.ev(r, label, "reduce_wait", t0, t, chunk=chunk, fsdp=True)
+            self.resume(r, t)
+
+        self.dp_stream[r.p].submit(r.t, list(phases), done)
+        return False
+
     def _compute(self, r: RankState, a: Action, rule: Rule) -> bool:
+        if not self._wait_first(r, self.costs.unshard(r.p, a), f"AG {a.op.value} c{a.chunk} m{a.mb}", a.chunk):
+            return False
         if a.op is Op.FORWARD and (r.p, a.chunk) in self.gathers:  # the step's all-gather lands first
             t_g = self.gathers[(r.p, a.chunk)]
             if t_g is None:  # still on the stream: re-check when it is done
@@ -403,6 +431,8 @@ class Sim:
         return False
 
     def _launch_reduce(self, r: RankState, a: Action, rule: Rule) -> bool:
+        if not self._wait_first(r, self.costs.blocking_reduce(r.p, a.chunk), f"RS c{a.chunk}", a.chunk):
+            return False
         r.debt += self.overhead
         if rule.launch_tie is not None:  # first: the other end waits for it, the chunk's buckets only this rank
             self._launch_tie(r, rule.launch_tie, r.t)

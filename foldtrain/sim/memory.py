@@ -3,7 +3,9 @@
 Static part as in the HP3C'22 appendix: parameters + gradients + AdamW's two fp32 moments
 (+ fp32 masters with ``*-master``), sharded over the data-parallel workers by ``sharded-ps``
 (moments and masters; ZeRO-2 also shards the gradients, keeping the replica's one bucket at a time),
-held only by the servers with ``ps``. Communication buffers: the 3D engine's flat per-chunk
+held only by the servers with ``ps``, sharded (with the gradients and weights, in fp32) by fsdp in the 3D
+engine, whose unsharded units and gradients come from a walk of the rank's action list (:mod:`.pipeline_fsdp`).
+Communication buffers: the 3D engine's flat per-chunk
 reduction buffer and DDP's buckets (a gradient copy each), ``sharded-ps``' one bucket, the
 ``allreduce`` fusion buffer, the parameter server's message buffers.
 
@@ -23,7 +25,8 @@ from __future__ import annotations
 
 from foldtrain.schedules import Schedule, activations_peak
 
-from .costs import CostModel, rank_segments, segment_params, stepped_share
+from .costs import CostModel, block_params, rank_segments, segment_params, stepped_share
+from .pipeline_fsdp import peak_buffers
 from .setup import Setup
 
 GB = 1e9
@@ -49,6 +52,12 @@ def rank_memory(
         # gradients live one bucket at a time (the largest, or --dp.shard_budget_mb)
         out["grads"] = out["masters"] = n * 4 / workers
         buf = s.shard_buffer
+    elif s.strategy == "fsdp-3d" and s.dp > 1:
+        # FSDP2's fp32 shards (parameters, their gradients; AdamW's moments above): no separate masters; the
+        # unsharded units and gradients come with the activations' walk below
+        out["params"] = out["grads"] = n * 4 / workers
+        out["masters"] = 0.0
+        buf = 0.0
     elif s.strategy in ("allreduce-3d", "ddp") and s.dp > 1:
         buf = n * s.grad_bytes
     elif s.strategy == "allreduce":
@@ -69,7 +78,12 @@ def rank_memory(
         if g == 0:
             x += s.micro_batch * s.seq * s.d_model * s.act_bytes  # embedding output
         per_seg[g] = x
-    act = activations_peak(sched, p, per_seg)
+    if s.strategy == "fsdp-3d" and s.dp > 1:  # the most activations and unsharded buffers held together
+        blocks = {g: s.layers[g] * block_params(s) for g in segs}
+        roots = {g: segment_params(s, g) - blocks[g] for g in segs}
+        act, out["comm_buffers"] = peak_buffers(s, sched, p, per_seg, blocks, roots)
+    else:
+        act = activations_peak(sched, p, per_seg)
     if s.ac:
         act += cm.act_bytes_block(recompute=False)  # one block recomputed at a time
     if s.segments - 1 in segs:

@@ -3,9 +3,11 @@
 Search space: ``dp x pp x tp = gpus`` (tp within a node, dividing heads and width; the vocabulary is
 padded to a multiple of tp),
 ``V`` in 1, 2, 4, 8, the micro-batch size (powers of two dividing a data-parallel rank's rows),
-the schedule (gpipe, 1f1b for V = 1; interleaved-1f1b, fold for V > 1), ``dp_sync``, fold's
+the schedule (gpipe, 1f1b, zb-h1 for V = 1; interleaved-1f1b, interleaved-zb, fold, fold-zb for V > 1; zbv at
+V = 2), ``dp_sync``, fold's
 deferral (when the base config allows it: no clipping, no fp16), recomputation, the 3D engine's
-distributed optimizer where dp > 1 (always, when the base config sets ``--optim.distributed``), and, where there
+distributed optimizer where dp > 1 (always, when the base config sets ``--optim.distributed``), FSDP over dp
+with pp or tp (``--dp.strategy fsdp``; not with a split backward or deferral), and, where there
 is neither pipeline nor tensor parallelism, the data-parallel strategies (allreduce, ddp,
 sharded-ps). Every candidate is first estimated in closed form (per-rank compute, the
 ``(V M + P - 1)`` pipeline, exposed reduction) with its activation memory; those that fit are
@@ -50,6 +52,7 @@ class Candidate:
             f"dp{s.dp} pp{s.pp} tp{s.tp} V{s.virtual} mb={s.micro_batch} {s.schedule}{sync}"
             + (" defer" if s.defer else "")
             + (" dist-optim" if s.dist_optim else "")
+            + (" fsdp" if s.strategy == "fsdp-3d" else "")
             + (" ac" if s.ac else "")
         )
 
@@ -118,21 +121,22 @@ def _variants(base, gpus: int, cluster: Cluster):
                                     if sc in DEFERRABLE and sync == "per-chunk" and v > 1 and allow_defer
                                     else (False,)
                                 ):
-                                    for dist in (True,) if base.optim.distributed else (False, True)[: 1 + (dp > 1)]:
-                                        yield dict(
-                                            strategy="none",
-                                            dp=dp,
-                                            pp=pp,
-                                            tp=tp,
-                                            virtual=v,
-                                            schedule=sc,
-                                            dp_sync=sync,
-                                            defer=defer,
-                                            mb=mb,
-                                            M=M,
-                                            ac=ac,
-                                            dist=dist,
-                                        )
+                                    layout = dict(
+                                        dp=dp, pp=pp, tp=tp, virtual=v, schedule=sc, dp_sync=sync, mb=mb, M=M, ac=ac
+                                    )
+                                    yield from _reductions(base, layout, defer)
+
+
+def _reductions(base, layout: dict, defer: bool):
+    """The 3D engine's data-parallel reductions for one layout: its all-reduce, the distributed optimizer
+    (where dp > 1; only it when the base config sets ``--optim.distributed``) and FSDP (dp > 1 with a pipeline
+    or tensor parallelism, on a schedule without a split backward, without deferral: ``check_fsdp``)."""
+    dp = layout["dp"]
+    for dist in (True,) if base.optim.distributed else (False, True)[: 1 + (dp > 1)]:
+        yield dict(layout, strategy="none", defer=defer, dist=dist)
+    fsdp_ok = dp > 1 and layout["pp"] * layout["tp"] > 1 and layout["schedule"] not in SPLIT_BACKWARD
+    if fsdp_ok and not defer and not base.optim.distributed:
+        yield dict(layout, strategy="fsdp", defer=False, dist=False)
 
 
 def _make_cfg(base, c: dict):
@@ -200,7 +204,12 @@ def estimate(s: Setup, c: Cluster) -> tuple[float, float]:
         g = sum(cm.grad_bytes(x) for x in rank_segments(s, 0))
         factor = 2 if s.strategy != "sharded-ps" and not s.dist_optim else 1 + s.weight_bytes / s.grad_bytes
         ring = factor * (s.dp - 1) / s.dp * g / bw + 2 * (s.dp - 1) * lat
-        if s.mode == "dp" and s.strategy in ("ddp", "allreduce"):
+        if s.strategy == "fsdp-3d":  # exposed: an all-gather per pass that finds its blocks sharded, the LR's
+            # fp32 reduce-scatter (pipeline_fsdp)
+            n = g / s.grad_bytes
+            passes = 2 * M * V if s.reshard_after_forward else V
+            ring = (s.dp - 1) / s.dp * n * (passes * s.weight_bytes / V + 4) / bw + 2 * (s.dp - 1) * lat
+        elif s.mode == "dp" and s.strategy in ("ddp", "allreduce"):
             ring = max(ring - u, ring / 10)  # buckets start during the last backward
         elif s.dp_sync == "per-chunk":
             hidden = u * M * (V - 1) if V > 1 else 0.0
@@ -212,8 +221,10 @@ def estimate(s: Setup, c: Cluster) -> tuple[float, float]:
     stepped = sum(segment_params(s, x) * stepped_share(s, x) for x in rank_segments(s, 0))
     opt = (8 + (4 if s.master else 0)) * stepped / n_par
     buf = s.grad_bytes if s.dp > 1 else 0
-    layers0 = s.layers[0]
-    mem = n_par * (s.weight_bytes + s.grad_bytes + opt + buf) + _live_chunks(s) * layers0 * per_block + c.runtime
+    state = n_par * (s.weight_bytes + s.grad_bytes + opt + buf)
+    if s.strategy == "fsdp-3d":  # fp32 shards; the chunks unsharded with their fp32 gradients at the turn
+        state = n_par * (16 / s.dp + s.weight_bytes + 4)
+    mem = state + _live_chunks(s) * s.layers[0] * per_block + c.runtime
     if s.ac:
         mem += cm.act_bytes_block(recompute=False)
     if s.segments == 1:

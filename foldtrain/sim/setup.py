@@ -2,7 +2,8 @@
 
 :func:`resolve_setup` turns a validated :class:`foldtrain.config.Config` into a :class:`Setup`
 with the same rules as ``foldtrain train``: the 3D engine's layout (``validate_layout``) when
-any of ``--parallel.dp/pp/tp`` is above 1 with ``--dp.strategy none``; otherwise the
+any of ``--parallel.dp/pp/tp`` is above 1 with ``--dp.strategy none``, or ``--parallel.pp/tp`` with ``fsdp``
+(every chunk sharded over dp: :mod:`.pipeline_fsdp`); otherwise the
 data-parallel engines, where ``--parallel.dp`` is the number of data-parallel workers (plus
 ``--dp.ps_servers`` dedicated servers; with ``dataparallel``, the GPUs of its one process, each
 ``micro_batch`` rows of a forward's) and ``--parallel.pp/tp`` must stay 1.
@@ -30,7 +31,9 @@ PRECISION = {
 @dataclass(frozen=True)
 class Setup:
     mode: str  # "3d" (pipeline engine) or "dp" (a --dp.strategy engine, or one process)
-    strategy: str  # "allreduce-3d" for the 3D engine's per-chunk all-reduce, else --dp.strategy
+    # the 3D engine's reduction: "allreduce-3d" (its per-chunk all-reduce) or "fsdp-3d" (chunks sharded by
+    # FSDP2: .pipeline_fsdp); else --dp.strategy
+    strategy: str
     dp: int  # data-parallel workers
     servers: int  # dedicated parameter-server ranks (ps only)
     pp: int
@@ -86,7 +89,8 @@ class Setup:
     @property
     def optim_share(self) -> float:
         """The fraction of a chunk's parameters whose AdamW state (and masters) a rank holds and steps."""
-        return 1.0 / self.dp if self.dp > 1 and (self.dist_optim or self.strategy == "sharded-ps") else 1.0
+        sharded = self.dist_optim or self.strategy in ("sharded-ps", "fsdp-3d")
+        return 1.0 / self.dp if self.dp > 1 and sharded else 1.0
 
     @property
     def world(self) -> int:
@@ -118,12 +122,7 @@ def _dp_strategy(cfg) -> str:
     ConfigError for a strategy that cannot run with this layout."""
     p, d = cfg.parallel, cfg.dp
     strategy = "allreduce" if d.strategy == "horovod" else d.strategy
-    if strategy == "fsdp" and p.pp * p.tp > 1:
-        raise ConfigError(
-            f"the simulator does not model --dp.strategy fsdp in the 3D engine (--parallel.pp {p.pp} / tp {p.tp}) yet; "
-            "simulate the layout with --dp.strategy none (its own all-reduce), or fsdp with pp = tp = 1"
-        )
-    if strategy != "none" and p.pp * p.tp > 1:
+    if strategy not in ("none", "fsdp") and p.pp * p.tp > 1:
         raise ConfigError(
             f"--dp.strategy {d.strategy} cannot be combined with --parallel.pp {p.pp} / tp {p.tp}: "
             "the 3D engine does its own data-parallel all-reduce; "
@@ -172,10 +171,11 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
     p, m, t, d = cfg.parallel, cfg.model, cfg.train, cfg.dp
     dtype, wb, gb, ab, master = PRECISION[cfg.precision]
     strategy = _dp_strategy(cfg)
-    three_d = strategy == "none" and p.dp * p.pp * p.tp > 1
+    # fsdp with a pipeline or tensor parallelism runs in the 3D engine, every chunk sharded over dp
+    three_d = (strategy == "none" and p.dp * p.pp * p.tp > 1) or (strategy == "fsdp" and p.pp * p.tp > 1)
     if three_d:
         n_micro, micro, V, layers = _pipeline_shape(cfg, full_check)
-        mode, strat = "3d", "allreduce-3d"
+        mode, strat = "3d", "fsdp-3d" if strategy == "fsdp" else "allreduce-3d"
     else:
         n_micro, micro = _dp_shape(cfg, strategy)
         V, layers = 1, (len(chunk_layers(m.n_layer, 1)[0]),)

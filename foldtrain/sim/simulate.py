@@ -31,27 +31,43 @@ from typing import Any
 from foldtrain.errors import ConfigError
 from foldtrain.model.presets import train_flops_per_token
 from foldtrain.profile.analysis import summarize
-from foldtrain.schedules import Op, StepPolicy, build_schedule, step_policy
+from foldtrain.schedules import Op, Schedule, StepPolicy, build_schedule, step_policy
 
 from .cluster import Cluster
-from .costs import CostModel, Placement, model_params, segment_params, segment_rank, stepped_share, whole_params
+from .costs import (
+    CostModel,
+    Placement,
+    block_params,
+    model_params,
+    segment_params,
+    segment_rank,
+    stepped_share,
+    whole_params,
+)
 from .dataparallel import simulate_dataparallel
 from .events import Sim, run_schedule
 from .fsdp import simulate_fsdp
 from .memory import GB, format_breakdown, rank_memory
+from .pipeline_fsdp import REDUCE_BYTES, gathering_actions, roots_gathered
 from .setup import Setup, resolve_setup
 
 
 class RunCosts:
     """The :class:`~foldtrain.sim.events.Costs` of a :class:`Setup` on a :class:`Cluster`."""
 
-    def __init__(self, s: Setup, c: Cluster):
+    def __init__(self, s: Setup, c: Cluster, sched: Schedule | None = None):
+        """``sched``: the schedule the engine runs (needed with fsdp: which passes all-gather)."""
         self.s, self.c = s, c
         self.cm = CostModel(s, c)
         self.pl = Placement(s, c)
         self._red: dict[int, list] = {}
         self._tie: dict[tuple, dict] = {}
         self.last = s.segments - 1
+        self.fsdp = s.strategy == "fsdp-3d" and s.dp > 1  # sharded chunks (.pipeline_fsdp)
+        if self.fsdp:
+            assert sched is not None, "fsdp in the 3D engine is simulated from its schedule"
+            self._gathers = [gathering_actions(sched, p, s.reshard_after_forward) for p in range(s.pp)]
+            self._roots = [roots_gathered(sched, p) for p in range(s.pp)]
         cm = self.cm
         self._compute = {
             Op.FORWARD: cm.forward,
@@ -90,7 +106,61 @@ class RunCosts:
         return self.c.action_overhead if self.s.mode == "3d" else 0.0
 
     def compute(self, p: int, a) -> float:
-        return self._compute[a.op](a.chunk)
+        t = self._compute[a.op](a.chunk)
+        if self.fsdp and self.c.shared_cores <= 0 and (a.op, a.chunk, a.mb) in self._gathers[p]:
+            # FSDP2 prefetches the next unit while one computes: the pass lasts as long as the longer of the two
+            t = max(t, (self.cm.s.layers[a.chunk] - 1) * self._seconds(self.all_gather(p, self.block_bytes())))
+        return t
+
+    # -- fsdp in the 3D engine (.pipeline_fsdp)
+    def block_bytes(self) -> float:
+        return block_params(self.s) * self.s.weight_bytes
+
+    def root_params(self, seg: int) -> float:
+        return segment_params(self.s, seg) - self.s.layers[seg] * block_params(self.s)
+
+    def all_gather(self, p: int, nbytes: float) -> list:
+        """An all-gather of ``nbytes`` (unsharded) over rank ``p``'s data-parallel group."""
+        n = self.s.dp
+        key, weight, _bw, lat = self.pl.dp_link(p)
+        return [self.steps(n - 1, lat), ("flow", key, weight, (n - 1) / n * nbytes * self.slower("ag"))]
+
+    def slower(self, kind: str) -> float:
+        """How much longer than the link's all-reduce bus bandwidth says a reduce-scatter ("rs") or all-gather
+        ("ag") of the dp group takes: its own bus bandwidth where the link has one (gloo's reduce-scatter is an
+        all-reduce: 2), as bytes on the wire."""
+        link = self.c.inter if self.pl.dp_spans_nodes() else self.c.intra
+        own = link.rs_bw if kind == "rs" else link.ag_bw
+        return link.bw / own if own > 0 else 1.0
+
+    def _seconds(self, phases: list) -> float:
+        """A phase list's length on an idle link."""
+        return sum(ph[1] if ph[0] == "delay" else ph[3] / self.link_bw(ph[1]) for ph in phases)
+
+    def unshard(self, p: int, a) -> list | None:
+        """FSDP's all-gathers that compute action ``a`` waits for: its chunk's root at its first forward, the
+        blocks where :func:`.pipeline_fsdp.gathering_actions` says they are sharded (on a GPU only the first
+        block's: the rest are prefetched, :meth:`compute`); ``None`` without fsdp."""
+        if not self.fsdp:
+            return None
+        out: list = []
+        root = self.root_params(a.chunk)
+        if a.op is Op.FORWARD and root > 0 and (a.chunk, a.mb) in self._roots[p]:
+            out += self.all_gather(p, root * self.s.weight_bytes)
+        if (a.op, a.chunk, a.mb) in self._gathers[p]:
+            blocks = self.s.layers[a.chunk] if self.c.shared_cores > 0 else min(1, self.s.layers[a.chunk])
+            for _ in range(blocks):
+                out += self.all_gather(p, self.block_bytes())
+        return out or None
+
+    def blocking_reduce(self, p: int, seg: int) -> list | None:
+        """What the ``LR`` of segment ``seg`` waits for before it goes on: with fsdp every unit's fp32
+        reduce-scatter (the root's final callback waits for them); ``None`` without."""
+        if not self.fsdp:
+            return None
+        units = [block_params(self.s)] * self.s.layers[seg] + [self.root_params(seg)]
+        k = self.slower("rs")
+        return [ph for n in units if n > 0 for ph in self.reduce_scatter(p, n * REDUCE_BYTES, k)]
 
     def send(self, p: int, a):
         key, weight, lat = self.pl.p2p_link(p, a.peer)
@@ -112,6 +182,9 @@ class RunCosts:
         last layers' gradients first), ``None`` at the chunk's ``LR`` (the pipeline engine reduces a
         chunk as one flat buffer; a strategy's last bucket)."""
         if seg in self._red:
+            return self._red[seg]
+        if self.fsdp:  # the reduce-scatters block the LR (blocking_reduce); then the tied copy's shard is summed
+            self._red[seg] = [(None, self.fsdp_tie(p, seg))] if self.fsdp_tie(p, seg) else []
             return self._red[seg]
         s, cm = self.s, self.cm
         n = s.dp
@@ -184,15 +257,16 @@ class RunCosts:
         reduce-scatter (its all-gather comes with the chunk's step: :meth:`optim`)."""
         return self.reduce_scatter(p, nbytes) if self.s.dist_optim else self.ring(p, nbytes)
 
-    def reduce_scatter(self, p: int, nbytes: float) -> list:
+    def reduce_scatter(self, p: int, nbytes: float, slower: float = 1.0) -> list:
         """A reduce-scatter of ``nbytes`` over rank ``p``'s data-parallel group: n-1 steps, the received
-        parts summed at memory bandwidth, (n-1)/n of the bytes on the link."""
+        parts summed at memory bandwidth, (n-1)/n of the bytes on the link (``slower`` times that: the link's
+        own reduce-scatter bandwidth, :meth:`slower`)."""
         n = self.s.dp
         key, weight, _bw, lat = self.pl.dp_link(p)
         return [
             self.steps(n - 1, lat),
             ("delay", (n - 1) / n * nbytes * 3 / self.c.mem_bw),
-            ("flow", key, weight, (n - 1) / n * nbytes * self.s.wire_factor),
+            ("flow", key, weight, (n - 1) / n * nbytes * self.s.wire_factor * slower),
         ]
 
     def ring(self, p: int, nbytes: float) -> list:
@@ -244,6 +318,15 @@ class RunCosts:
     def tied_params(self) -> float:
         return self.s.vocab * self.s.d_model / self.s.tp
 
+    def fsdp_tie(self, p: int, seg: int) -> list:
+        """fsdp: the all-reduce of the tied copy's shard between the pipeline's two ends (pipeline/fsdp.py),
+        or ``[]`` where ``seg`` holds no split tie."""
+        s = self.s
+        if s.segments < 2 or seg not in (0, self.last) or segment_rank(s, 0) == segment_rank(s, self.last):
+            return []
+        key, weight, lat = self.pl.p2p_link(p, segment_rank(s, self.last if seg == 0 else 0))
+        return [self.steps(2, lat), ("flow", key, weight, self.tied_params() / s.dp * REDUCE_BYTES)]
+
     def tie(self, p: int, seg: int):
         """The tied embedding's reduction (``foldtrain/parallel/pipeline/tie.py``) at the end that holds
         segment ``seg``: ``{"dp": phases, "send": phases}`` or ``None``.
@@ -257,7 +340,7 @@ class RunCosts:
         the head its dense copy, the embedding its rows (count, indices, values). Both ends on one rank (the V
         placement): nothing sent, the embedding end all-reduces the dense sum (``tie.LocalTie``)."""
         s = self.s
-        if s.mode != "3d" or s.segments < 2 or seg not in (0, self.last):
+        if s.mode != "3d" or s.segments < 2 or seg not in (0, self.last) or self.fsdp:
             return None
         if (p, seg) in self._tie:
             return self._tie[(p, seg)]
@@ -285,7 +368,7 @@ class RunCosts:
         s = self.s
         if s.strategy == "ps" and s.dp > 1:
             return 0.0  # the server steps (inside the reduction)
-        return self.cm.optim(seg, stepped_share(s, seg))
+        return self.cm.optim(seg, stepped_share(s, seg), masters=not self.fsdp)
 
     def gather(self, p: int, seg: int) -> list | None:
         """The distributed optimizer's all-gather of the chunk's sharded weights: n-1 steps, (n-1)/n of the
@@ -317,9 +400,10 @@ class RunCosts:
             )
             cost = norm + (self.pl.world_latency() if s.fp16_scaler else 0.0)
             return cost or None
-        if s.pp * s.tp == 1 and not s.fp16_scaler:
+        if s.pp * s.tp == 1 and not s.fp16_scaler and not self.fsdp:
             return None
-        cost = self.pl.pipeline_latency() if s.pp * s.tp > 1 else 0.0
+        # the gradient norm: over the pipeline, or with fsdp over every rank (each holds a shard)
+        cost = self.pl.world_latency() if self.fsdp else self.pl.pipeline_latency() if s.pp * s.tp > 1 else 0.0
         return cost + (self.pl.world_latency() if s.fp16_scaler else 0.0)
 
     def end_of_iteration(self):
@@ -427,7 +511,7 @@ def simulate_setup(s: Setup, c: Cluster, *, check_memory: bool = True, keep_even
     sched = build_schedule(
         "1f1b" if s.mode == "dp" else s.schedule, s.pp, s.virtual, s.microbatches, s.dp_sync, s.defer
     )
-    costs = RunCosts(s, c)
+    costs = RunCosts(s, c, sched)
     mems = [
         rank_memory(s, costs.cm, sched, p, c.runtime, server=(s.strategy == "ps" and s.servers == 0 and p == 0))
         for p in range(s.pp)

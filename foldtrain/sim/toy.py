@@ -44,6 +44,12 @@ class UnitCosts:
     def optim(self, p: int, c: int) -> float:
         return self.t_optim
 
+    def unshard(self, p: int, a):
+        return None
+
+    def blocking_reduce(self, p: int, c: int):
+        return None
+
     def gather(self, p: int, c: int):
         return None
 

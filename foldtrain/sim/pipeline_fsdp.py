@@ -1,0 +1,111 @@
+"""``--dp.strategy fsdp`` in the 3D engine, simulated: every pipeline chunk fully sharded over dp.
+
+What ``foldtrain/parallel/pipeline/fsdp.py`` does, in FSDP2's terms (torch pipelining drives FSDP the same way):
+every block of a chunk is one FSDP unit, the chunk's own parameters (the embedding, the final norm, the head's
+tied copy) another, its *root*. Every rank keeps 1/dp of each parameter, gradient and AdamW moment in fp32.
+
+* **All-gathers** (``weight_bytes`` per parameter: half precision under ``*-master``, whose policy gathers
+  half weights; fp32 otherwise): a unit is gathered when a forward or backward of its chunk needs it and it is
+  sharded. The root stays gathered from the chunk's first forward of the iteration to its ``LR``
+  (``reshard_after_forward=False``). A block is resharded after each forward (``--dp.reshard_after_forward``)
+  but never after a backward before the ``LR`` (``set_reshard_after_backward(False)``): so a backward after a
+  forward gathers the blocks again, a forward after a backward finds them gathered
+  (:func:`gathering_actions`). On shared cores (gloo) the all-gathers run on the training thread before the
+  compute; on a GPU FSDP2 prefetches the next unit while one computes, so only the first unit's all-gather
+  waits and the pass takes the longer of its compute and the other units' all-gathers.
+* **Reduce-scatters**: the backwards only accumulate unsharded fp32 gradients (``reduce_dtype``); the chunk's
+  ``LR`` reduce-scatters every unit's and waits for them (the root's final callback): the rank blocks there.
+  Then the tied copy's shard is summed with the other end of the pipeline (one all-reduce of ``1/dp`` of the
+  embedding over the two ranks, asynchronous, waited at the ``WR``).
+* **The step**: AdamW on the rank's 1/dp (28 bytes per parameter: the fp32 shards are the masters).
+
+Memory per rank: the fp32 shards (16 bytes per parameter / dp) and, walking the rank's action list, the most
+the unsharded units and the accumulated fp32 gradients hold together with the activations
+(:func:`peak_buffers`): a chunk's root from its first forward to its ``LR``, its blocks from its first
+backward (with ``reshard_after_forward false`` from its first forward), its gradients (4 bytes per parameter)
+from its first backward, plus the two blocks of a pass gathered at once and, at the ``LR``, the largest
+unit's fp32 reduce-scatter input.
+"""
+
+from __future__ import annotations
+
+from foldtrain.schedules import WEIGHT_OPS, Op, Schedule
+
+from .setup import Setup
+
+REDUCE_BYTES = 4  # fp32 gradients: accumulated, reduce-scattered, sharded
+
+
+def gathering_actions(sched: Schedule, p: int, reshard_after_forward: bool) -> set[tuple[Op, int, int]]:
+    """``(op, chunk, micro-batch)`` of the forwards and backwards of rank ``p`` that find their chunk's blocks
+    sharded, so FSDP all-gathers them first (the module docstring's rule); every ``LR`` reshards its chunk."""
+    gathered: dict[int, bool] = {}
+    out = set()
+    for a in sched.ranks[p]:
+        if a.op is Op.FORWARD or a.op is Op.BACKWARD:
+            if not gathered.get(a.chunk):
+                out.add((a.op, a.chunk, a.mb))
+            gathered[a.chunk] = a.op is Op.BACKWARD or not reshard_after_forward
+        elif a.op is Op.LAUNCH_REDUCE:
+            gathered[a.chunk] = False
+    return out
+
+
+def roots_gathered(sched: Schedule, p: int) -> set[tuple[int, int]]:
+    """``(chunk, micro-batch)`` of each chunk's first forward on rank ``p``: where its root is gathered."""
+    seen: set[int] = set()
+    out = set()
+    for a in sched.ranks[p]:
+        if a.op is Op.FORWARD and a.chunk not in seen:
+            seen.add(a.chunk)
+            out.add((a.chunk, a.mb))
+    return out
+
+
+def peak_buffers(
+    s: Setup, sched: Schedule, p: int, act: dict[int, float], blocks: dict[int, float], roots: dict[int, float]
+) -> tuple[float, float]:
+    """``(activations, unsharded buffers)`` at the moment rank ``p`` holds most of both together; ``act``: a
+    segment's activation bytes per micro-batch; ``blocks`` / ``roots``: its blocks' and root's parameters."""
+    wb = s.weight_bytes
+    first_f: set[int] = set()
+    first_b: set[int] = set()
+    live = 0.0
+    best = (0.0, 0.0)
+
+    def blocks_held(c: int) -> bool:
+        return c in first_f and (c in first_b or not s.reshard_after_forward)
+
+    def held() -> float:
+        out = 0.0
+        for c in first_f:
+            out += roots[c] * wb + (blocks[c] * wb if blocks_held(c) else 0.0)
+            if c in first_b:
+                out += (blocks[c] + roots[c]) * REDUCE_BYTES
+        return out
+
+    def moment(transient: float) -> None:
+        nonlocal best
+        if live + held() + transient > sum(best):
+            best = (live, held() + transient)
+
+    for a in sched.ranks[p]:
+        c = a.chunk
+        if a.op is Op.FORWARD:
+            first_f.add(c)
+            live += act[c]
+        if a.op in (Op.FORWARD, Op.BACKWARD) and s.layers[c]:
+            # the unit computing and the one prefetched, where the chunk's blocks are not all held already
+            moment(0.0 if blocks_held(c) else 2 * blocks[c] / s.layers[c] * wb)  # a forward; a backward's start
+            if a.op is Op.BACKWARD:  # its end: this micro-batch's activations freed, the chunk's gradients there
+                first_b.add(c)
+                live -= act[c]
+                moment(0.0)
+        elif a.op in WEIGHT_OPS:
+            first_b.add(c)
+            live -= act[c]
+        elif a.op is Op.LAUNCH_REDUCE:
+            moment(max(roots[c], blocks[c] / max(s.layers[c], 1)) * REDUCE_BYTES)  # a unit's reduce-scatter input
+            first_f.discard(c)
+            first_b.discard(c)
+    return best

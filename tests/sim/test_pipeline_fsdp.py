@@ -1,0 +1,109 @@
+"""The simulator's ``--dp.strategy fsdp`` in the 3D engine (:mod:`foldtrain.sim.pipeline_fsdp`): which passes
+all-gather, the LR's blocking reduce-scatters, gloo's reduce-scatter, the sharded memory and the planner."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from foldtrain.cli import main
+from foldtrain.config import build_config
+from foldtrain.errors import ConfigError
+from foldtrain.schedules import Op, build_schedule
+from foldtrain.sim.cluster import from_dict
+from foldtrain.sim.costs import block_params, segment_params
+from foldtrain.sim.pipeline_fsdp import gathering_actions
+from foldtrain.sim.plan import _reductions
+from foldtrain.sim.setup import resolve_setup
+from foldtrain.sim.simulate import simulate
+from tests.sim.conftest import cluster_dict
+
+GPT2 = ["--model.preset", "gpt2-small", "--train.seq_len", "64", "--train.global_batch", "16"]
+
+
+def cfg(*extra: str):
+    return build_config([*GPT2, "--parallel.dp", "2", "--parallel.pp", "2", "--dp.strategy", "fsdp", *extra])
+
+
+def last_iteration(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["step"] == events[-1]["step"]]
+
+
+def test_a_pass_gathers_its_blocks_where_the_last_one_left_them_sharded():
+    """A forward reshards its blocks (``reshard_after_forward``), a backward does not before the LR: so a
+    backward after a forward gathers, a forward after a backward does not; without resharding only the first."""
+    ops = lambda got: sorted((a.value, m) for a, _, m in got)  # noqa: E731
+    f, b = Op.FORWARD.value, Op.BACKWARD.value
+    one = build_schedule("1f1b", 2, 1, 4)  # rank 0: F0 F1 B0 F2 B1 F3 B2 B3
+    assert ops(gathering_actions(one, 0, True)) == sorted([(f, 0), (f, 1), (b, 0), (b, 1), (b, 2)])
+    assert ops(gathering_actions(one, 0, False)) == [(f, 0)]
+    gpipe = build_schedule("gpipe", 2, 1, 4)  # every forward, then the first backward
+    assert ops(gathering_actions(gpipe, 0, True)) == sorted([(f, 0), (f, 1), (f, 2), (f, 3), (b, 3)])
+
+
+def test_the_lr_waits_for_every_units_reduce_scatter_and_gloo_pays_an_all_reduce():
+    c = from_dict(cluster_dict())  # 4 per node: dp 2 x pp 2 in one node, intra 10 GB/s, 10 us
+    r = simulate(cfg("--parallel.microbatches", "4"), c, keep_events=True)
+    s = r.setup
+    assert s.strategy == "fsdp-3d"
+    waits = {e["name"]: e["end"] - e["start"] for e in last_iteration(r.events[0]) if e["kind"] == "reduce_wait"}
+    root = segment_params(s, 0) - s.layers[0] * block_params(s)
+    units = [block_params(s)] * s.layers[0] + [root]
+    # each unit: (n-1)/n of its fp32 gradients over the link, n-1 steps, the received half summed at memory bw
+    rs = sum(n * 4 / 2 / 10e9 + 10e-6 + n * 4 / 2 * 3 / 1000e9 for n in units)
+    assert waits["RS c0"] == pytest.approx(rs, rel=1e-6)
+    # the first forward waits for the root's and the first block's all-gathers (the other blocks are prefetched)
+    assert waits["AG F c0 m0"] == pytest.approx((root + block_params(s)) * 4 / 2 / 10e9 + 2 * 10e-6, rel=1e-6)
+    assert "AG F c0 m2" not in waits and "AG B c0 m0" in waits  # a forward after a backward finds its blocks gathered
+    gloo = from_dict(cluster_dict(intra__reduce_scatter_busbw_gbs=5))  # an all-reduce: half the bus bandwidth
+    slow = simulate(cfg("--parallel.microbatches", "4"), gloo, keep_events=True)
+    rs_gloo = [e["end"] - e["start"] for e in last_iteration(slow.events[0]) if e["name"] == "RS c0"][0]
+    assert rs_gloo - waits["RS c0"] == pytest.approx(sum(n * 4 / 2 / 10e9 for n in units), rel=1e-6)
+    assert r.step_time > simulate(build_config([*GPT2, "--parallel.dp", "2", "--parallel.pp", "2"]), c).step_time
+
+
+def test_every_rank_holds_fp32_shards_and_its_chunks_unsharded_until_their_lr():
+    c = from_dict(cluster_dict())
+    r = simulate(cfg("--parallel.schedule", "gpipe", "--train.seq_len", "16"), c, check_memory=False)
+    s = r.setup
+    for p, m in enumerate(r.memory):
+        n = segment_params(s, p)
+        assert (m["params"], m["grads"], m["optimizer"], m["masters"]) == pytest.approx((2 * n, 2 * n, 4 * n, 0))
+    # rank 0 at its LR (no activation left): the root and blocks gathered, their fp32 gradients, and the
+    # largest unit's (the root's) reduce-scatter input
+    root = segment_params(s, 0) - s.layers[0] * block_params(s)
+    blocks = s.layers[0] * block_params(s)
+    assert r.memory[0]["comm_buffers"] == pytest.approx((root + blocks) * 4 + (root + blocks) * 4 + root * 4)
+    assert r.memory[0]["activations"] == 0
+    half = simulate(cfg("--parallel.schedule", "gpipe", "--precision", "bf16-master"), c, check_memory=False)
+    assert half.memory[0]["masters"] == 0 and half.memory[0]["params"] == pytest.approx(2 * segment_params(s, 0))
+    assert half.memory[0]["comm_buffers"] == pytest.approx((root + blocks) * 2 + (root + blocks) * 4 + root * 4)
+    allreduce = simulate(build_config([*GPT2, "--parallel.dp", "2", "--parallel.pp", "2"]), c, check_memory=False)
+    state = ("params", "grads", "optimizer")
+    assert sum(r.memory[0][k] for k in state) == pytest.approx(sum(allreduce.memory[0][k] for k in state) / 2)
+
+
+def test_refusals_and_the_planners_candidates():
+    for bad, what in (
+        (["--fold.defer_reduce", "--parallel.schedule", "fold", "--parallel.virtual", "2"], "defer"),
+        (["--parallel.schedule", "zb-h1"], "zb-h1"),
+    ):
+        with pytest.raises(ConfigError, match=what) as e:
+            resolve_setup(cfg("--optim.grad_clip", "0", *bad))
+        assert "\n" not in str(e.value)
+    base = build_config(GPT2)
+    layout = dict(dp=2, pp=2, tp=1, virtual=1, schedule="1f1b", dp_sync="after-flush", mb=1, M=8, ac="none")
+    assert [c["strategy"] for c in _reductions(base, layout, False)] == ["none", "none", "fsdp"]
+    assert [c["strategy"] for c in _reductions(base, dict(layout, schedule="zb-h1"), False)] == ["none", "none"]
+    assert [c["strategy"] for c in _reductions(base, dict(layout, pp=1, dp=4), False)] == ["none", "none"]
+    assert "fsdp" not in [c["strategy"] for c in _reductions(base, layout, True)]
+
+
+def test_simulate_prints_an_fsdp_pipeline(capsys):
+    args = [*GPT2, "--parallel.dp", "2", "--parallel.pp", "2", "--dp.strategy", "fsdp"]
+    assert main(["simulate", "--cluster", "dgx-a100", *args]) == 0
+    assert "throughput" in capsys.readouterr().out
+    c = dataclasses.replace(from_dict(cluster_dict()), memory=1e6)
+    with pytest.raises(ConfigError, match="does not fit"):
+        simulate(build_config(args), c)

@@ -486,6 +486,9 @@ def gather_from_workers(bench: str, ranks: int, args: list[str]):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     cmd += ["-m", "foldtrain", "bench", bench, "--worker", str(out), *args]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if r.returncode != 0:
+    written = (out / "bytes.json").is_file()  # rank 0 writes it once every rank's figures are gathered
+    if r.returncode != 0 and not written:
         raise SystemExit(f"foldtrain bench {bench}: the run failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+    if r.returncode != 0:  # gloo's threads sometimes abort at process exit, after the figures are complete
+        print(f"note: the run exited with {r.returncode} after its figures were gathered; they are used")
     return json.loads((out / "bytes.json").read_text())

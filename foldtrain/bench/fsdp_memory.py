@@ -37,7 +37,7 @@ def config_args(a) -> list[str]:
     common = [
         *("--model.preset", a.preset, "--model.vocab_size", str(a.vocab)),
         *("--dp.strategy", "fsdp", "--dp.reshard_after_forward", a.reshard),
-        *("--precision", "fp32", "--train.device", "cpu", "--train.seq_len", "32"),
+        *("--precision", a.precision, "--train.device", "cpu", "--train.seq_len", "32"),
     ]
     if a.pp == 1:
         return [*common, "--train.global_batch", str(2 * a.ranks), "--train.micro_batch", "2"]
@@ -97,6 +97,26 @@ class Sampler:
         if hasattr(out, "requires_grad") and out.requires_grad:
             out.register_hook(lambda g: self.sample())
 
+    def watch_reduce_scatters(self) -> None:
+        """Sample at each reduce-scatter FSDP2 issues: by then its post-backward has taken the group's unsharded
+        gradients from the parameters (so :meth:`held` no longer sees them) but still holds them, and has
+        copied them into one flat fp32 input: twice the input's bytes beside what is held
+        (``dist.reduce_scatter_single`` in torch 2.13, ``reduce_scatter_tensor`` before)."""
+        import torch.distributed as dist
+
+        for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+
+            def sampled(*args, _original=original, **kwargs):
+                inp = kwargs.get("input", kwargs.get("input_tensor", args[1] if len(args) > 1 else None))
+                extra = 2 * inp.untyped_storage().nbytes() if inp is not None else 0
+                self.peak = max(self.peak, self.held() + extra)
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, sampled)
+
     def watch_gradients(self) -> None:
         """Sample as each unsharded parameter's gradient is accumulated, before FSDP2 reduce-scatters and frees
         it (FSDP2 builds the unsharded parameters at the first all-gather: call this after a step)."""
@@ -131,6 +151,7 @@ def worker(out: Path, argv: list[str]) -> None:
     cfg = build_config(argv)
     engine = build_engine(cfg, build_model(cfg), DistEnv(rank, world, rank, torch.device("cpu")), 2)
     sampler = Sampler(engine.model)
+    sampler.watch_reduce_scatters()
     seen: dict[int, int] = {}
     opts = optimizers(engine)
     for i, opt in enumerate(opts):
@@ -190,9 +211,9 @@ def dp_report(a, args: list[str], rows: list[dict], pred: dict) -> None:
     """Without a pipeline: each rank against the model's 1/N + one block, and rank 0 against the simulator."""
     total, block, root = model_sizes(args)
     full, one = 16 * total, 16 * block  # fp32 parameter, gradient and AdamW's two moments
-    print(f"fsdp over {a.ranks} ranks, {a.preset} with a {a.vocab}-word vocabulary, fp32, reshard_after_forward")
-    print(f"{a.reshard}: {total / 1e6:.1f} M parameters, a block {block / 1e6:.2f} M, the root unit (embedding, head, ")
-    print(f"final norm) {root / 1e6:.2f} M = {root / block:.1f} blocks")
+    print(f"fsdp over {a.ranks} ranks, {a.preset} with a {a.vocab}-word vocabulary, {a.precision},")
+    print(f"reshard_after_forward {a.reshard}: {total / 1e6:.1f} M parameters, a block {block / 1e6:.2f} M, the root ")
+    print(f"unit (embedding, head, final norm) {root / 1e6:.2f} M = {root / block:.1f} blocks")
     print()
     print(
         "| rank | params MB | grads MB | AdamW MB | sharded state / (model's / N) | unsharded peak MB, at least | "
@@ -224,7 +245,7 @@ def pipeline_report(a, rows: list[dict], preds: list[dict]) -> None:
     """With a pipeline: each rank's sharded state and unsharded peak against the simulator's for its stage."""
     dp = a.ranks // a.pp
     print(f"fsdp in the 3D engine: dp {dp} x pp {a.pp} ({a.schedule}, 4 micro-batches), {a.preset} with a ")
-    print(f"{a.vocab}-word vocabulary, fp32, reshard_after_forward {a.reshard}")
+    print(f"{a.vocab}-word vocabulary, {a.precision}, reshard_after_forward {a.reshard}")
     print()
     print("| rank | stage | sharded state MB | simulator | error | unsharded peak MB, at least | simulator | error |")
     print("|---|---|---|---|---|---|---|---|")
@@ -252,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages: fsdp in the 3D engine over ranks / pp")
     ap.add_argument("--schedule", default="1f1b", help="with --pp: the pipeline schedule")
     ap.add_argument("--reshard", choices=("true", "false"), default="true", help="--dp.reshard_after_forward")
+    ap.add_argument("--precision", default="fp32", help="--precision (e.g. bf16-master: bf16 weights gathered)")
     a = ap.parse_args(argv)
     if a.ranks % a.pp or a.ranks // a.pp < 2:
         raise SystemExit(f"foldtrain bench fsdp-memory: --ranks {a.ranks} needs at least 2 x --pp {a.pp}, a multiple")

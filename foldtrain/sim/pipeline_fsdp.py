@@ -23,8 +23,9 @@ Memory per rank: the fp32 shards (16 bytes per parameter / dp) and, walking the 
 the unsharded units and the accumulated fp32 gradients hold together with the activations
 (:func:`peak_buffers`): a chunk's root from its first forward to its ``LR``, its blocks from its first
 backward (with ``reshard_after_forward false`` from its first forward), its gradients (4 bytes per parameter)
-from its first backward, plus the two blocks of a pass gathered at once and, at the ``LR``, the largest
-unit's fp32 reduce-scatter input.
+from its first backward; two blocks gathered at once in a pass while the chunk's blocks are not held (the one
+computing, the one prefetched); at the ``LR``, where each unit in turn is resharded and its gradients copied
+into an fp32 reduce-scatter input, the largest unit's input less its weights.
 """
 
 from __future__ import annotations
@@ -105,7 +106,9 @@ def peak_buffers(
             first_b.add(c)
             live -= act[c]
         elif a.op is Op.LAUNCH_REDUCE:
-            moment(max(roots[c], blocks[c] / max(s.layers[c], 1)) * REDUCE_BYTES)  # a unit's reduce-scatter input
+            # each unit in turn: its weights resharded, its gradients copied into an fp32 reduce-scatter input
+            unit = max(roots[c], blocks[c] / max(s.layers[c], 1))
+            moment(unit * (REDUCE_BYTES - wb))
             first_f.discard(c)
             first_b.discard(c)
     return best

@@ -235,7 +235,9 @@ def insert_comms(compute: Compute, p: int, pp: int, virtual: int, placement: str
     return out
 
 
-def insert_reductions(actions: list[Action], dp_sync: str, defer_reduce: bool) -> list[Action]:
+def insert_reductions(
+    actions: list[Action], dp_sync: str, defer_reduce: bool, gather_ahead: bool = False
+) -> list[Action]:
     """Add LAUNCH_REDUCE / WAIT_REDUCE / OPTIM_STEP for every chunk present in ``actions``.
 
     A chunk's backward is finished by its last ``B`` or ``W`` (:data:`WEIGHT_OPS`).
@@ -249,6 +251,11 @@ def insert_reductions(actions: list[Action], dp_sync: str, defer_reduce: bool) -
       once; fold's last to finish backward) go just before the chunk's first
       forward-related action (its ``RECV_ACT``, else its ``F``). They then wait for
       and apply the reduction launched in the PREVIOUS iteration.
+    * ``gather_ahead`` (with ``defer_reduce``; the distributed optimizer, whose step starts an
+      all-gather of the chunk's weights that its forward waits for): a deferred chunk's ``WR``, ``OS``
+      go one chunk earlier, before the first forward-related action of the local chunk whose forwards
+      come just before its own, so that all-gather runs while that chunk computes (Megatron's
+      ``overlap_param_gather``, placed by the schedule).
 
     All ``WR`` come before all ``OS`` at the end so an executor can compute a
     global gradient norm (clipping) between them.
@@ -280,17 +287,31 @@ def insert_reductions(actions: list[Action], dp_sync: str, defer_reduce: bool) -
         needed_first = min(first_f, key=first_f.__getitem__)
         deferred = set(finish_order) - {needed_first} if defer_reduce else set()
         tail_chunks = [c for c in finish_order if c not in deferred]
-        seen_fwd: set[int] = set()
+        step_at = _deferred_steps(actions, deferred, gather_ahead)
         for i, a in enumerate(actions):
-            if a.op in (Op.RECV_ACT, Op.FORWARD) and a.chunk in deferred and a.chunk not in seen_fwd:
-                seen_fwd.add(a.chunk)
-                out += [Action(Op.WAIT_REDUCE, a.chunk), Action(Op.OPTIM_STEP, a.chunk)]
+            for c in step_at.get(i, []):
+                out += [Action(Op.WAIT_REDUCE, c), Action(Op.OPTIM_STEP, c)]
             out.append(a)
             if i in launch_at:
                 out.append(Action(Op.LAUNCH_REDUCE, launch_at[i]))
     out += [Action(Op.WAIT_REDUCE, c) for c in tail_chunks]
     out += [Action(Op.OPTIM_STEP, c) for c in tail_chunks]
     return out
+
+
+def _deferred_steps(actions: list[Action], deferred: set[int], ahead: bool) -> dict[int, list[int]]:
+    """Position -> the deferred chunks whose ``WR``, ``OS`` go just before it: each chunk's first
+    forward-related action (``RECV_ACT`` or ``F``), or with ``ahead`` that of the chunk whose forwards come
+    before its own (see :func:`insert_reductions`)."""
+    starts: list[tuple[int, int]] = []  # (first forward-related position, chunk), in order
+    for i, a in enumerate(actions):
+        if a.op in (Op.RECV_ACT, Op.FORWARD) and all(c != a.chunk for _, c in starts):
+            starts.append((i, a.chunk))
+    at: dict[int, list[int]] = {}
+    for k, (i, c) in enumerate(starts):
+        if c in deferred:
+            at.setdefault(starts[k - 1][0] if ahead and k > 0 else i, []).append(c)
+    return at
 
 
 # --------------------------------------------------------------------------- entry point
@@ -354,12 +375,15 @@ def build_schedule(
     microbatches: int,
     dp_sync: str = "after-flush",
     defer_reduce: bool = False,
+    distributed_optimizer: bool = False,
 ) -> Schedule:
     """One iteration of schedule ``name`` for ``pp`` ranks x ``virtual`` chunks x ``microbatches``.
 
     Raises :class:`foldtrain.errors.ConfigError` for an invalid combination.
     ``defer_reduce`` with ``virtual == 1`` is accepted and changes nothing (the
-    only chunk is the last to finish backward, which is never deferred).
+    only chunk is the last to finish backward, which is never deferred). With the
+    ``distributed_optimizer`` (dp > 1) deferred steps go a chunk ahead (``gather_ahead`` of
+    :func:`insert_reductions`): measured, that pays only where a step starts an all-gather.
     """
     _check(name, pp, virtual, microbatches, dp_sync, defer_reduce)
     placement = placement_of(name)
@@ -367,5 +391,5 @@ def build_schedule(
     for p in range(pp):
         compute = _ORDERS[name](p, pp, virtual, microbatches)
         actions = insert_comms(compute, p, pp, virtual, placement)
-        ranks.append(insert_reductions(actions, dp_sync, defer_reduce))
+        ranks.append(insert_reductions(actions, dp_sync, defer_reduce, defer_reduce and distributed_optimizer))
     return Schedule(name, pp, virtual, microbatches, dp_sync, defer_reduce, ranks, placement)

@@ -35,6 +35,7 @@ from foldtrain.schedules.generators import build_schedule
 __all__ = [
     "Layout",
     "check_fsdp",
+    "distributed_optimizer",
     "check_tp",
     "chunk_layers",
     "resolve_microbatches",
@@ -182,6 +183,11 @@ def check_tp(n_head: int, d_model: int, vocab_size: int | None, tp: int) -> None
         )
 
 
+def distributed_optimizer(cfg) -> bool:
+    """Whether a 3D run of ``cfg`` shards its optimizer over dp (``--optim.distributed``, dp > 1)."""
+    return bool(cfg.optim.distributed) and cfg.parallel.dp > 1
+
+
 def check_fsdp(cfg, schedule) -> None:
     """What ``--dp.strategy fsdp`` (every chunk fully sharded over dp) cannot be combined with in the 3D engine:
     one ConfigError line each, naming the problem and the fix."""
@@ -234,7 +240,7 @@ def validate_layout(cfg, world_size: int) -> Layout:
         )
     n_micro, micro = resolve_microbatches(cfg)
 
-    schedule = build_schedule(p.schedule, pp, v, n_micro, p.dp_sync, cfg.fold.defer_reduce)
+    schedule = build_schedule(p.schedule, pp, v, n_micro, p.dp_sync, cfg.fold.defer_reduce, distributed_optimizer(cfg))
     if cfg.dp.strategy == "fsdp":
         check_fsdp(cfg, schedule)
     check_tp(m.n_head, m.d_model, None, tp)  # the vocabulary is padded to a multiple of tp

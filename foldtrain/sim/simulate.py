@@ -509,7 +509,7 @@ def simulate_setup(s: Setup, c: Cluster, *, check_memory: bool = True, keep_even
     if s.strategy in PHASE_MODELS:
         return _phase_result(s, c, check_memory, keep_events)
     sched = build_schedule(
-        "1f1b" if s.mode == "dp" else s.schedule, s.pp, s.virtual, s.microbatches, s.dp_sync, s.defer
+        "1f1b" if s.mode == "dp" else s.schedule, s.pp, s.virtual, s.microbatches, s.dp_sync, s.defer, s.dist_optim
     )
     costs = RunCosts(s, c, sched)
     mems = [

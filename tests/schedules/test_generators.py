@@ -193,6 +193,26 @@ def test_defer_reduce_placement():
     assert build_schedule("fold", 2, 1, 2, "per-chunk", True).deferred_chunks(0) == []  # V=1: nothing to defer
 
 
+def test_the_distributed_optimizer_steps_deferred_chunks_a_chunk_ahead():
+    """With the distributed optimizer a deferred chunk's WR, OS go before the forwards of the local chunk
+    before it (its step's all-gather then overlaps them); the compute, the deferred set and validity stay."""
+    pp, v, m = 2, 4, 4
+    plain = build_schedule("fold", pp, v, m, "per-chunk", True)
+    ahead = build_schedule("fold", pp, v, m, "per-chunk", True, distributed_optimizer=True)
+    assert (
+        build_schedule("fold", pp, v, m, "per-chunk", False, distributed_optimizer=True).ranks
+        == build_schedule("fold", pp, v, m, "per-chunk").ranks
+    )  # nothing deferred: nothing moves
+    for p in range(pp):
+        segs = chunks_of_rank(p, pp, v)
+        assert compute_str(ahead, p) == compute_str(plain, p) and ahead.deferred_chunks(p) == segs[1:]
+        acts = ahead.ranks[p]
+        for before, c in zip(segs, segs[1:]):
+            first = min(i for i, a in enumerate(acts) if a.op in (Op.RECV_ACT, Op.FORWARD) and a.chunk == before)
+            assert acts[first - 2 : first] == [Action(Op.WAIT_REDUCE, c), Action(Op.OPTIM_STEP, c)]
+        validate_schedule(ahead)
+
+
 def test_format_schedule():
     text = format_schedule(build_schedule("1f1b", 2, 1, 2, "per-chunk"))
     assert text.splitlines() == [

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from foldtrain.schedules import build_schedule, step_policy, tie_segments
+from foldtrain.schedules.layout import distributed_optimizer
 from foldtrain.sim import UnitCosts
 from foldtrain.sim.events import run_schedule
 from tests.equivalence import HEADS, D, batches, make_cfg, norm_rel, without_key_bias
@@ -293,9 +294,9 @@ def test_executor_and_simulator_launch_in_the_same_order(suite, world, case):
     r = result(suite, world, case["id"])
     cfg = make_cfg(case)
     dp, pp, tp, v = case["layout"]
-    sched = build_schedule(
-        cfg.parallel.schedule, pp, v, cfg.train.global_batch // dp // MICRO, cfg.parallel.dp_sync, cfg.fold.defer_reduce
-    )
+    M = cfg.train.global_batch // dp // MICRO
+    par = cfg.parallel
+    sched = build_schedule(par.schedule, pp, v, M, par.dp_sync, cfg.fold.defer_reduce, distributed_optimizer(cfg))
     sim = run_schedule(sched, _TiedCosts(sched, cfg.optim.grad_clip > 0), iterations=len(r["steps"]))
     for p in range(pp):
         for i, step in enumerate(r["steps"]):

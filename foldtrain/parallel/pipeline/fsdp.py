@@ -22,8 +22,8 @@ The iteration's gradient norm is :func:`norm_sq` summed over every rank: each el
 once, a part replicated over tensor-parallel ranks weighted by ``1/tp``.
 
 The reduction calls FSDP2 internals (a group's ``post_backward``, the root's final callback, the states of
-a root), as torch's own pipelining does in ``perform_reduce_grad``; they are those of the installed torch
-(2.13), so a torch upgrade may need this module to follow torch pipelining's.
+a root), as torch's own pipelining does in ``perform_reduce_grad``: checked on torch 2.11 and 2.13
+(docs/testing.md); another torch may need this module to follow torch pipelining's.
 """
 
 from __future__ import annotations

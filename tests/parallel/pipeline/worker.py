@@ -128,19 +128,26 @@ def equivalence_case(case: dict) -> dict | None:
 
 @contextlib.contextmanager
 def counting_reduce_scatters():
-    """Count the reduce-scatters FSDP2 issues (it calls ``torch.distributed.reduce_scatter_single``)."""
+    """Count the reduce-scatters FSDP2 issues (it calls ``torch.distributed.reduce_scatter_single`` in torch
+    2.13, ``reduce_scatter_tensor`` in 2.11)."""
     calls = [0]
-    real = dist.reduce_scatter_single
+    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
+    real = {n: getattr(dist, n) for n in names}
 
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
+    def counting(name):
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return real[name](*args, **kwargs)
 
-    dist.reduce_scatter_single = counted
+        return counted
+
+    for n in names:
+        setattr(dist, n, counting(n))
     try:
         yield calls
     finally:
-        dist.reduce_scatter_single = real
+        for n in names:
+            setattr(dist, n, real[n])
 
 
 def fsdp_groups(engine) -> int:

@@ -241,6 +241,7 @@ def calibrate_and_run(a: argparse.Namespace, out: Path, load0: tuple) -> tuple:
     """Calibrate, run the benchmarks and save the calibration for ``--reuse``:
     ``(comp, loop, net, cores, load, dp_runs, pp_runs)``, ``load`` the load averages at the start and end."""
     print("calibrating ...", flush=True)
+    t0 = time.time()
     cores = os.cpu_count() or 1
     comp, loop, net = calibrate(cores)
     dp_runs, pp_runs = run_benches(a, out)
@@ -250,6 +251,9 @@ def calibrate_and_run(a: argparse.Namespace, out: Path, load0: tuple) -> tuple:
         "net": net,
         "cores": cores,
         "load": [load0[0], os.getloadavg()[0]],
+        # what --reuse writes at the page's head: the invocation that measured the runs, not its own
+        "repeat": a.repeat,
+        "minutes": max(1, round((time.time() - t0) / 60)),
     }
     (out / "calibration.json").write_text(json.dumps(saved, default=str))
     load = (load0[0], os.getloadavg()[0])
@@ -344,8 +348,9 @@ def copy_gantts(gantt_pair: tuple, img: Path, out: Path) -> None:
     shutil.copy(tmp / "gantt.png", img / "simval_simulated_fold.png")
 
 
-def intro_lines(a: argparse.Namespace, cores: int, load: tuple, minutes: int) -> list[str]:
-    repeat = f" --repeat {a.repeat}" if a.repeat > 1 else ""
+def intro_lines(repeats: int, cores: int, load: tuple, minutes: int) -> list[str]:
+    """The page's head: the command that measured its runs (``repeats``, ``minutes``) and the conditions."""
+    repeat = f" --repeat {repeats}" if repeats > 1 else ""
     return [
         "# Simulator validation: predicted against measured on this machine",
         "",
@@ -532,8 +537,11 @@ def main(argv: list[str] | None = None) -> int:
     out, docs = Path(a.out), Path(a.docs)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    repeats, minutes = a.repeat, 0
     if a.reuse:
         comp, loop, net, cores, load, dp_runs, pp_runs = reuse_runs(out)
+        saved = json.loads((out / "calibration.json").read_text())
+        repeats, minutes = saved.get("repeat", a.repeat), saved.get("minutes", 0)
     else:
         comp, loop, net, cores, load, dp_runs, pp_runs = calibrate_and_run(a, out, os.getloadavg())
     rows, gantt_pair = simulate_runs(dp_runs + pp_runs, comp, loop, net, cores)
@@ -541,8 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     img.mkdir(parents=True, exist_ok=True)
     if gantt_pair:
         copy_gantts(gantt_pair, img, out)
-    minutes = max(1, round((time.time() - t0) / 60))
-    lines = intro_lines(a, cores, load, minutes) + comparison_table(rows) + summary_table(rows)
+    minutes = minutes or max(1, round((time.time() - t0) / 60))
+    lines = intro_lines(repeats, cores, load, minutes) + comparison_table(rows) + summary_table(rows)
     lines += calibration_table(comp, loop, net)
     if gantt_pair:
         lines += GANTT_SECTION

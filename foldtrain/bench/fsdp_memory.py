@@ -5,10 +5,9 @@ every rank: the sharded state it keeps (its parameter shards, their gradients as
 moments), and the most unsharded parameters and gradients it held at once, sampled as every module's forward
 runs, as every module's output gradient arrives in the backward and as every unsharded gradient is
 accumulated (FSDP2 gathers a unit's parameters before these points, and reduce-scatters and frees its
-gradients after). That figure is a lower bound: FSDP2 has taken a unit's unsharded gradients from ``.grad``
-by the time their accumulation hooks run, and the fp32 reduce-scatter input it keeps in flight is not
-visible at all. The simulator's memory model (``foldtrain simulate``: ``params + grads + optimizer``, and
-``comm_buffers``) predicts both from the configuration alone.
+gradients after), and at each reduce-scatter FSDP2 issues (the gradients it took and their fp32 input). Between
+those moments nothing is seen: the figure is a lower bound. The simulator's memory model (``foldtrain simulate``:
+``params + grads + optimizer``, and ``comm_buffers``) predicts both from the configuration alone.
 
     foldtrain bench fsdp-memory [--preset gpt2-small] [--vocab 8192] [--ranks 4] [--reshard true]
                                 [--pp 2 [--schedule 1f1b]]
@@ -236,8 +235,7 @@ def dp_report(a, args: list[str], rows: list[dict], pred: dict) -> None:
         f"simulator, rank 0: sharded state {sim_state / MB:.1f} MB ({sim_state / state0 - 1:+.1%} against the "
         f"measured), unsharded buffers {pred['comm_buffers'] / MB:.1f} MB "
         f"({pred['comm_buffers'] / max(rows[0]['unsharded_peak'], 1) - 1:+.1%} against the sampled lower bound; "
-        "it also counts a block's gradient and the fp32 reduce-scatter input in flight, which the sampling does "
-        "not see)"
+        "it also counts a block's gradient and an fp32 reduce-scatter input in flight)"
     )
 
 

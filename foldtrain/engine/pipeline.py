@@ -52,8 +52,8 @@ from foldtrain.parallel.pipeline.reducer import ChunkReducer
 from foldtrain.parallel.pipeline.stage import apply_activation_checkpointing, build_chunks, materialize
 from foldtrain.parallel.pipeline.tie import LocalTie
 from foldtrain.profile import StepProfiler, Timeline
-from foldtrain.schedules import build_schedule, channels_of, step_policy
-from foldtrain.schedules.layout import distributed_optimizer, validate_layout
+from foldtrain.schedules import channels_of, step_policy
+from foldtrain.schedules.layout import validate_layout
 
 
 class PipelineEngine:
@@ -68,16 +68,7 @@ class PipelineEngine:
         self.layout = lay = validate_layout(cfg, world)
         self.micro_batch = lay.micro_batch
         self.precision = Precision(cfg.precision, device)
-        p = cfg.parallel
-        self.pipeline_schedule = sched = build_schedule(
-            p.schedule,
-            lay.pp,
-            lay.virtual,
-            lay.microbatches,
-            p.dp_sync,
-            cfg.fold.defer_reduce,
-            distributed_optimizer(cfg),
-        )
+        self.pipeline_schedule = sched = lay.schedule
         kinds = channels_of(sched) == "per-kind"
         self.topo = topo = get_topology(lay.dp, lay.pp, lay.tp, device.type, cfg.dp.timeout_s, kinds)
         self.rank = topo.rank

@@ -27,6 +27,7 @@ from foldtrain.optim import WarmupCosine, adamw_state, build_optimizer
 from foldtrain.parallel.pipeline import fsdp
 from foldtrain.parallel.pipeline.p2p import local_part
 from foldtrain.parallel.pipeline.zero import ChunkShards
+from foldtrain.schedules.layout import distributed_optimizer
 
 
 class ChunkOptimizers:
@@ -48,7 +49,7 @@ class ChunkOptimizers:
         self.schedule = WarmupCosine(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.steps)
         self.shards = None
         self.fsdp = cfg.dp.strategy == "fsdp"  # the chunks are fully sharded: every norm sums local shards
-        if cfg.optim.distributed and topo.dp > 1:  # this dp rank's slices own AdamW (ZeRO-1)
+        if distributed_optimizer(cfg):  # this dp rank's slices own AdamW (ZeRO-1)
             deferred_bytes = cfg.fold.bucket_mb * 2**20  # a deferred chunk's reduction: the deadline queue's buckets
             self.shards = {
                 s: ChunkShards(

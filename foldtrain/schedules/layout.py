@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from foldtrain.errors import ConfigError
-from foldtrain.schedules.actions import Op
+from foldtrain.schedules.actions import Op, Schedule
 from foldtrain.schedules.generators import build_schedule
 
 __all__ = [
@@ -53,6 +53,7 @@ class Layout:
     microbatches: int  # M, per data-parallel rank and iteration
     micro_batch: int  # rows per micro-batch
     layers: tuple[tuple[int, ...], ...]  # block indices (0-based) of each global segment
+    schedule: Schedule  # the action lists the 3D engine runs (and the simulator simulates)
 
     @property
     def segments(self) -> int:
@@ -254,4 +255,4 @@ def validate_layout(cfg, world_size: int) -> Layout:
                 "must skip the step of every chunk together when any gradient overflows; "
                 "use --precision bf16 or drop --fold.defer_reduce"
             )
-    return Layout(dp, pp, tp, v, n_micro, micro, tuple(tuple(x) for x in layers))
+    return Layout(dp, pp, tp, v, n_micro, micro, tuple(tuple(x) for x in layers), schedule)

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from foldtrain.schedules import Schedule, activations_peak
 
-from .costs import CostModel, block_params, rank_segments, segment_params, stepped_share
-from .pipeline_fsdp import peak_buffers
+from .costs import CostModel, rank_segments, segment_params, stepped_share
+from .pipeline_fsdp import peak_buffers, units
 from .setup import Setup
 
 GB = 1e9
@@ -79,8 +79,7 @@ def rank_memory(
             x += s.micro_batch * s.seq * s.d_model * s.act_bytes  # embedding output
         per_seg[g] = x
     if s.strategy == "fsdp-3d" and s.dp > 1:  # the most activations and unsharded buffers held together
-        blocks = {g: s.layers[g] * block_params(s) for g in segs}
-        roots = {g: segment_params(s, g) - blocks[g] for g in segs}
+        blocks, roots = ({g: units(s, g)[k] for g in segs} for k in (0, 1))
         act, out["comm_buffers"] = peak_buffers(s, sched, p, per_seg, blocks, roots)
     else:
         act = activations_peak(sched, p, per_seg)

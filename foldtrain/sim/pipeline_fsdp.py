@@ -32,9 +32,16 @@ from __future__ import annotations
 
 from foldtrain.schedules import WEIGHT_OPS, Op, Schedule
 
+from .costs import block_params, segment_params
 from .setup import Setup
 
 REDUCE_BYTES = 4  # fp32 gradients: accumulated, reduce-scattered, sharded
+
+
+def units(s: Setup, seg: int) -> tuple[float, float]:
+    """``(blocks, root)``: the parameters of segment ``seg``'s blocks (one unit each) and of its own unit."""
+    blocks = s.layers[seg] * block_params(s)
+    return blocks, segment_params(s, seg) - blocks
 
 
 def gathering_actions(sched: Schedule, p: int, reshard_after_forward: bool) -> set[tuple[Op, int, int]]:

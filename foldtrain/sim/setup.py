@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from foldtrain.config import dataparallel_rows
 from foldtrain.errors import ConfigError
 from foldtrain.model.presets import padded_vocab
-from foldtrain.schedules.layout import chunk_layers, resolve_microbatches, validate_layout
+from foldtrain.schedules.layout import chunk_layers, distributed_optimizer, resolve_microbatches, validate_layout
 
 # precision -> (compute dtype, weight bytes, grad bytes, activation bytes, fp32 master copy)
 PRECISION = {
@@ -221,5 +221,5 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         clip=cfg.optim.grad_clip > 0,
         dropout=m.dropout > 0,
         reshard_after_forward=d.reshard_after_forward,
-        dist_optim=three_d and cfg.optim.distributed and p.dp > 1,
+        dist_optim=three_d and distributed_optimizer(cfg),
     )

@@ -48,7 +48,7 @@ from .dataparallel import simulate_dataparallel
 from .events import Sim, run_schedule
 from .fsdp import simulate_fsdp
 from .memory import GB, format_breakdown, rank_memory
-from .pipeline_fsdp import REDUCE_BYTES, gathering_actions, roots_gathered
+from .pipeline_fsdp import REDUCE_BYTES, gathering_actions, roots_gathered, units
 from .setup import Setup, resolve_setup
 
 
@@ -109,21 +109,20 @@ class RunCosts:
         t = self._compute[a.op](a.chunk)
         if self.fsdp and self.c.shared_cores <= 0 and (a.op, a.chunk, a.mb) in self._gathers[p]:
             # FSDP2 prefetches the next unit while one computes: the pass lasts as long as the longer of the two
-            t = max(t, (self.cm.s.layers[a.chunk] - 1) * self._seconds(self.all_gather(p, self.block_bytes())))
+            block = self.all_gather(p, self.block_bytes(), self.slower("ag"))
+            t = max(t, (self.s.layers[a.chunk] - 1) * self._seconds(block))
         return t
 
     # -- fsdp in the 3D engine (.pipeline_fsdp)
     def block_bytes(self) -> float:
         return block_params(self.s) * self.s.weight_bytes
 
-    def root_params(self, seg: int) -> float:
-        return segment_params(self.s, seg) - self.s.layers[seg] * block_params(self.s)
-
-    def all_gather(self, p: int, nbytes: float) -> list:
-        """An all-gather of ``nbytes`` (unsharded) over rank ``p``'s data-parallel group."""
+    def all_gather(self, p: int, nbytes: float, slower: float = 1.0) -> list:
+        """An all-gather of ``nbytes`` (unsharded) over rank ``p``'s data-parallel group: n-1 steps, (n-1)/n of
+        the bytes on the link (``slower`` times that: :meth:`slower`)."""
         n = self.s.dp
         key, weight, _bw, lat = self.pl.dp_link(p)
-        return [self.steps(n - 1, lat), ("flow", key, weight, (n - 1) / n * nbytes * self.slower("ag"))]
+        return [self.steps(n - 1, lat), ("flow", key, weight, (n - 1) / n * nbytes * slower)]
 
     def slower(self, kind: str) -> float:
         """How much longer than the link's all-reduce bus bandwidth says a reduce-scatter ("rs") or all-gather
@@ -144,13 +143,13 @@ class RunCosts:
         if not self.fsdp:
             return None
         out: list = []
-        root = self.root_params(a.chunk)
+        root, k = units(self.s, a.chunk)[1], self.slower("ag")
         if a.op is Op.FORWARD and root > 0 and (a.chunk, a.mb) in self._roots[p]:
-            out += self.all_gather(p, root * self.s.weight_bytes)
+            out += self.all_gather(p, root * self.s.weight_bytes, k)
         if (a.op, a.chunk, a.mb) in self._gathers[p]:
             blocks = self.s.layers[a.chunk] if self.c.shared_cores > 0 else min(1, self.s.layers[a.chunk])
             for _ in range(blocks):
-                out += self.all_gather(p, self.block_bytes())
+                out += self.all_gather(p, self.block_bytes(), k)
         return out or None
 
     def blocking_reduce(self, p: int, seg: int) -> list | None:
@@ -158,9 +157,9 @@ class RunCosts:
         reduce-scatter (the root's final callback waits for them); ``None`` without."""
         if not self.fsdp:
             return None
-        units = [block_params(self.s)] * self.s.layers[seg] + [self.root_params(seg)]
+        each = [block_params(self.s)] * self.s.layers[seg] + [units(self.s, seg)[1]]
         k = self.slower("rs")
-        return [ph for n in units if n > 0 for ph in self.reduce_scatter(p, n * REDUCE_BYTES, k)]
+        return [ph for n in each if n > 0 for ph in self.reduce_scatter(p, n * REDUCE_BYTES, k)]
 
     def send(self, p: int, a):
         key, weight, lat = self.pl.p2p_link(p, a.peer)
@@ -184,7 +183,8 @@ class RunCosts:
         if seg in self._red:
             return self._red[seg]
         if self.fsdp:  # the reduce-scatters block the LR (blocking_reduce); then the tied copy's shard is summed
-            self._red[seg] = [(None, self.fsdp_tie(p, seg))] if self.fsdp_tie(p, seg) else []
+            tie = self.fsdp_tie(p, seg)
+            self._red[seg] = [(None, tie)] if tie else []
             return self._red[seg]
         s, cm = self.s, self.cm
         n = s.dp
@@ -376,10 +376,7 @@ class RunCosts:
         s = self.s
         if not s.dist_optim:
             return None
-        n = s.dp
-        key, weight, _bw, lat = self.pl.dp_link(p)
-        nbytes = (segment_params(s, seg) - whole_params(s, seg)) * s.weight_bytes
-        return [self.steps(n - 1, lat), ("flow", key, weight, (n - 1) / n * nbytes)]
+        return self.all_gather(p, (segment_params(s, seg) - whole_params(s, seg)) * s.weight_bytes)
 
     # -- barriers the action list does not show
     def before_steps(self):

@@ -24,6 +24,8 @@ A cluster file (copy a preset and edit it; every number is required and positive
                              # the share of the SMs its tiles' last wave keeps busy x K / (K + gemm_k_half)
     gemm_k_half = 512        # optional, with sms (absent: 0)
     kernel_us = 3            # optional: device time every kernel takes beyond its work (absent: 0)
+    overlap_slowdown = 0.19  # optional: compute takes this much longer while a data-parallel collective runs
+                             # beside it (its kernels take SMs and memory bandwidth; absent: 0)
     layer_overhead_us = 60   # fixed cost per transformer block and pass (kernel launches, Python)
     runtime_gb = 1.0         # optional: memory the framework takes per rank (CUDA context, ...)
     backward_ratio = 1.9     # optional: a block's backward time / its forward time, measured (absent: the
@@ -195,6 +197,7 @@ class Cluster:
     sms: float = 0.0  # streaming multiprocessors: > 0 prices products by their tiles' waves (a GPU)
     gemm_k_half: float = 0.0  # inner dimension at which a product's tiles reach half of their rate
     kernel_time: float = 0.0  # s of device time every kernel takes beyond its work (ramp-up, tail)
+    overlap_slowdown: float = 0.0  # compute's extra time while a data-parallel collective runs beside it
     gemm: Measured = field(default_factory=Measured)  # FLOP/s at (M, N, K), per dtype
     attn_fwd: Measured = field(default_factory=Measured)  # FLOP/s at (batch, heads, seq, head_dim), per dtype
     attn_bwd: Measured = field(default_factory=Measured)
@@ -252,6 +255,7 @@ OPTIONAL: dict[str, tuple[str, float, float]] = {
     "device.sms": ("sms", 1.0, 0.0),
     "device.gemm_k_half": ("gemm_k_half", 1.0, 0.0),
     "device.kernel_us": ("kernel_time", 1e6, 0.0),
+    "device.overlap_slowdown": ("overlap_slowdown", 1.0, 0.0),
 }
 LINK_OPTIONAL: dict[str, tuple[str, float]] = {
     "collective_latency_us": ("hop", 1e6),

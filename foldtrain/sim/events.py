@@ -11,7 +11,9 @@ handler per op, with the durations and bytes of a :class:`Costs`:
   ``("cpu",)`` resource, where each busy rank gets ``min(1, cores / busy ranks)`` of a core, less
   ``node.oversubscribed_efficiency`` when more ranks than cores are busy (the optimizer step too),
   and a reduction's transfer also needs ``costs.comm_cpu`` core-seconds there (gloo's threads
-  sending, receiving and summing), so communication slows compute down as on the host;
+  sending, receiving and summing), so communication slows compute down as on the host; on own devices
+  compute runs ``1 + costs.overlap_slowdown()`` times slower while any of the rank's reduction streams
+  runs a collective (NCCL's kernels take SMs and memory bandwidth from it);
 * before a compute action, the all-gathers it needs (``costs.unshard``: FSDP's units found sharded) run on the
   rank's reduction stream and the rank waits for them (``reduce_wait``); likewise before an ``LR`` what it
   waits for (``costs.blocking_reduce``: FSDP's reduce-scatters);
@@ -113,6 +115,9 @@ class Costs(Protocol):
     def action_overhead(self) -> float:
         """The executor's own host work per action, in seconds."""
 
+    def overlap_slowdown(self) -> float:
+        """A device's compute takes ``1 +`` this as long while its reduction streams run a collective."""
+
     def policy(self) -> StepPolicy:
         """The run's step policy (early steps, clipping), as the engine derives it."""
 
@@ -156,12 +161,19 @@ class Sim:
         self.fifo: dict[tuple, float] = {}  # dedicated FIFO links: when they are free
         P = sched.pp
         self.ranks = [RankState(p, rank_rules(sched, p)) for p in range(P)]
-        self.dp_stream = [Stream(self, after=lambda p=p: self.pump(p)) for p in range(P)]
+        # own devices whose compute slows beside a collective: each rank's compute is a flow on its own
+        # device, at 1 / (1 + slowdown) of its rate while any of its streams below is busy
+        slowdown = costs.overlap_slowdown() if self.cpu is None else 0.0
+        self.slowdown = slowdown
+        self.device = [SharedLink(self, 1.0) for _ in range(P)] if slowdown > 0 else None
+        self.in_flight = [0] * P
+        act = lambda p: lambda d: self._collectives(p, d)  # noqa: E731
+        self.dp_stream = [Stream(self, after=lambda p=p: self.pump(p), active=act(p)) for p in range(P)]
         # the deadline queue's second stream: deferred buckets, one at a time, none while an urgent
         # reduction is in flight, the rest at the iteration's end in deadline order
-        self.defer_stream = [Stream(self, after=lambda p=p: self.pump(p)) for p in range(P)]
+        self.defer_stream = [Stream(self, after=lambda p=p: self.pump(p), active=act(p)) for p in range(P)]
         self.pending: list[list] = [[] for _ in range(P)]  # (deadline, chunk, bucket, phases, done), in launch order
-        self.tie_stream = [Stream(self) for _ in range(P)]
+        self.tie_stream = [Stream(self, active=act(p)) for p in range(P)]
         self.arrived: dict[tuple, float] = {}  # (iteration, message key) -> arrival time
         self.recv_waiters: dict[tuple, Callable[[float], None]] = {}
         self.red_done: dict[tuple, float] = {}  # (p, chunk, iteration, "dp"|"tie") -> completion
@@ -202,21 +214,30 @@ class Sim:
                 ln = self.links[key] = SharedLink(self, self.costs.link_bw(key))
         return ln
 
+    def _collectives(self, p: int, delta: int) -> None:
+        """Rank ``p``'s streams started (+1) or ended (-1) a collective: its device's compute slows beside one."""
+        before = self.in_flight[p] > 0
+        self.in_flight[p] += delta
+        if self.device is not None and (self.in_flight[p] > 0) != before:
+            self.device[p].set_scale(1.0 / (1.0 + self.slowdown) if self.in_flight[p] else 1.0)
+
     def busy(self, r: RankState, dur: float, done: Callable[[float], None], start: float | None = None) -> None:
         """``dur`` seconds of this rank's compute from ``start`` (default ``r.t``): on the shared cores if
-        there are any, else alone."""
+        there are any, on its device beside its collectives if they slow it, else alone."""
         start = r.t if start is None else start
-        if self.cpu is None:
-            done(start + dur)  # its own device: the end is known now (``done`` resumes the rank then)
-        else:
+        if self.cpu is not None:
             self.at(start, lambda: self.link(CPU).add(dur, self.cpu[2], done))
+        elif self.device is not None:
+            self.at(start, lambda: self.device[r.p].add(dur, 1.0, done))
+        else:
+            done(start + dur)  # its own device: the end is known now (``done`` resumes the rank then)
 
     def busy_marked(
         self, r: RankState, start: float, dur: float, marks: list, done: Callable[[float], None], reached: float = 0.0
     ) -> None:
         """``busy`` in pieces: ``marks[i][1](t)`` is called when fraction ``marks[i][0]`` of ``dur`` is done
         (``reached``: the fraction done before ``start``)."""
-        if self.cpu is None:  # its own device: every mark's time is known now (no recursion per mark)
+        if self.cpu is None and self.device is None:  # every mark's time is known now (no recursion per mark)
             t = start
             for f, cb in marks:
                 f = min(max(f, reached), 1.0)

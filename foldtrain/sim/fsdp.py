@@ -30,9 +30,10 @@ through the one process group, whose NCCL collectives run on one internal stream
 ring: ``(N-1)/N x bytes / busbw + (N-1) x hop`` (half of ``CostModel.ring_allreduce_time``'s all-reduce; no
 separate summation term, as there), with the link's ``ag_bw`` / ``rs_bw`` bus bandwidth (``bw`` when 0) and
 ``coll`` hop; the node's NIC when the ranks span nodes (``Placement.dp_spans_nodes``; the ring crosses a node
-boundary once per channel, so the node's NIC carries one rank's ring bytes). Not modelled: NCCL kernels
-taking SMs from compute (no cluster field says how many), the copy-in/copy-out and casts around each
-collective, and the host: a pass's launches are in its compute time, and the prefetches assume the host is
+boundary once per channel, so the node's NIC carries one rank's ring bytes). While a collective is on the
+link the compute beside it runs ``1 + device.overlap_slowdown`` times slower (NCCL's kernels hold SMs and
+memory bandwidth; :func:`stretched`). Not modelled: the copy-in/copy-out and casts around each collective,
+and the host: a pass's launches are in its compute time, and the prefetches assume the host is
 ahead.
 
 After the backward: the fp16 overflow vote (fp16), the gradient-norm all-reduce (always: the norm is logged,
@@ -188,11 +189,18 @@ def _event(name: str, kind: str, start: float, end: float, **args) -> dict:
 
 
 class _Lanes:
-    """The rank's compute stream and its link, and the events they record."""
+    """The rank's compute stream and its link, and the events they record; ``slowdown``: compute's extra time
+    while a collective is on the link (``Cluster.overlap_slowdown``)."""
 
-    def __init__(self):
+    def __init__(self, slowdown: float = 0.0):
         self.t = self.link = self.last_rs = self.waited = 0.0
+        self.slowdown = slowdown
+        self.busy: list[tuple[float, float]] = []  # the link's collectives, in time order
         self.events: list[dict] = []
+
+    def compute(self, work: float) -> float:
+        """Run ``work`` seconds of compute from now, slower where the link's collectives overlap it; its end."""
+        return stretched(self.t, work, self.busy, self.slowdown)
 
     def wait(self, until: float, what: str) -> None:
         if until > self.t:
@@ -204,14 +212,34 @@ class _Lanes:
         """A collective on the link, once it is free and ``after``; returns its end."""
         start = max(self.link, after)
         self.link = start + dur
+        self.busy.append((start, self.link))
         self.events.append(_event(name, "reduce", start, self.link))
         return self.link
 
 
-def timeline(s: Setup, ph: Phases, overlap: bool = True) -> tuple[float, list[dict], float]:
+def stretched(start: float, work: float, busy: list[tuple[float, float]], slowdown: float) -> float:
+    """The end of ``work`` seconds of compute from ``start`` that runs ``1 + slowdown`` times slower inside the
+    ``busy`` intervals (sorted, disjoint)."""
+    t = start
+    for b0, b1 in busy:
+        if b1 <= t or slowdown <= 0:
+            continue
+        if b0 > t:  # alone until the next collective
+            if t + work <= b0:
+                return t + work
+            work -= b0 - t
+            t = b0
+        if t + work * (1 + slowdown) <= b1:
+            return t + work * (1 + slowdown)
+        work -= (b1 - t) / (1 + slowdown)
+        t = b1
+    return t + work
+
+
+def timeline(s: Setup, ph: Phases, overlap: bool = True, slowdown: float = 0.0) -> tuple[float, list[dict], float]:
     """``(step time, events, seconds waited for collectives)``; ``overlap=False``: every collective blocks."""
     todo = items(s, ph)
-    ln = _Lanes()
+    ln = _Lanes(slowdown if overlap else 0.0)
     ready: dict[int, float] = {}  # item -> end of its all-gather
     for k, it in enumerate(todo):
         if it.gather and k not in ready:  # not prefetched: issued now
@@ -221,7 +249,7 @@ def timeline(s: Setup, ph: Phases, overlap: bool = True) -> tuple[float, list[di
         nxt = todo[k + 1] if k + 1 < len(todo) else None
         if overlap and nxt is not None and nxt.gather and not nxt.first:
             ready[k + 1] = ln.issue(f"all-gather for {nxt.name}", nxt.gather, start)  # prefetch
-        ln.t = start + it.compute
+        ln.t = ln.compute(it.compute)
         ln.events.append(_event(it.name, "compute", start, ln.t, op=it.op))
         if it.reduce:
             if overlap:
@@ -285,7 +313,7 @@ def simulate_fsdp(s: Setup, c: Cluster, check_memory: bool = True) -> FSDPStep:
         )
     ph = phases(s, c)
     overlap = c.shared_cores <= 0
-    step, events, waited = timeline(s, ph, overlap)
+    step, events, waited = timeline(s, ph, overlap, c.overlap_slowdown)
     gathers = sum(it.gather for it in items(s, ph))
     reduces = sum(it.reduce for it in items(s, ph))
     ms = lambda x: f"{x * 1e3:.3g} ms"  # noqa: E731

@@ -32,18 +32,26 @@ class SharedLink:
     (the host's cores): the share of ``bw`` left when the flows' weights sum to twice ``bw`` or more,
     linearly from 1 at ``bw`` (more runnable threads than cores switch and evict each other's caches)."""
 
-    __slots__ = ("sim", "bw", "cap", "over", "flows", "t", "ver", "_next")
+    __slots__ = ("sim", "bw", "cap", "over", "scale", "flows", "t", "ver", "_next")
 
     def __init__(self, sim: Sim, bw: float, cap: float = float("inf"), over: float = 1.0):
         self.sim, self.bw, self.cap, self.over = sim, bw, cap, over
+        self.scale = 1.0  # the share of ``bw`` left to the flows (a device's compute beside its collectives)
         self.flows: dict[int, list] = {}
         self.t = 0.0
         self.ver = 0
         self._next = 0
 
+    def set_scale(self, scale: float) -> None:
+        """From now on the flows get ``scale`` of the bandwidth."""
+        now = self.sim.now
+        self._advance(now)
+        self.scale = scale
+        self._reschedule(now)
+
     def rate(self) -> float:
         w = sum(f[1] for f in self.flows.values())
-        bw = self.bw
+        bw = self.bw * self.scale
         if self.over < 1.0 and w > bw:
             bw *= 1.0 - (1.0 - self.over) * min(1.0, (w - bw) / bw)
         return min(self.cap, bw / w)
@@ -92,11 +100,12 @@ class SharedLink:
 class Stream:
     """A FIFO of phase lists (a rank's reduction stream): one job at a time; ``after()`` once each is done."""
 
-    def __init__(self, sim: Sim, after: Callable[[], None] | None = None):
+    def __init__(self, sim: Sim, after: Callable[[], None] | None = None, active: Callable[[int], None] | None = None):
         self.sim = sim
         self.queue: list = []
         self.busy = False
         self.after = after
+        self.active = active  # called with +1 as a job starts and -1 as it ends
 
     def submit(self, ready_at: float, phases: list[Phase], done: Callable[[float, float], None]) -> None:
         self.queue.append((ready_at, phases, done))
@@ -111,10 +120,17 @@ class Stream:
         ready_at, phases, done = self.queue.pop(0)
         start = max(ready_at, self.sim.now)
 
+        def begin() -> None:
+            if self.active is not None:
+                self.active(1)
+            self.sim.run_phases(list(phases), finish)
+
         def finish(t: float) -> None:
+            if self.active is not None:
+                self.active(-1)
             done(start, t)
             self._start_next()
             if self.after is not None:
                 self.after()
 
-        self.sim.at(start, lambda: self.sim.run_phases(list(phases), finish))
+        self.sim.at(start, begin)

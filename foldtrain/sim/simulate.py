@@ -105,6 +105,9 @@ class RunCosts:
         data-parallel engines run no action list."""
         return self.c.action_overhead if self.s.mode == "3d" else 0.0
 
+    def overlap_slowdown(self) -> float:
+        return self.c.overlap_slowdown
+
     def compute(self, p: int, a) -> float:
         t = self._compute[a.op](a.chunk)
         if self.fsdp and self.c.shared_cores <= 0 and (a.op, a.chunk, a.mb) in self._gathers[p]:

@@ -71,6 +71,9 @@ class UnitCosts:
     def action_overhead(self) -> float:
         return 0.0
 
+    def overlap_slowdown(self) -> float:
+        return 0.0
+
     def policy(self) -> StepPolicy:
         return StepPolicy()
 

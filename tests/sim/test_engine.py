@@ -143,9 +143,12 @@ class _Buckets(UnitCosts):
     through the backward (``cpu``: core-seconds its communication threads take meanwhile), the last
     at the ``LR``."""
 
-    def __init__(self, cpu=0.0, cores=None):
+    def __init__(self, cpu=0.0, cores=None, slowdown=0.0):
         super().__init__(1.0, 2.0)
-        self.cpu, self.share = cpu, (cores, 1.0, 1.0, 1.0) if cores else None
+        self.cpu, self.share, self.slowdown = cpu, (cores, 1.0, 1.0, 1.0) if cores else None, slowdown
+
+    def overlap_slowdown(self):
+        return self.slowdown
 
     def reduce_buckets(self, p, c):
         return [(0.5, [("delay", 0.5, self.cpu)]), (None, [("delay", 0.5)])]
@@ -175,3 +178,15 @@ def test_a_collectives_cpu_slows_the_backward_it_overlaps():
     assert (b["start"], b["end"]) == (approx(1.0), approx(4.0))
     assert sim.iter_end[0] == approx(4.5)
     assert run_schedule(sched, _Buckets(cpu=1.0)).iter_end[0] == approx(3.5)
+
+
+def test_a_collective_slows_the_device_compute_beside_it():
+    """On an own device with ``overlap_slowdown`` 1, the backward runs at half speed while the first bucket
+    (2-2.5) is in flight: 0.25 s of its work done then, the last 0.75 s after, so it ends at 3.25 and the
+    last bucket runs 3.25-3.75. With shared cores the device figure is not used (the cores model it)."""
+    sched = build_schedule("1f1b", 1, 1, 1)
+    sim = run_schedule(sched, _Buckets(slowdown=1.0))
+    (b,) = [e for e in sim.ranks[0].events if e["kind"] == "compute" and e["args"]["op"] == "B" and e["step"] == 0]
+    assert (b["start"], b["end"]) == (approx(1.0), approx(3.25))
+    assert sim.iter_end[0] == approx(3.75)
+    assert run_schedule(sched, _Buckets(cores=1.0, slowdown=1.0)).iter_end[0] == approx(3.5)

@@ -12,7 +12,7 @@ from foldtrain.config import build_config
 from foldtrain.errors import ConfigError
 from foldtrain.sim.cluster import from_dict, load_cluster
 from foldtrain.sim.costs import CostModel, block_params, model_params
-from foldtrain.sim.fsdp import Phases, items, phases, rank_bytes, root_params, simulate_fsdp, timeline
+from foldtrain.sim.fsdp import Phases, items, phases, rank_bytes, root_params, simulate_fsdp, stretched, timeline
 from foldtrain.sim.setup import resolve_setup
 from foldtrain.sim.simulate import simulate, simulate_setup
 from tests.sim.conftest import cluster_dict
@@ -93,6 +93,24 @@ def test_one_reduce_scatter_in_flight():
     assert spans["B embed mb0"] == (40, 41)
     assert spans["reduce-scatter after B block 0 mb0"] == (40, 55)
     assert waited == pytest.approx(1 + 1 + 1 + 5 + 14 + 4)
+
+
+def test_compute_beside_a_collective_runs_slower():
+    """``overlap_slowdown`` 1: 1 s of work from 0 beside a collective in [0.5, 1] runs alone to 0.5, at half
+    speed to 1 (0.25 done), then alone: it ends at 1.25. In the two-block case above the embedding (1 s of
+    work from 1) runs beside block 0's all-gather [1, 3], at half speed, to 3; block 0's forward (5 s of work
+    from 3) beside block 1's all-gather [3, 5]: 1 s of it done there, the rest by 9."""
+    assert stretched(0.0, 1.0, [(0.5, 1.0)], 1.0) == pytest.approx(1.25)
+    assert stretched(0.0, 1.0, [(0.5, 1.0)], 0.0) == pytest.approx(1.0)
+    assert stretched(2.0, 1.0, [(0.5, 1.0), (4.0, 5.0)], 1.0) == pytest.approx(3.0)  # collectives elsewhere
+    s = dataclasses.replace(setup(4), n_layer=2, layers=(2,), microbatches=1)
+    _, events, _ = timeline(s, hand_phases(), slowdown=1.0)
+    spans = {e["name"]: (e["start"], e["end"]) for e in events}
+    assert spans["F embed mb0"] == pytest.approx((1, 3))
+    assert spans["F block 0 mb0"] == pytest.approx((3, 9))
+    base, _, _ = timeline(s, hand_phases())
+    slow, _, _ = timeline(s, hand_phases(), slowdown=1.0)
+    assert slow > base + 1
 
 
 def test_without_overlap_every_collective_adds():

@@ -28,10 +28,13 @@ class Scale:
     stream_bytes: int  # copy, add and AdamW tensors
     sizes: tuple  # collective message sizes
     budget: int  # bytes per collective size and kind
+    overlap: tuple  # (n, all-reduce bytes, dtype) of the products timed beside the all-reduces
 
 
-CUDA_SCALE = Scale(0.02, (256, 512, 1024, 2048, 4096, 8192), 256 << 20, nccl.CUDA_SIZES, nccl.CUDA_BUDGET)
-CPU_SCALE = Scale(0.01, (32, 64, 128), 4 << 20, nccl.CPU_SIZES, nccl.CPU_BUDGET)
+CUDA_SCALE = Scale(
+    0.02, (256, 512, 1024, 2048, 4096, 8192), 256 << 20, nccl.CUDA_SIZES, nccl.CUDA_BUDGET, (8192, 256 << 20, "bf16")
+)
+CPU_SCALE = Scale(0.01, (32, 64, 128), 4 << 20, nccl.CPU_SIZES, nccl.CPU_BUDGET, (256, 1 << 20, "fp32"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +221,8 @@ def run(opts: Options, argv: list[str], out: str, name: str) -> int:
         if env.rank == 0 and opts.world > 1:
             print(f"calibrate: collectives among {opts.world} ranks, {opts.per_node} per node ...", flush=True)
         links = nccl.measure_links(env.device, opts.per_node, scale.sizes, scale.budget)
+        n, nbytes, dtype = scale.overlap
+        links["overlap"] = nccl.compute_beside_collectives(env.device, n, nbytes, gpu.torch_dtype(dtype))
         if env.rank == 0:
             c = opts.cases[0]
             d = opts.dtypes[0]

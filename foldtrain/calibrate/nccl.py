@@ -9,6 +9,7 @@ its slowest rank's.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -18,6 +19,8 @@ CPU_SIZES = tuple(1024 * 4**k for k in range(5))  # 1 KB .. 256 KB
 CUDA_BUDGET = 1 << 30  # bytes per size and kind: iterations = budget / size, 5 to 50
 CPU_BUDGET = 1 << 20
 PING_PONGS = 20
+OVERLAP_PRODUCTS = 20  # matrix products timed alone, then beside the all-reduces
+OVERLAP_TRIES = 4  # the all-reduces doubled until they outlast the products
 
 
 def bus_bw(kind: str, nbytes: float, seconds: float, n: int) -> float:
@@ -184,3 +187,58 @@ def measure_links(device, per_node: int, sizes, budget: int) -> dict:
         "intra": _curve(intra, per_node, sizes, statistics.median) if per_node > 1 else None,
         "inter": _curve(inter, nodes, sizes, sum) if nodes > 1 else None,
     }
+
+
+def _compute_done(device) -> None:
+    """Wait for the compute stream only (a device's collectives run on streams of their own)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def compute_beside_collectives(device, n: int, nbytes: int, dtype) -> float | None:
+    """How much longer :data:`OVERLAP_PRODUCTS` ``(n x n) @ (n x n)`` products take while all-reduces of
+    ``nbytes`` over every rank run beside them than alone, less 1 (``device.overlap_slowdown``); the ranks'
+    mean, on every rank; None without a process group. The all-reduces are queued just before the products
+    and must still be running when the products end (else twice as many, up to :data:`OVERLAP_TRIES` times)."""
+    import torch
+    import torch.distributed as dist
+
+    from foldtrain import collectives
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    world, me = dist.get_world_size(), dist.get_rank()
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty_like(a)
+
+    def products() -> float:
+        t0 = time.perf_counter()
+        for _ in range(OVERLAP_PRODUCTS):
+            torch.mm(a, a, out=out)
+        _compute_done(device)
+        return time.perf_counter() - t0
+
+    products()
+    _align(None, device)
+    alone = min(products() for _ in range(3))
+    reduce = _collective("all_reduce", nbytes, None, world, me, device)
+    one = _time(reduce, 3, None, device)
+    # every rank issues as many all-reduces: the most any rank needs
+    need = torch.tensor([max(2, math.ceil(2 * alone / max(one, 1e-9)))], dtype=torch.float64, device=device)
+    collectives.all_reduce(need, op=dist.ReduceOp.MAX)
+    count = int(need.item())
+    for _ in range(OVERLAP_TRIES):
+        _align(None, device)
+        works = [reduce() for _ in range(count)]
+        beside = products()
+        outlasted = torch.tensor([0.0 if all(w.is_completed() for w in works) else 1.0], device=device)
+        _finish(works, device)
+        collectives.all_reduce(outlasted, op=dist.ReduceOp.MIN)
+        if outlasted.item() or count > 1e5:
+            break
+        count *= 2
+    ratio = torch.tensor([beside / alone - 1.0], dtype=torch.float64, device=device)
+    collectives.all_reduce(ratio)
+    return max(0.0, ratio.item() / world)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from datetime import datetime, timezone
 
+from . import nccl
 from .nccl import KINDS
 
 SAME_DEVICE = "not measured: each rank has a device of its own (the field applies with shared_cores)"
@@ -86,6 +87,7 @@ def build_cluster(name: str, opts, k, links: dict, device):
         attn_half_seq=k.attention[2],
         **{attr: _median(k.bw[kind]) for kind, attr in KIND_BANDWIDTH.items()},
         adamw_bw=k.streams["adamw"],
+        overlap_slowdown=preset.overlap_slowdown if links.get("overlap") is None else links["overlap"],
         gemm=Measured({d: dict(t) for d, t in k.gemm.items()}),
         attn_fwd=Measured(attn),
         attn_bwd=Measured(attn_b),
@@ -214,6 +216,13 @@ def all_notes(src: str, opts, scale, k, links: dict, device) -> dict[str, str]:
     alone = "one GPU" if device.type == "cuda" else "one process"
     intra_why = alone if one else "one rank per node"
     inter_why = alone if one else "one node"
+    n, nbytes, dtype = scale.overlap
+    notes["device.overlap_slowdown"] = (
+        f"not measured ({alone}): from preset {preset}"
+        if links.get("overlap") is None
+        else f"{src}: {nccl.OVERLAP_PRODUCTS} ({n} x {n}) products in {dtype} beside {backend} all-reduces of "
+        f"{_size(nbytes)} over every rank / the same alone, less 1, the ranks' mean"
+    )
     notes.update(link_notes(src, "intra", links["intra"], intra_why, preset, backend))
     notes.update(link_notes(src, "inter", links["inter"], inter_why, preset, backend))
     for d in opts.dtypes:

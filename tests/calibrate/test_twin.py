@@ -78,5 +78,8 @@ def test_torchrun_measures_links_inside_and_between_nodes(tmp_path, capsys):
         # the field is the curve's largest size (the note lists the curve in GB/s, 3 digits)
         curve = n[f"{sec}.bw_gbs"].rsplit(":", 1)[1].split(",")
         assert len(curve) == 5 and float(curve[-1]) == pytest.approx(link.bw / 1e9, rel=5e-3)
+    # compute beside the collectives: 4 ranks' products and gloo's threads on 2 cores, so clearly slower
+    assert 0 < c.overlap_slowdown < 20 and n["device.overlap_slowdown"].startswith("measured on the CPU")
+    assert "beside gloo all-reduces" in n["device.overlap_slowdown"]
     simulate(out, "--parallel.dp", "4", "--dp.strategy", "ddp", "--train.global_batch", "4")
     assert "step time" in capsys.readouterr().out

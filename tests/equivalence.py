@@ -127,6 +127,7 @@ def make_cfg(c: dict, steps: int = STEPS, out: str = "", **over):
         "optim.warmup_steps": 2,
         "optim.grad_clip": clip,
         "optim.distributed": bool(c.get("zero")),
+        "optim.shard_tied": bool(c.get("shard_tied")),
         "parallel.dp": dp,
         "parallel.pp": pp,
         "parallel.tp": tp,

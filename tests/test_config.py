@@ -79,3 +79,5 @@ def test_world_checks():
     with pytest.raises(ConfigError, match="--optim.distributed shards the 3D engine.*sharded-ps or fsdp"):
         validate(build_config(["--dp.strategy", "ddp", "--optim.distributed", "true"]), world_size=2)
     validate(build_config(["--parallel.dp", "2", "--optim.distributed", "true", "--train.global_batch", "4"]), 2)
+    with pytest.raises(ConfigError, match="--optim.shard_tied slices .* add --optim.distributed true"):
+        validate(build_config(["--parallel.dp", "2", "--optim.shard_tied", "true", "--train.global_batch", "4"]), 2)

@@ -1,10 +1,10 @@
 """The 3D engine's distributed optimizer: per-rank optimizer state and masters, measured, against the default.
 
-One launch of ``dp x pp`` ranks builds the 3D engine twice on the same model and layout, without and with
-``--optim.distributed``, trains two steps each and counts on every rank the bytes of the tensors AdamW
-keeps (its moments, and the fp32 masters: the master precisions' copies, or the distributed optimizer's
-slices). The simulator's memory model (``foldtrain simulate``'s ``optimizer`` + ``masters``) predicts the
-same figures from the configuration alone.
+One launch of ``dp x pp`` ranks builds the 3D engine three times on the same model and layout: without
+``--optim.distributed``, with it, and with it and ``--optim.shard_tied``; it trains two steps each and counts on
+every rank the bytes of the tensors AdamW keeps (its moments, and the fp32 masters: the master precisions'
+copies, or the distributed optimizer's slices). The simulator's memory model (``foldtrain simulate``'s
+``optimizer`` + ``masters``) predicts the same figures from the configuration alone.
 
     foldtrain bench dist-optim [--preset gpt2-small] [--dp 2] [--pp 2] [--precision bf16-master]
 """
@@ -18,6 +18,12 @@ from pathlib import Path
 from foldtrain.bench.common import gather_from_workers
 
 MB = 2**20
+# the engines compared: name -> the options added to the configuration
+VARIANTS = {
+    "default": ["--optim.distributed", "false"],
+    "distributed": ["--optim.distributed", "true"],
+    "shard_tied": ["--optim.distributed", "true", "--optim.shard_tied", "true"],
+}
 
 
 def config_args(a) -> list[str]:
@@ -87,8 +93,8 @@ def worker(out: Path, argv: list[str]) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rows = {}
-    for distributed in (False, True):
-        cfg = build_config([*argv, "--optim.distributed", str(distributed).lower()])
+    for name, extra in VARIANTS.items():
+        cfg = build_config([*argv, *extra])
         engine = PipelineEngine(build_model(cfg, meta=True), cfg, torch.device("cpu"))
         g = torch.Generator().manual_seed(0)
         for _ in range(2):
@@ -98,21 +104,21 @@ def worker(out: Path, argv: list[str]) -> None:
         mine = [engine.topo.dp_rank, engine.topo.pp_rank, *optimizer_bytes(engine)]
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
-        rows["distributed" if distributed else "default"] = every
+        rows[name] = every
         del engine
     if dist.get_rank() == 0:
         (out / "bytes.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
 
 
-def predicted(argv: list[str], distributed: bool) -> list[float]:
+def predicted(argv: list[str], variant: str) -> list[float]:
     """The simulator's optimizer + masters bytes per pipeline rank."""
     from foldtrain.config import build_config
     from foldtrain.sim.cluster import load_cluster
     from foldtrain.sim.setup import resolve_setup
     from foldtrain.sim.simulate import simulate_setup
 
-    cfg = build_config([*argv, "--optim.distributed", str(distributed).lower()])
+    cfg = build_config([*argv, *VARIANTS[variant]])
     r = simulate_setup(resolve_setup(cfg), load_cluster("dgx-a100"), check_memory=False)
     return [m["optimizer"] + m["masters"] for m in r.memory]
 
@@ -132,29 +138,34 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     args = config_args(a)
     rows = gather_from_workers("dist-optim", a.dp * a.pp, args)
-    pred = {k: predicted(args, k == "distributed") for k in rows}
+    pred = {k: predicted(args, k) for k in rows}
     print(
         f"{a.preset} (vocab {a.vocab}), dp {a.dp} x pp {a.pp}, fold V=2, {a.precision}: AdamW's moments + fp32 "
         "masters per rank (MB), measured after two steps"
     )
     print(
         f"{'dp':>3} {'pp':>3} {'default':>9} {'distributed':>12} {'of it tied':>11} {'ratio':>6} "
-        f"{'x dp, untied':>13} {'predicted':>10} {'error':>6}"
+        f"{'x dp, untied':>13} {'shard_tied':>11} {'ratio':>6} {'error':>6}"
     )
-    worst_ratio = worst_err = 0.0
-    for (d, p, m0, s0, t0), (_, _, m1, s1, t1) in zip(rows["default"], rows["distributed"]):
-        base, dist_ = (m0 + s0) / MB, (m1 + s1) / MB
+    worst = {"untied": 0.0, "tied": 0.0, "err": 0.0}
+    for (d, p, m0, s0, t0), (_, _, m1, s1, t1), (_, _, m2, s2, _t2) in zip(*(rows[k] for k in VARIANTS)):
+        base, dist_, tied = (m0 + s0) / MB, (m1 + s1) / MB, (m2 + s2) / MB
         untied = (dist_ - t1 / MB) / (base - t0 / MB) * a.dp  # the sharded part against 1/dp of today's
-        worst_ratio = max(worst_ratio, untied)
-        errs = [abs(pred[k][p] / MB / x - 1) for k, x in (("default", base), ("distributed", dist_))]
-        worst_err = max(worst_err, *errs)
+        worst["untied"] = max(worst["untied"], untied)
+        worst["tied"] = max(worst["tied"], tied / base * a.dp)
+        errs = [
+            abs(pred[k][p] / MB / x - 1) for k, x in (("default", base), ("distributed", dist_), ("shard_tied", tied))
+        ]
+        worst["err"] = max(worst["err"], *errs)
         print(
             f"{d:>3} {p:>3} {base:>9.1f} {dist_:>12.1f} {t1 / MB:>11.1f} {dist_ / base:>6.3f} {untied:>13.3f} "
-            f"{pred['distributed'][p] / MB:>10.1f} {max(errs):>6.1%}"
+            f"{tied:>11.1f} {tied / base:>6.3f} {max(errs):>6.1%}"
         )
     print(
-        f"largest (distributed - tied) / (default - tied) x dp: {worst_ratio:.3f} (target <= 1, up to the slices' "
-        "padding); the tied weight's copy at each end of the pipeline is stepped whole (see docs/3d-parallel.md)"
+        f"largest (distributed - tied) / (default - tied) x dp: {worst['untied']:.3f} (target <= 1, up to the "
+        "slices' padding); without --optim.shard_tied the tied weight's copy at each end of the pipeline is "
+        "stepped whole (see docs/3d-parallel.md)"
     )
-    print(f"largest simulator error (both runs): {worst_err:.1%} (target <= 15%)")
+    print(f"largest shard_tied / default x dp: {worst['tied']:.3f} (target <= 1, up to the slices' padding)")
+    print(f"largest simulator error (all three runs): {worst['err']:.1%} (target <= 15%)")
     return 0

@@ -198,7 +198,7 @@ def defer_ratios(runs: list[RunResult], baseline: str = "interleaved-1f1b") -> l
 
 
 def zero_ratios(runs: list[RunResult]) -> list[Ratio]:
-    """Each schedule with the distributed optimizer (``+zero``) against the same schedule without it."""
+    """Each schedule with the distributed optimizer (``+zero``, ``+zero+tied``) against the same schedule without it."""
     out = []
     for r in runs:
         if r.impl != "foldtrain" or not r.info.get("zero"):
@@ -206,8 +206,9 @@ def zero_ratios(runs: list[RunResult]) -> list[Ratio]:
         same = ("virtual", "dp_sync", "defer")  # everything but the optimizer
         base = next((b for b in runs if not b.info.get("zero") and _same_config(r, b, same)), None)
         label = r.variant + ("+defer" if r.info.get("defer") else "")
-        v, why = _ratio(r, base, names=(f"{label}+zero", label))
-        out.append(Ratio(f"{label}+zero / {label} tokens/s [{r.network}]", v, why))
+        zero = "+zero" + ("+tied" if r.info.get("tied") else "")
+        v, why = _ratio(r, base, names=(f"{label}{zero}", label))
+        out.append(Ratio(f"{label}{zero} / {label} tokens/s [{r.network}]", v, why))
     return out
 
 
@@ -216,7 +217,8 @@ TORCH_ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
 
 def _name(r: RunResult) -> str:
     """A run's schedule with its options, e.g. ``fold-zb+defer`` or ``torch:zbv``."""
-    return r.label + ("+defer" if r.info.get("defer") else "") + ("+zero" if r.info.get("zero") else "")
+    opts = ("+defer" if r.info.get("defer") else "") + ("+zero" if r.info.get("zero") else "")
+    return r.label + opts + ("+tied" if r.info.get("tied") else "")
 
 
 def zero_bubble_ratios(runs: list[RunResult]) -> list[Ratio]:

@@ -88,6 +88,10 @@ class OptimConfig:
     # the 3D engine: AdamW's moments and the fp32 masters sharded over --parallel.dp (ZeRO-1, Megatron's
     # distributed optimizer)
     distributed: bool = False
+    # with --optim.distributed and a pipeline: the tied embedding's copies (first and last pipeline rank) have
+    # their AdamW state sharded over dp too, at the price of an all-gather of the tied weight each step
+    # (false: every dp rank steps the whole copy it already has in full after the tie's all-reduce)
+    shard_tied: bool = False
 
 
 @dataclass

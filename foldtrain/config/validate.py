@@ -149,6 +149,11 @@ def validate_world(cfg: Config, world_size: int) -> None:
         )
     from foldtrain.schedules.layout import uses_3d_engine, validate_layout
 
+    if cfg.optim.shard_tied and not cfg.optim.distributed:
+        raise ConfigError(
+            "--optim.shard_tied slices the tied embedding's state of the distributed optimizer over --parallel.dp; "
+            "add --optim.distributed true, or drop --optim.shard_tied"
+        )
     if cfg.optim.distributed and not uses_3d_engine(cfg):
         raise ConfigError(
             f"--optim.distributed shards the 3D engine's optimizer over --parallel.dp, but this run uses "

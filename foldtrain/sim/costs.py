@@ -64,8 +64,9 @@ def segment_params(s: Setup, seg: int) -> float:
 
 def whole_params(s: Setup, seg: int) -> float:
     """Parameters of segment ``seg`` that the distributed optimizer leaves unsharded: the tied weight's copy
-    where the pipeline splits the tie (every dp rank has its gradient in full and steps all of it)."""
-    if s.pp > 1 and seg in (0, s.segments - 1):
+    where the pipeline splits the tie (every dp rank has its gradient in full and steps all of it), unless
+    ``--optim.shard_tied`` slices it too (and all-gathers it with the rest)."""
+    if s.pp > 1 and seg in (0, s.segments - 1) and not s.shard_tied:
         return s.vocab * s.d_model / s.tp
     return 0.0
 

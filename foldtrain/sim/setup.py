@@ -85,6 +85,7 @@ class Setup:
     # the 3D engine's --optim.distributed with dp > 1: AdamW and fp32 masters on a 1/dp slice of each chunk,
     # the chunk's weights all-gathered over dp after its step
     dist_optim: bool = False
+    shard_tied: bool = False  # --optim.shard_tied: the tied copies' state sliced over dp too
 
     @property
     def optim_share(self) -> float:
@@ -222,4 +223,5 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         dropout=m.dropout > 0,
         reshard_after_forward=d.reshard_after_forward,
         dist_optim=three_d and distributed_optimizer(cfg),
+        shard_tied=three_d and distributed_optimizer(cfg) and cfg.optim.shard_tied,
     )

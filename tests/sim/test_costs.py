@@ -507,6 +507,16 @@ def test_distributed_optimizer_shards_moments_and_masters_and_gathers_the_weight
         key, weight, _bw, _lat = rc.pl.dp_link(0)  # the all-gather, on the reduction stream after the step
         assert rc.gather(0, 0)[-1] == ("flow", key, weight, approx(3 / 4 * (n0 - tied) * dist.setup.weight_bytes))
         assert RunCosts(one.setup, cluster).gather(0, 0) is None
+        # --optim.shard_tied: the tied copies sliced too, and all-gathered with the rest
+        tied_sharded = simulate(
+            _cfg(*base, "--precision", prec, "--optim.distributed", "true", "--optim.shard_tied", "true"), cluster
+        )
+        for p in range(2):
+            n = one.memory[p]["optimizer"] / 8
+            assert tied_sharded.memory[p]["optimizer"] == approx(8 * n / 4)
+            assert tied_sharded.memory[p]["masters"] == approx(masters * n / 4)
+        rc = RunCosts(tied_sharded.setup, cluster)
+        assert rc.gather(0, 0)[-1] == ("flow", key, weight, approx(3 / 4 * n0 * dist.setup.weight_bytes))
 
     # two nodes of two ranks (dp across them) on a slow link: the reduce-scatter and all-gather move the all-reduce's
     # bytes and the all-gather overlaps the next iteration's forwards, so the step is no slower than the default's;

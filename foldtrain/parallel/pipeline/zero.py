@@ -11,7 +11,8 @@ masters.
 A chunk's own buckets are reduce-scattered (:class:`ScatterBucket`, in place of the all-reduce; on gloo
 an all-to-all and a local sum, :mod:`foldtrain.parallel.scatter`): the chunk's gradients are freed once
 packed, and each rank receives only its slice, averaged. The tied weight's copy is all-reduced with the
-other end's (:mod:`.tie`) and its slice taken from the result (``pull``). A step then steps the segments
+other end's (:mod:`.tie`); every rank then steps it whole (its moments unsharded, no all-gather), or with
+``--optim.shard_tied`` only its slice, taken from the result (``pull``). A step then steps the segments
 and all-gathers the slices into the chunk's weights (``push``): the bytes of one all-reduce in all, as
 Megatron's distributed optimizer. The gradient norm is a sum over every rank's segments: their elements
 weigh 1, those of a parameter replicated over the TP ranks ``1/tp`` (each TP rank holds an equal copy),
@@ -191,6 +192,8 @@ class ChunkShards:
     (:class:`~foldtrain.parallel.pipeline.deadlines.DeadlineQueue`), else in one."""
 
     def __init__(self, chunk: nn.Module, tied, topo, optim_cfg, head_copy=None, bucket_bytes: float | None = None):
+        """``optim_cfg.shard_tied``: the tied weight's copy sliced over dp like the rest (its slice taken from the
+        gradient the tie all-reduced in full, the stepped slices all-gathered), else stepped whole."""
         params = [p for p in chunk.parameters() if p is not tied]
         if not params:
             own = []
@@ -202,9 +205,10 @@ class ChunkShards:
         self.index = {id(p): i for i, p in enumerate(chunk.parameters())}  # a parameter's place in the chunk
         make = lambda g, whole=False: FlatShard(g, topo.dp, topo.dp_rank, topo.dp_group, topo.tp, head_copy, whole)  # noqa: E731
         self.own = [make(g) for g in own]
-        # the tied copy: its gradient is all-reduced in full for the tie, so every rank steps all of it (its
-        # moments unsharded) rather than all-gather it again
-        self.buckets = self.own + ([make([tied], whole=True)] if tied is not None else [])
+        # the tied copy: its gradient is all-reduced in full for the tie, so by default every rank steps all of
+        # it (its moments unsharded) rather than all-gather it again; shard_tied trades that all-gather for 1/dp
+        whole = not optim_cfg.shard_tied
+        self.buckets = self.own + ([make([tied], whole=whole)] if tied is not None else [])
         self.pushed: list = []  # (bucket, all-gather in flight) since the step, until the next forward
         segments = [sg for b in self.buckets for sg in b.segments]
         device = next(chunk.parameters()).device

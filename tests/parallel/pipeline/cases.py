@@ -174,6 +174,8 @@ def equivalence_cases(world: int) -> list[dict]:
                 masters_in_fp32=True,
             ),
             _one((2, 2, 1, 2), "fold", "per-chunk", "zero-bf16m", zero=True, precision="bf16-master"),
+            # --optim.shard_tied: the tied copies' state sliced too (its slice of the tie's full gradient)
+            _one((2, 2, 1, 2), "fold", "per-chunk", "zero-tied", defer=True, zero=True, shard_tied=True),
             # split backward with dp: deferred and deadline-ordered reductions, clipping, the distributed optimizer
             *zero_bubble_cases((2, 2, 1, 2)),
             *zero_bubble_cases((1, 4, 1, 1)),
@@ -185,6 +187,7 @@ def equivalence_cases(world: int) -> list[dict]:
             # zbv: the V turn on rank 3, the tie on rank 0 (after-flush: every reduction after the flush); pp x tp
             _one((1, 4, 1, 2), "zbv", "after-flush", "zb"),
             _one((2, 2, 1, 2), "zbv", "per-chunk", "zb-zero", zero=True),
+            _one((2, 2, 1, 2), "zbv", "per-chunk", "zb-zero-tied", zero=True, shard_tied=True),
             _one((1, 2, 2, 2), "zbv", "per-chunk", "zb", n_layer=4, m=2),
             *FSDP_DP_PP,
         ]
@@ -194,6 +197,7 @@ def equivalence_cases(world: int) -> list[dict]:
             _one((2, 2, 2, 1), "fold", "per-chunk", "pad63", n_layer=2, m=2, vocab_pad=63),
             _one((2, 2, 2, 1), "1f1b", "per-chunk", "m32", n_layer=2, m=2, **M32),
             _one((2, 2, 2, 1), "fold", "per-chunk", "zero", n_layer=2, m=2, zero=True),
+            _one((2, 2, 2, 1), "1f1b", "per-chunk", "zero-tied", n_layer=2, m=2, zero=True, shard_tied=True),
             _one((2, 2, 2, 1), "1f1b", "per-chunk", "zero-m32", n_layer=2, m=2, zero=True, **M32),
             *zero_bubble_cases((2, 2, 2, 1), n_layer=2, m=2),
             _one((2, 2, 2, 2), "interleaved-zb", "per-chunk", "zb", n_layer=4, m=2),
@@ -249,6 +253,16 @@ CKPT_CASES = [
         defer=True,
         n_layer=8,
         zero=True,
+    ),
+    dict(
+        id="ckpt-dp2-pp2-tp1-v2-fold-per-chunk-zero-tied",
+        layout=(2, 2, 1, 2),
+        schedule="fold",
+        dp_sync="per-chunk",
+        defer=False,
+        n_layer=8,
+        zero=True,
+        shard_tied=True,
     ),
     # the V placement (zbv): rank 0's two chunks (first and last segment), the tied copy's state on rank 0
     dict(

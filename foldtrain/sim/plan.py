@@ -6,7 +6,8 @@ padded to a multiple of tp),
 the schedule (gpipe, 1f1b, zb-h1 for V = 1; interleaved-1f1b, interleaved-zb, fold, fold-zb for V > 1; zbv at
 V = 2), ``dp_sync``, fold's
 deferral (when the base config allows it: no clipping, no fp16), recomputation, the 3D engine's
-distributed optimizer where dp > 1 (always, when the base config sets ``--optim.distributed``), FSDP over dp
+distributed optimizer where dp > 1 (always, when the base config sets ``--optim.distributed``; with a pipeline
+with and without ``--optim.shard_tied``, only with it when the base config sets it), FSDP over dp
 with pp or tp (``--dp.strategy fsdp``; not with a split backward or deferral), and, where there
 is neither pipeline nor tensor parallelism, the data-parallel strategies (allreduce, ddp,
 sharded-ps). Every candidate is first estimated in closed form (per-rank compute, the
@@ -52,6 +53,7 @@ class Candidate:
             f"dp{s.dp} pp{s.pp} tp{s.tp} V{s.virtual} mb={s.micro_batch} {s.schedule}{sync}"
             + (" defer" if s.defer else "")
             + (" dist-optim" if s.dist_optim else "")
+            + (" shard-tied" if s.shard_tied else "")
             + (" fsdp" if s.strategy == "fsdp-3d" else "")
             + (" ac" if s.ac else "")
         )
@@ -133,7 +135,10 @@ def _reductions(base, layout: dict, defer: bool):
     or tensor parallelism, on a schedule without a split backward, without deferral: ``check_fsdp``)."""
     dp = layout["dp"]
     for dist in (True,) if base.optim.distributed else (False, True)[: 1 + (dp > 1)]:
-        yield dict(layout, strategy="none", defer=defer, dist=dist)
+        # the tied copies' state sliced too: only where the pipeline splits the tie (else the same run)
+        ties = ((True,) if base.optim.shard_tied else (False, True)) if dist and layout["pp"] > 1 else (False,)
+        for tied in ties:
+            yield dict(layout, strategy="none", defer=defer, dist=dist, tied=tied)
     fsdp_ok = dp > 1 and layout["pp"] * layout["tp"] > 1 and layout["schedule"] not in SPLIT_BACKWARD
     if fsdp_ok and not defer and not base.optim.distributed:
         yield dict(layout, strategy="fsdp", defer=False, dist=False)
@@ -158,6 +163,7 @@ def _make_cfg(base, c: dict):
     cfg.dp.strategy = c["strategy"]
     cfg.dp.ps_servers = 0
     cfg.optim.distributed = c.get("dist", False)
+    cfg.optim.shard_tied = c.get("tied", False)
     return cfg
 
 
@@ -204,6 +210,8 @@ def estimate(s: Setup, c: Cluster) -> tuple[float, float]:
         g = sum(cm.grad_bytes(x) for x in rank_segments(s, 0))
         factor = 2 if s.strategy != "sharded-ps" and not s.dist_optim else 1 + s.weight_bytes / s.grad_bytes
         ring = factor * (s.dp - 1) / s.dp * g / bw + 2 * (s.dp - 1) * lat
+        if s.shard_tied and P > 1:  # the tied copy's all-gather, on top of the tie's full all-reduce
+            ring += (s.dp - 1) / s.dp * s.vocab * s.d_model / s.tp * s.weight_bytes / bw
         if s.strategy == "fsdp-3d":  # exposed: an all-gather per pass that finds its blocks sharded, the LR's
             # fp32 reduce-scatter (pipeline_fsdp)
             n = g / s.grad_bytes

@@ -16,7 +16,10 @@ Per micro-batch, in FSDP2's order (``torch/distributed/fsdp/_fully_shard/_fsdp_p
 * **backward** (the head's backward is in the forward: the cost model's fused head): with
   ``--dp.reshard_after_forward true`` each block is all-gathered again, prefetched one unit ahead (FSDP2's
   explicit backward prefetch, issued as a block's backward starts, so the last block's overlaps the head);
-  with ``false`` the blocks stay gathered from their forward and nothing is all-gathered;
+  with ``false`` the blocks stay gathered from their forward and nothing is all-gathered. Other systems' FSDP1
+  runs with ``BackwardPrefetch.BACKWARD_POST`` (``Setup.backward_prefetch == "post"``) issue a block's
+  all-gather only once the block after it is done with its backward, before that block's reduce-scatter, so
+  the compute waits for every backward all-gather;
 * **reduce-scatter**: as a unit's backward ends, its gradients; FSDP2 keeps one reduce-scatter in flight
   (``reduce_scatter_max_input_buffers = 1``): before issuing the next, the compute stream waits for the
   previous, so a reduce-scatter overlaps the next unit's backward only. The root's goes last (at the end of
@@ -237,7 +240,10 @@ def stretched(start: float, work: float, busy: list[tuple[float, float]], slowdo
 
 
 def timeline(s: Setup, ph: Phases, overlap: bool = True, slowdown: float = 0.0) -> tuple[float, list[dict], float]:
-    """``(step time, events, seconds waited for collectives)``; ``overlap=False``: every collective blocks."""
+    """``(step time, events, seconds waited for collectives)``; ``overlap=False``: every collective blocks.
+    ``s.backward_prefetch == "post"``: a block's backward all-gather is issued once the block after it is done
+    with its backward (before that block's reduce-scatter), the first block's of the backward when it starts."""
+    post = s.backward_prefetch == "post"
     todo = items(s, ph)
     ln = _Lanes(slowdown if overlap else 0.0)
     ready: dict[int, float] = {}  # item -> end of its all-gather
@@ -247,10 +253,14 @@ def timeline(s: Setup, ph: Phases, overlap: bool = True, slowdown: float = 0.0) 
         ln.wait(ready.get(k, 0.0), "all-gather")
         start = ln.t
         nxt = todo[k + 1] if k + 1 < len(todo) else None
-        if overlap and nxt is not None and nxt.gather and not nxt.first:
-            ready[k + 1] = ln.issue(f"all-gather for {nxt.name}", nxt.gather, start)  # prefetch
+        prefetch = overlap and nxt is not None and nxt.gather and not nxt.first
+        after = post and nxt is not None and nxt.op == "B"  # BACKWARD_POST: issued as this backward ends
+        if prefetch and not after:
+            ready[k + 1] = ln.issue(f"all-gather for {nxt.name}", nxt.gather, start)
         ln.t = ln.compute(it.compute)
         ln.events.append(_event(it.name, "compute", start, ln.t, op=it.op))
+        if prefetch and after and it.op == "B":  # before this unit's reduce-scatter (FSDP1's post-backward hook)
+            ready[k + 1] = ln.issue(f"all-gather for {nxt.name}", nxt.gather, ln.t)
         if it.reduce:
             if overlap:
                 ln.wait(ln.last_rs, "reduce-scatter")  # one reduce-scatter in flight

@@ -82,6 +82,10 @@ class Setup:
     # systems' runs: False (foldtrain.sim.ops says what differs)
     native: bool = True
     reshard_after_forward: bool = True  # fsdp: --dp.reshard_after_forward
+    # fsdp: when a unit's backward all-gather is issued: "pre", as the unit before it starts its backward
+    # (FSDP2's explicit prefetch, foldtrain's), or "post", once that unit's backward is done (FSDP1's
+    # BackwardPrefetch.BACKWARD_POST, other systems' runs)
+    backward_prefetch: str = "pre"
     # the 3D engine's --optim.distributed with dp > 1: AdamW and fp32 masters on a 1/dp slice of each chunk,
     # the chunk's weights all-gathered over dp after its step
     dist_optim: bool = False

@@ -83,6 +83,24 @@ def test_two_blocks_in_closed_form():
     assert [(e["start"], e["end"]) for e in opt] == [(42.25, 42.75)]
 
 
+def test_backward_post_prefetch_exposes_each_backward_all_gather():
+    """FSDP1's BACKWARD_POST (other systems' runs): a block's backward all-gather is issued once the block after
+    it is done with its backward, before that block's reduce-scatter, so the compute waits for all of it. The
+    two-block case above: the head [13, 14] prefetches nothing, block 1's all-gather [14, 16] is waited for,
+    its backward [16, 26]; block 0's all-gather [26, 28] goes before block 1's reduce-scatter [28, 31] and is
+    waited for; block 0's backward [28, 38], its reduce-scatter [38, 41]; the embedding's [38, 39]; the root's
+    reduce-scatter once block 0's is done [41, 45]."""
+    s = dataclasses.replace(setup(4), n_layer=2, layers=(2,), microbatches=1, backward_prefetch="post")
+    step, events, waited = timeline(s, hand_phases())
+    spans = {e["name"]: (e["start"], e["end"]) for e in events}
+    assert spans["all-gather for B block 1 mb0"] == (14, 16) and spans["B block 1 mb0"] == (16, 26)
+    assert spans["all-gather for B block 0 mb0"] == (26, 28) and spans["B block 0 mb0"] == (28, 38)
+    assert spans["reduce-scatter after B block 1 mb0"] == (28, 31)
+    assert spans["reduce-scatter after B embed mb0"] == (41, 45)
+    assert step == pytest.approx(45 + 0.875) and waited == pytest.approx(1 + 1 + 2 + 2 + 2 + 4)
+    assert spans["F block 0 mb0"] == (3, 8)  # the forward as before: implicit prefetch
+
+
 def test_one_reduce_scatter_in_flight():
     """A reduce-scatter longer than a block's backward: FSDP2 makes the compute wait for it before issuing the
     next, so the embedding's backward starts once block 1's is done [25, 40], not after block 0's backward."""

@@ -98,6 +98,12 @@ DP_STRATEGIES = {"fsdp-full-shard": "fsdp", "ddp-zero1": "ddp"}
 FSDP_PRECISION = {"PURE": "bf16-master", "DEFAULT": "bf16"}
 
 
+# FSDP1's BackwardPrefetch as a run's configuration sets it -> when the simulator issues a unit's backward
+# all-gather (Setup.backward_prefetch): BACKWARD_PRE as the unit after it starts its backward (as FSDP2 does),
+# BACKWARD_POST once that unit's backward is done, so the compute waits for it
+BACKWARD_PREFETCH = {"BACKWARD_PRE": "pre", "BACKWARD_POST": "post"}
+
+
 # a published fused-attention kernel -> its speed relative to FlashAttention-2, whose figures the presets hold:
 # MPT's Triton FlashAttention (Tri Dao's flash_attn_triton.py: "Triton forward + backward is slightly slower
 # than CUDA [FlashAttention] forward + backward"), and FlashAttention-2 "around 2x" FlashAttention
@@ -149,6 +155,7 @@ def predict(run: dict) -> Result:
         # Megatron-LM's scatter/gather of pipeline activations over the TP ranks (not DeepSpeed's pipeline engine)
         p2p_scatter=run.get("system", "") in ("Megatron-LM", "NeMo"),
         master=not autocast(run),  # half-precision weights with fp32 masters, unless autocast over fp32 ones
+        backward_prefetch=BACKWARD_PREFETCH[run.get("fsdp_backward_prefetch", "BACKWARD_PRE")],
         native=False,  # their own blocks, not foldtrain's
     )
     return simulate_setup(s, cluster_for(run), check_memory=False)

@@ -254,16 +254,11 @@ CKPT_CASES = [
         n_layer=8,
         zero=True,
     ),
-    dict(
-        id="ckpt-dp2-pp2-tp1-v2-fold-per-chunk-zero-tied",
-        layout=(2, 2, 1, 2),
-        schedule="fold",
-        dp_sync="per-chunk",
-        defer=False,
-        n_layer=8,
-        zero=True,
-        shard_tied=True,
-    ),
+    # --optim.shard_tied: the tied copies' slices gathered too
+    {
+        **_one((2, 2, 1, 2), "fold", "per-chunk", "", zero=True, shard_tied=True),
+        "id": "ckpt-dp2-pp2-tp1-v2-fold-per-chunk-zero-tied",
+    },
     # the V placement (zbv): rank 0's two chunks (first and last segment), the tied copy's state on rank 0
     dict(
         id="ckpt-dp2-pp2-tp1-v2-zbv-per-chunk",

@@ -51,10 +51,11 @@ CHECKS = {
     "simulate": (single.check_simulate, 30.0),
     "padding": (single.check_padding, 60.0),
     "equivalence": (multi.check_equivalence, 120.0),
+    "calibrate-nccl": (multi.check_calibrate_links, 120.0),
     "bench-dp": (lambda ctx: multi.check_bench(ctx, "dp"), 120.0),
     "bench-pipeline": (lambda ctx: multi.check_bench(ctx, "pipeline"), 120.0),
 }
-MULTI = ("equivalence", "bench-dp", "bench-pipeline")
+MULTI = ("equivalence", "calibrate-nccl", "bench-dp", "bench-pipeline")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

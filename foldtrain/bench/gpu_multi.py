@@ -174,6 +174,30 @@ def check_equivalence(ctx: Ctx) -> list[dict]:
     return rows
 
 
+def check_calibrate_links(ctx: Ctx) -> list[dict]:
+    """``foldtrain calibrate`` under torchrun on every device: the collectives' bus bandwidth among them and
+    ``device.overlap_slowdown`` (compute beside their all-reduces), read back from the cluster file it writes."""
+    from foldtrain.sim.cluster import load_cluster
+
+    world, out = ranks(ctx), ctx.out / "cluster-links.toml"
+    out.unlink(missing_ok=True)
+    probes = ["--device", "cpu", "--probes", "kernels", "--precision", "fp32"] if ctx.dry else ["--device", "cuda"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
+    cmd += ["-m", "foldtrain", "calibrate", *probes, "--preset", "tiny", "--micro_batch", "2", "--seq", "32"]
+    rc, text = run_cmd([*cmd, "--out", str(out)], ctx.left() - 3)
+    name = f"calibrate under torchrun ({'gloo dry run' if ctx.dry else 'NCCL'}), {world} ranks"
+    target = "the link's bus bandwidth and the compute beside its all-reduces measured"
+    if rc != 0 or not out.is_file():
+        status = "timed out" if rc is None else f"exit {rc}"
+        return [row(name, f"{status}: {tail(text, 2)}", target, False)]
+    c = load_cluster(str(out))
+    line = next((ln for ln in out.read_text().splitlines() if ln.startswith("overlap_slowdown")), "")
+    # measured, not the --links preset's (a measured 0 is a default the file leaves out)
+    measured = "# measured on the" in line or (not line and c.overlap_slowdown == 0.0)
+    what = f"all-reduce bus bandwidth {c.intra.bw / 1e9:.3g} GB/s, compute beside it {c.overlap_slowdown:+.1%}"
+    return [row(name, what, target, measured and c.intra.bw > 0)]
+
+
 def bench_command(ctx: Ctx, which: str) -> list[str]:
     """``foldtrain bench dp|pipeline``, short, on loopback: NCCL on the devices, or its dry run on the CPU."""
     world = ranks(ctx)

@@ -47,6 +47,7 @@ DETERMINISTIC = (
     "fp16",
     "calibrate",
     "equivalence",
+    "calibrate-nccl",
     "bench-dp",
     "bench-pipeline",
 )

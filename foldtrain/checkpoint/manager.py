@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from foldtrain import faults
 from foldtrain.checkpoint.integrity import HASH, META, damage, describe
@@ -154,9 +155,12 @@ class CheckpointManager:
             save_rank_state(tmp / f"rank{_rank()}.pt", extra or {})
             if background:
                 group = self._background_group()
+                # DCP's default stager cannot copy a ShardedTensor (the distributed optimizer's slices); the
+                # blocking one can, and stages here, as the default does for the others
+                stager = {"async_stager": BlockingAsyncStager()} if _has_sharded(state) else {}
                 with _single_process_ok():
                     future = dcp.async_save(
-                        state, checkpoint_id=str(tmp), process_group=group, no_dist=not dist.is_initialized()
+                        state, checkpoint_id=str(tmp), process_group=group, no_dist=not dist.is_initialized(), **stager
                     )
                 self._pending = threading.Thread(
                     target=self._finish_background,
@@ -320,9 +324,20 @@ class CheckpointManager:
         return meta, extra
 
 
+def _has_sharded(obj) -> bool:
+    """Whether a (nested) state dict holds a ShardedTensor."""
+    if isinstance(obj, dict):
+        return any(_has_sharded(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_sharded(v) for v in obj)
+    return isinstance(obj, torch.Tensor) and callable(getattr(obj, "local_shards", None))
+
+
 def _state_bytes(obj) -> int:
     """Bytes of the tensors in a (nested) state dict, this rank's shards only."""
     if isinstance(obj, torch.Tensor):
+        if callable(getattr(obj, "local_shards", None)):  # a ShardedTensor (the distributed optimizer's slices)
+            return sum(s.tensor.numel() * s.tensor.element_size() for s in obj.local_shards())
         local = getattr(obj, "_local_tensor", obj)
         return local.numel() * local.element_size()
     if isinstance(obj, dict):

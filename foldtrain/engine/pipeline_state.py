@@ -17,6 +17,7 @@ from foldtrain import collectives
 from foldtrain.model.gpt import GPT, GPTShape
 from foldtrain.optim import restore_lr
 from foldtrain.parallel.pipeline.stage import Chunk, part_ranges
+from foldtrain.parallel.pipeline.zero_pieces import STATE_KEYS, load_masters, segment_pieces, sharded
 
 
 def _is_dtensor(t) -> bool:
@@ -73,6 +74,8 @@ class ChunkStates:
     def state_dict(self, iteration: int) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+        if self.steps.shards is not None:
+            return self._sliced_state_dict(iteration)
         model_sd, optim_state = {}, {}
         modules, optimizers = self.steps.state_views()
         for s, c in modules.items():
@@ -87,6 +90,52 @@ class ChunkStates:
             "scaler": self.precision.scaler.state_dict(),
         }
 
+    def _sliced_state_dict(self, iteration: int) -> dict:
+        """The distributed optimizer's state, this rank's slices only (:mod:`~foldtrain.parallel.pipeline.
+        zero_pieces`): the chunks' fp32 weights as they are (every dp rank holds them whole), the fp32 masters of
+        half ones and AdamW's moments as rectangles of the single-process tensors, views into the live state, so
+        the same dict is what a load fills in place."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        model_sd, optim_state, steps = {}, {}, self.steps
+        for s, z in sorted(steps.shards.items()):
+            steps.weights_ready(s)
+            chunk = steps.chunks[s]
+            names = {id(p): n for n, p in chunk.named_parameters()}
+            model_sd.update(get_model_state_dict(chunk))  # the fp32 weights of record
+            for b in (b for b in z.buckets if b.owns_copies):  # half weights: their masters are, in slices below
+                for p in b.params:
+                    model_sd.pop(names[id(p)], None)
+            for fqn, parts in segment_pieces(z, names).items():
+                if "master" in parts:
+                    model_sd[fqn] = sharded(parts["master"], parts["part"])
+                state = {"step": parts["step"][0]}
+                state.update({k: sharded(parts[k], parts["part"]) for k in STATE_KEYS})
+                optim_state[self._save_fqn(fqn)] = state
+        hyper = {k: v for k, v in steps.optimizers[min(steps.optimizers)].param_groups[-1].items() if k != "params"}
+        groups = [
+            {**hyper, "weight_decay": steps.cfg.optim.weight_decay, "params": list(self.full_decay)},
+            {**hyper, "weight_decay": 0.0, "params": list(self.full_no_decay)},
+        ]
+        return {
+            "model": model_sd,
+            "optim": {"state": optim_state, "param_groups": groups},
+            "lr_scheduler": {"last_epoch": iteration},
+            "scaler": self.precision.scaler.state_dict(),
+        }
+
+    def _load_sliced(self) -> None:
+        """After DCP filled :meth:`_sliced_state_dict`'s views: every segment's step count is the loaded one, and
+        the chunks' half weights take the loaded masters."""
+        steps = self.steps
+        for s, z in steps.shards.items():
+            states = [z.optimizer.state[sg.tensor] for b in z.buckets for sg in b.segments]
+            loaded = [st["step"] for st in states if st]
+            for st in states:
+                if st and loaded:
+                    st["step"].copy_(loaded[0])
+            load_masters(z, lambda w, s=s: steps.wait_collective(w, f"all-gather of chunk {s}'s loaded weights"))
+
     def load_state_dict(self, sd: dict) -> int:
         """Load ``sd`` into the chunks, their optimizers and schedules; returns the iteration."""
         from torch.distributed.checkpoint.state_dict import (
@@ -96,14 +145,17 @@ class ChunkStates:
         )
 
         self.executor.reset()
-        modules, optimizers = self.steps.state_views(weights=False, moments=False)  # sd overwrites both
-        for s, c in modules.items():
-            keys = set(c.state_dict().keys())
-            set_model_state_dict(c, {k: v for k, v in sd["model"].items() if k in keys})
-            osd = get_optimizer_state_dict(c, optimizers[s])
-            osd["state"] = {fqn: self._loaded_state(sd, fqn) for fqn in osd["state"]}
-            set_optimizer_state_dict(c, optimizers[s], osd)
-        self.steps.load_views(modules, optimizers)  # the chunks (and masters or slices) take the loaded state
+        if self.steps.shards is not None:  # sd is this rank's slices, loaded in place
+            self._load_sliced()
+        else:
+            modules, optimizers = self.steps.state_views(weights=False, moments=False)  # sd overwrites both
+            for s, c in modules.items():
+                keys = set(c.state_dict().keys())
+                set_model_state_dict(c, {k: v for k, v in sd["model"].items() if k in keys})
+                osd = get_optimizer_state_dict(c, optimizers[s])
+                osd["state"] = {fqn: self._loaded_state(sd, fqn) for fqn in osd["state"]}
+                set_optimizer_state_dict(c, optimizers[s], osd)
+            self.steps.load_views(modules, optimizers)  # the chunks (and masters) take the loaded state
         iteration = int(sd["lr_scheduler"]["last_epoch"])
         for s, o in self.steps.optimizers.items():
             restore_lr(o, self.steps.lr_schedulers[s], self.steps.schedule, iteration)

@@ -254,10 +254,16 @@ CKPT_CASES = [
         n_layer=8,
         zero=True,
     ),
-    # --optim.shard_tied: the tied copies' slices gathered too
+    # --optim.shard_tied: the tied copies' state in slices too
     {
         **_one((2, 2, 1, 2), "fold", "per-chunk", "", zero=True, shard_tied=True),
         "id": "ckpt-dp2-pp2-tp1-v2-fold-per-chunk-zero-tied",
+    },
+    # the master precisions: the fp32 masters are the weights of record, saved and loaded in slices too; the
+    # save in the background (--checkpoint.async: staged by DCP's blocking stager)
+    {
+        **_one((2, 2, 1, 2), "fold", "per-chunk", "", zero=True, precision="bf16-master", background=True),
+        "id": "ckpt-dp2-pp2-tp1-v2-fold-per-chunk-zero-bf16m",
     },
     # the V placement (zbv): rank 0's two chunks (first and last segment), the tied copy's state on rank 0
     dict(

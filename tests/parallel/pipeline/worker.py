@@ -196,16 +196,22 @@ def optimizer_share(engine) -> dict:
 def checkpoint_case(case: dict, out: Path) -> dict | None:
     """Train 6 steps saving at 3; reload step 3 into an engine built from other weights; continue."""
     from foldtrain.checkpoint import CheckpointManager
+    from foldtrain.checkpoint.manager import _state_bytes
+    from foldtrain.parallel.pipeline.p2p import local_part
 
     root = out / case["id"]
     cfg = make_cfg(case, steps=6, out=str(root))
     ckpt = CheckpointManager(root / "checkpoints", keep=5)
     engine, first, _ = run_engine(cfg, range(3))
-    ckpt.save(3, engine.state_dict(), {"step": 3})
+    saved = engine.state_dict()
+    # AdamW's moments this rank hands DCP (its own slices with --optim.distributed), against all of its chunks'
+    held = _state_bytes(saved["optim"]["state"])
+    moments = 8 * sum(local_part(p).numel() for c in engine.chunks.values() for p in c.parameters())
+    ckpt.save(3, saved, {"step": 3}, background=case.get("background", False))  # staged now, written meanwhile
     full3 = engine.eval_model()
     _, rest, _ = run_engine(cfg, range(3, 6), engine)
     full_a = engine.eval_model()
-    ckpt.save(6, engine.state_dict(), {"step": 6})
+    ckpt.save(6, engine.state_dict(), {"step": 6})  # completes step 3's first
     from foldtrain.engine.pipeline import PipelineEngine
 
     engine_b = PipelineEngine(build_model(cfg, seed=12345), cfg, DEVICE)  # different weights: the load must restore all
@@ -225,6 +231,7 @@ def checkpoint_case(case: dict, out: Path) -> dict | None:
         "ckpt_dir": str(root / "checkpoints"),
         "param_err": max(norm_rel(sb[k], sa[k]) for k in sa),
         "loss_err": max(abs(a - b) for a, b in zip(rest, resumed)),
+        "moments_held": held / moments,
         "cfg": {"n_layer": cfg.model.n_layer, "global_batch": cfg.train.global_batch, "grad_clip": cfg.optim.grad_clip},
     }
 

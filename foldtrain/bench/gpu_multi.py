@@ -6,7 +6,9 @@ the engine ``foldtrain train`` builds (and the 3D engine's data parallelism with
 a few steps of a small GPT on seeded synthetic batches, and
 rank 0 compares every step's loss and the final parameters with the single-process engine on the same global
 batch (as tests/parallel's equivalence tests do on gloo). Four devices give dp 2 x pp 2 and pp 2 x tp 2; two
-or three give pp 2 and tp 2. In the dry mode the same launch runs on the CPU over gloo.
+or three give pp 2 and tp 2. The distributed optimizer's case also saves a checkpoint (in slices, nothing
+gathered) and loads it into an engine built from other weights, which must then hold exactly the saved ones. In the
+dry mode the same launch runs on the CPU over gloo.
 """
 
 from __future__ import annotations
@@ -76,24 +78,51 @@ def case_config(args: list[str], device: str):
     return build_config([*(str(x) for kv in MODEL.items() for x in kv), "--train.device", device, *args])
 
 
-def train_case(cfg, env) -> tuple[list[float], dict | None]:
-    """This rank's engine for ``cfg`` trained ``STEPS`` steps: the losses, and the whole final model's parameters
-    on rank 0 (None elsewhere). Collective."""
-    from foldtrain.config import dp_workers, validate
+def _engine(cfg, env):
+    from foldtrain.config import dp_workers
     from foldtrain.engine import build_engine
     from foldtrain.schedules.layout import uses_3d_engine
     from foldtrain.train.trainer import build_model
 
-    validate(cfg, env.world_size)
     micro = cfg.train.micro_batch or cfg.train.global_batch // dp_workers(cfg, env.world_size)
-    engine = build_engine(cfg, build_model(cfg, meta=uses_3d_engine(cfg)), env, micro)
+    return build_engine(cfg, build_model(cfg, meta=uses_3d_engine(cfg)), env, micro)
+
+
+def reloaded(cfg, env, engine, where: Path) -> dict | None:
+    """``engine``'s state saved with ``CheckpointManager`` under ``where`` and loaded into an engine built from
+    other weights: that engine's whole model (rank 0; None elsewhere). Collective."""
+    import copy
+
+    from foldtrain.checkpoint import CheckpointManager
+
+    ckpt = CheckpointManager(where)
+    path = ckpt.save(STEPS, engine.state_dict(), {"step": STEPS})
+    other = copy.deepcopy(cfg)
+    other.train.seed += 1
+    fresh = _engine(other, env)
+    state = fresh.state_dict()
+    ckpt.load(path, state)
+    fresh.load_state_dict(state)
+    model = fresh.eval_model()
+    return params_f64(model) if env.rank == 0 and model is not None else None
+
+
+def train_case(cfg, env, ckpt_dir: Path | None = None) -> tuple[list[float], dict | None, dict | None]:
+    """This rank's engine for ``cfg`` trained ``STEPS`` steps: the losses, and the whole final model's parameters
+    on rank 0 (None elsewhere); with ``ckpt_dir`` also those of an engine that loaded its checkpoint
+    (:func:`reloaded`). Collective."""
+    from foldtrain.config import validate
+
+    validate(cfg, env.world_size)
+    engine = _engine(cfg, env)
     batches = SyntheticBatches(cfg.model.vocab_size, cfg.train.seq_len)
     losses = [engine.train_step(*engine.batch(batches, s)) for s in range(STEPS)]
     engine.flush()
     model = engine.eval_model()
+    again = reloaded(cfg, env, engine, ckpt_dir) if ckpt_dir is not None else None
     if env.rank != 0 or model is None:
-        return losses, None
-    return losses, params_f64(model)
+        return losses, None, None
+    return losses, params_f64(model), again
 
 
 def reference(cfg, device: torch.device) -> tuple[list[float], dict]:
@@ -109,19 +138,23 @@ def reference(cfg, device: torch.device) -> tuple[list[float], dict]:
     return losses, params_f64(engine.eval_model())
 
 
-def run_cases(env, device: str) -> dict[str, dict]:
-    """Every case of this launch; on rank 0 each one's errors against the reference (or the error it raised)."""
+def run_cases(env, device: str, work: Path) -> dict[str, dict]:
+    """Every case of this launch; on rank 0 each one's errors against the reference (or the error it raised).
+    The distributed optimizer's case also saves a checkpoint (its slices, not gathered) and reloads it."""
     results = {}
-    for name, args in cases(env.world_size).items():
+    for k, (name, args) in enumerate(cases(env.world_size).items()):
         t0 = time.perf_counter()
         try:
             cfg = case_config(args, device)
-            losses, params = train_case(cfg, env)
+            ckpt_dir = work / f"checkpoints-{k}" if "distributed optimizer" in name else None
+            losses, params, again = train_case(cfg, env, ckpt_dir)
             if env.rank == 0:
                 ref_losses, ref_params = reference(cfg, env.device)
                 loss_err = loss_error(losses, ref_losses)
                 err, worst = param_error(params, ref_params, cfg.model.n_head)
                 results[name] = {"loss_err": loss_err, "param_err": err, "worst": worst}
+                if again is not None:  # the reloaded engine holds exactly the saved weights
+                    results[name]["reload_err"] = param_error(again, params, cfg.model.n_head)[0]
         except Exception as e:  # noqa: BLE001 - recorded as the case's row; the next case still runs
             results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
         if name in results:
@@ -136,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     set_fp32_exact()
     env = init_distributed(device, 120.0)
     try:
-        results = run_cases(env, device)
+        results = run_cases(env, device, Path(result_file).parent)
         if env.rank == 0:
             Path(result_file).write_text(json.dumps({"world": env.world_size, "cases": results}, indent=1))
     finally:
@@ -170,7 +203,13 @@ def check_equivalence(ctx: Ctx) -> list[dict]:
             continue
         worst = max(r["loss_err"], r["param_err"])
         measured = f"losses {r['loss_err']:.1e}, parameters {r['param_err']:.1e} ({r['worst']}), {STEPS} steps"
-        rows.append(row(f"{backend} {name}", measured, target, worst <= TOL))
+        ok = worst <= TOL
+        want = target
+        if "reload_err" in r:  # its checkpoint, saved in slices, reloaded into other weights: exactly the same
+            measured += f"; reloaded from its checkpoint: {r['reload_err']:.1e}"
+            want += "; its checkpoint reloaded into other weights: identical"
+            ok = ok and r["reload_err"] == 0.0
+        rows.append(row(f"{backend} {name}", measured, want, ok))
     return rows
 
 

@@ -324,19 +324,24 @@ class CheckpointManager:
         return meta, extra
 
 
+def _is_sharded(obj) -> bool:
+    """Whether ``obj`` is a ShardedTensor (the distributed optimizer's slices)."""
+    return isinstance(obj, torch.Tensor) and callable(getattr(obj, "local_shards", None))
+
+
 def _has_sharded(obj) -> bool:
     """Whether a (nested) state dict holds a ShardedTensor."""
     if isinstance(obj, dict):
         return any(_has_sharded(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
         return any(_has_sharded(v) for v in obj)
-    return isinstance(obj, torch.Tensor) and callable(getattr(obj, "local_shards", None))
+    return _is_sharded(obj)
 
 
 def _state_bytes(obj) -> int:
     """Bytes of the tensors in a (nested) state dict, this rank's shards only."""
     if isinstance(obj, torch.Tensor):
-        if callable(getattr(obj, "local_shards", None)):  # a ShardedTensor (the distributed optimizer's slices)
+        if _is_sharded(obj):
             return sum(s.tensor.numel() * s.tensor.element_size() for s in obj.local_shards())
         local = getattr(obj, "_local_tensor", obj)
         return local.numel() * local.element_size()

@@ -186,6 +186,14 @@ class ScatterBucket(ReductionBucket):
         self.flat = self.work = self.packed = None
 
 
+def ensure_state(optimizer: torch.optim.Optimizer, t: torch.Tensor) -> dict:
+    """AdamW's state of ``t``, made (zero) if it has not stepped yet (AdamW makes it at its first step)."""
+    st = optimizer.state[t]
+    if not st:
+        st.update(step=torch.zeros((), device=t.device), exp_avg=torch.zeros_like(t), exp_avg_sq=torch.zeros_like(t))
+    return st
+
+
 class ChunkShards:
     """A chunk's buckets (its own parameters, in the reducer's buckets; the tied weight's copy alone) and the
     AdamW of their segments. ``bucket_bytes``: a deferred chunk's reduction goes in buckets of this size
@@ -292,10 +300,7 @@ class ChunkShards:
             for sg in b.segments:
                 v = mine[sg.index]
                 sg.tensor.copy_(_flat(v)[sg.start : sg.end])  # a view: already written through the chunk
-                st = self.optimizer.state[sg.tensor]
-                if not st:  # AdamW makes its state at its first step; a load before it creates it
-                    st.update(step=torch.zeros((), device=sg.tensor.device), exp_avg=torch.zeros_like(sg.tensor))
-                    st["exp_avg_sq"] = torch.zeros_like(sg.tensor)
+                st = ensure_state(self.optimizer, sg.tensor)  # a load before the first step creates it
                 saved = adamw_state(optimizer, v)
                 for key in ("exp_avg", "exp_avg_sq"):
                     st[key].copy_(_flat(saved[key])[sg.start : sg.end])

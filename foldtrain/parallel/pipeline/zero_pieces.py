@@ -18,6 +18,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from foldtrain.parallel.pipeline.zero import ensure_state
+
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
@@ -83,14 +85,6 @@ def sharded(pieces: list[tuple[tuple, tuple, torch.Tensor]], part: dict):
     props = TensorProperties(dtype=pieces[0][2].dtype, layout=torch.strided, requires_grad=False, pin_memory=False)
     meta = ShardedTensorMetadata([s.metadata for s in shards] + rest, torch.Size(part["size"]), props)
     return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
-
-
-def ensure_state(optimizer: torch.optim.Optimizer, t: torch.Tensor) -> dict:
-    """AdamW's state of ``t``, made (zero) if it has not stepped yet (AdamW makes it at its first step)."""
-    st = optimizer.state[t]
-    if not st:
-        st.update(step=torch.zeros((), device=t.device), exp_avg=torch.zeros_like(t), exp_avg_sq=torch.zeros_like(t))
-    return st
 
 
 def segment_pieces(shards, names: dict[int, str]) -> dict[str, dict[str, list]]:

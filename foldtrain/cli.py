@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from foldtrain.errors import CheckpointError, ConfigError, FoldtrainError
+from foldtrain.hostmem import restart_with_glibc_tunables
 
 USAGE = """foldtrain <command> [--config FILE] [--section.field VALUE ...]
 
@@ -237,6 +238,8 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the process's entry point, not a call from Python
+        restart_with_glibc_tunables()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)

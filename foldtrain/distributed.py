@@ -10,9 +10,7 @@ checkpoints, barriers and every strategy work as under torchrun.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import platform
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -54,29 +52,6 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     if requested in ("auto", "cuda") and torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
-
-
-HOST_CACHE_BYTES = 1 << 30
-
-
-def keep_freed_host_memory(limit: int = HOST_CACHE_BYTES) -> bool:
-    """Make glibc keep freed memory in the process, the way CUDA's caching allocator keeps GPU memory.
-
-    PyTorch's CPU tensors come from ``malloc``. glibc serves blocks above its mmap threshold
-    (dynamic, at most 32 MB) with a fresh ``mmap`` and unmaps them on free, and returns the free top
-    of its heap to the system; so every step faults in and zeroes again the pages of its largest
-    tensors (logits, their gradients, the loss's softmax): 0.6 ns per byte here, 36 ms for one 64 MB
-    tensor, and ``tiny`` trained 1.5-1.8x slower than with the pages kept. Raising the mmap and trim
-    thresholds to ``limit`` keeps them (the resident size then stays at the step's high-water mark).
-    Returns whether it applied (glibc only; a no-op elsewhere)."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    return bool(libc.mallopt(m_mmap_threshold, limit)) and bool(libc.mallopt(m_trim_threshold, limit))
 
 
 def init_distributed(device_request: str = "auto", timeout_s: float = 120.0) -> DistEnv:

@@ -56,7 +56,7 @@ def test_ranks_with_different_data_fail_on_every_rank(small_corpus, small_data, 
 
 _FAULTS_PROBE = """
 import resource, sys, torch
-from foldtrain.distributed import keep_freed_host_memory
+from foldtrain.hostmem import keep_freed_host_memory
 from foldtrain.model.gpt import GPT, GPTShape, lm_loss
 torch.set_num_threads(1)
 applied = keep_freed_host_memory() if sys.argv[1] == "1" else False

@@ -46,7 +46,7 @@ def _compute_probe(barrier, queue) -> None:
     import torch
 
     import foldtrain.train.trainer  # noqa: F401 - what a training process imports, for its resident size
-    from foldtrain.distributed import keep_freed_host_memory
+    from foldtrain.hostmem import keep_freed_host_memory
 
     torch.set_num_threads(1)
     keep_freed_host_memory()  # as a CPU training process does (--train.malloc_cache)
@@ -229,7 +229,7 @@ def _block_times(
 def _oversubscription_probe(barrier, queue) -> None:
     import torch
 
-    from foldtrain.distributed import keep_freed_host_memory
+    from foldtrain.hostmem import keep_freed_host_memory
     from foldtrain.model.gpt import Block, GPTShape
 
     torch.set_num_threads(1)

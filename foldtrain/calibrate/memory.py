@@ -16,7 +16,7 @@ def _loss_probe(tokens: int, queue) -> None:
 
     import torch
 
-    from foldtrain.distributed import keep_freed_host_memory
+    from foldtrain.hostmem import keep_freed_host_memory
     from foldtrain.model.gpt import GPT, GPTShape, lm_loss
 
     torch.set_num_threads(1)

@@ -71,7 +71,7 @@ class TrainConfig:
     device: str = "auto"
     progress: bool = True
     # CPU runs: keep freed memory in the process instead of faulting the largest tensors' pages in
-    # again every step (glibc mallopt; foldtrain.distributed.keep_freed_host_memory)
+    # again every step (glibc mallopt; foldtrain.hostmem.keep_freed_host_memory)
     malloc_cache: bool = True
 
 

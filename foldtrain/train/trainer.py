@@ -23,12 +23,12 @@ from foldtrain.distributed import (
     check_same_data,
     gather_floats,
     init_distributed,
-    keep_freed_host_memory,
     launch_world_size,
     shutdown,
 )
 from foldtrain.engine import build_engine
 from foldtrain.errors import EXIT_PREEMPTED, ConfigError
+from foldtrain.hostmem import keep_freed_host_memory
 from foldtrain.model import GPT, GPTShape, analytic_param_count
 from foldtrain.model.generate import sample
 from foldtrain.model.hf import maybe_init_from

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from foldtrain.data import TokenData, resolve_data
-from foldtrain.distributed import keep_freed_host_memory
+from foldtrain.hostmem import keep_freed_host_memory
 from foldtrain.model import GPT, GPTShape
 from foldtrain.train.metrics import peak_memory_mb  # measured exactly as foldtrain's runs are
 

@@ -429,18 +429,63 @@ def _per(values: dict, unit: str, fmt) -> str:
     return ", ".join(f"{fmt(v)} ({k} {one if int(k) == 1 else unit})" for k, v in items)
 
 
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.2f} ms"
+
+
+def _link_rows(loop: dict, net: dict) -> list[tuple[str, str, str]]:
+    """The calibration table's rows of gloo on loopback (by process count) and across the emulated nodes."""
+
+    def loop_of(key: str, fmt) -> str:
+        return _per({n: v[key] for n, v in loop.items() if key in v}, "ranks", fmt)
+
+    ms = _ms
+    return [
+        (
+            "one step of a collective, every rank communicating (loopback)",
+            "intra.collective_latency_us",
+            loop_of("collective_latency_s", ms),
+        ),
+        (
+            "the same across two emulated nodes at 1 Gbit/s",
+            "inter.collective_latency_us",
+            ms(net["collective_latency_s"]) if "collective_latency_s" in net else "",
+        ),
+        (
+            "CPU a collective's step takes from each rank (loopback)",
+            "node.collective_cpu_us",
+            loop_of("collective_cpu_s", ms),
+        ),
+        (
+            "gloo all-reduce bandwidth (loopback)",
+            "intra.bw_gbs",
+            loop_of("allreduce_bw", lambda x: f"{x / 1e9:.2f} GB/s"),
+        ),
+        (
+            "the same across two emulated nodes at 1 Gbit/s",
+            "inter.bw_gbs",
+            f"{net['allreduce_bw'] / 1e9:.3f} GB/s" if "allreduce_bw" in net else "",
+        ),
+        (
+            "gloo send/recv bandwidth, 16 MB (loopback; the parameter server's transfers)",
+            "intra.p2p_gbs",
+            loop_of("p2p_bw", lambda x: f"{x / 1e9:.2f} GB/s"),
+        ),
+        (
+            "the same across two emulated nodes at 1 Gbit/s",
+            "inter.p2p_gbs",
+            f"{net['p2p_bw'] / 1e9:.3f} GB/s" if "p2p_bw" in net else "",
+        ),
+    ]
+
+
 def calibration_table(comp: dict, loop: dict, net: dict) -> list[str]:
     """The calibrated figures the predictions rest on, with the cluster-file key each becomes; a figure
     an older calibration lacks is left out."""
     c = comp[min(comp)]  # the allocator's, the oversubscription's and the executor's figures are in every entry
     over = c.get("action_overhead", {})
 
-    def ms(x: float) -> str:
-        return f"{x * 1e3:.2f} ms"
-
-    def loop_of(key: str, fmt) -> str:
-        return _per({n: v[key] for n, v in loop.items() if key in v}, "ranks", fmt)
-
+    ms = _ms
     rows = [
         (
             "the executor's host work per action",
@@ -472,32 +517,8 @@ def calibration_table(comp: dict, loop: dict, net: dict) -> list[str]:
             "node.oversubscribed_efficiency",
             f"{c['oversubscribed']:.2f}" if "oversubscribed" in c else "",
         ),
-        (
-            "one step of a collective, every rank communicating (loopback)",
-            "intra.collective_latency_us",
-            loop_of("collective_latency_s", ms),
-        ),
-        (
-            "the same across two emulated nodes at 1 Gbit/s",
-            "inter.collective_latency_us",
-            ms(net["collective_latency_s"]) if "collective_latency_s" in net else "",
-        ),
-        (
-            "CPU a collective's step takes from each rank (loopback)",
-            "node.collective_cpu_us",
-            loop_of("collective_cpu_s", ms),
-        ),
-        (
-            "gloo all-reduce bandwidth (loopback)",
-            "intra.bw_gbs",
-            loop_of("allreduce_bw", lambda x: f"{x / 1e9:.2f} GB/s"),
-        ),
-        (
-            "the same across two emulated nodes at 1 Gbit/s",
-            "inter.bw_gbs",
-            f"{net['allreduce_bw'] / 1e9:.3f} GB/s" if "allreduce_bw" in net else "",
-        ),
     ]
+    rows += _link_rows(loop, net)
     return [
         "",
         "## The calibration behind these predictions",

@@ -241,12 +241,14 @@ def link_notes(src: str, a: argparse.Namespace, m: Probes) -> dict[str, str]:
         "intra.bw_gbs": f"{src}: gloo all-reduce of 16 MB over {max(a.ranks_per_node, 2)} local ranks "
         f"(p2p {loop['p2p_bw'] / 1e9:.2f} GB/s)",
         "intra.latency_us": f"{src}: gloo ping-pong / 2",
+        "intra.p2p_gbs": f"{src}: gloo send/recv of 16 MB between 2 local ranks",
         "inter.bw_gbs": (
             f"{src}: gloo all-reduce over {a.nodes} emulated nodes at {a.network} (p2p {net['p2p_bw'] / 1e9:.3f} GB/s)"
             if net
             else same
         ),
         "inter.latency_us": f"{src}: ping-pong across emulated nodes" if net else same,
+        "inter.p2p_gbs": f"{src}: gloo send/recv of 16 MB across emulated nodes" if net else same,
         "intra.collective_latency_us": f"{src}: a 4 KB gloo all-reduce over {m.busy['world']} local ranks "
         "/ its 2 (n-1) steps, median of 40",
         "inter.collective_latency_us": (

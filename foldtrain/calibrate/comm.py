@@ -142,12 +142,15 @@ def links(loop: dict, net: dict | None, hop: float | None = None):
     hop = loop.get("collective_latency_s", 0.0) if hop is None else hop
     # gloo's reduce_scatter_tensor (FSDP2's) is an all-reduce of the whole input, then this rank's chunk
     # (ProcessGroupGloo, pytorch/pytorch#118911): twice a ring reduce-scatter's bytes, half its bus bandwidth
-    intra = Link(loop["allreduce_bw"], loop["latency_s"], hop, rs_bw=loop["allreduce_bw"] / 2)
+    intra = Link(
+        loop["allreduce_bw"], loop["latency_s"], hop, p2p_bw=loop.get("p2p_bw", 0.0), rs_bw=loop["allreduce_bw"] / 2
+    )
     inter = (
         Link(
             net["allreduce_bw"],
             net["latency_s"],
             max(net.get("collective_latency_s", 0.0), hop),
+            p2p_bw=net.get("p2p_bw", 0.0),
             rs_bw=net["allreduce_bw"] / 2,
         )
         if net

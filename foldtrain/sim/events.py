@@ -287,8 +287,8 @@ class Sim:
             cpu_s = ph[2] if len(ph) > 2 else 0.0
             start = lambda cb: self.at(self.now + ph[1], lambda: cb(self.now))  # noqa: E731
         else:
-            _, key, weight, nbytes = ph
-            cpu_s = self.costs.comm_cpu(nbytes)
+            _, key, weight, nbytes = ph[:4]
+            cpu_s = ph[4] if len(ph) > 4 else self.costs.comm_cpu(nbytes)
             start = lambda cb: self.link(key).add(nbytes, weight, cb)  # noqa: E731
         if self.cpu is None or cpu_s <= 0:
             start(nxt)

@@ -22,7 +22,9 @@ class Sim(Protocol):
     def run_phases(self, phases: list, done: Callable[[float], None]) -> None: ...
 
 
-Phase = tuple  # ("delay", seconds[, core-seconds on the shared cores meanwhile]) | ("flow", link_key, weight, nbytes)
+# ("delay", seconds[, core-seconds on the shared cores meanwhile]) | ("flow", link_key, weight, nbytes[, core-seconds
+# on the shared cores meanwhile; default: a collective's, costs.comm_cpu(nbytes)])
+Phase = tuple
 CPU = ("cpu",)  # the host's cores, when the ranks share them
 
 

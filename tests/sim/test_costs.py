@@ -108,6 +108,25 @@ def test_parameter_server_link_carries_n_minus_1_workers(cluster):
     assert ps.step_time > ar.step_time
 
 
+def test_parameter_server_moves_at_the_point_to_point_rate_with_nothing_to_share_the_cores_with():
+    """The server's transfers are sends and receives: they run at the link's p2p bandwidth where the cluster
+    file gives one, and on shared cores they take no collective's CPU per byte (nobody computes meanwhile):
+    the reduction is the same with and without ``node.comm_cpu_ns`` (on a 4-rank loopback calibration that
+    CPU made it 2.4x as long as measured)."""
+    cfg = _cfg("--dp.strategy", "ps", "--parallel.dp", "4", "--train.global_batch", "4")
+
+    def reduce_s(**over) -> float:
+        r = simulate(cfg, from_dict(cluster_dict(**over)), keep_events=True)
+        (red,) = [e for e in r.events[0] if e["kind"] == "reduce" and e["step"] == r.events[0][0]["step"]]
+        return red["end"] - red["start"]
+
+    ps_bytes = 2 * 3 * simulate(cfg, from_dict(cluster_dict())).memory[0]["grads"]  # in and out, 3 workers
+    base = reduce_s()
+    assert reduce_s(intra__p2p_gbs=20) == approx(base - ps_bytes / 10e9 + ps_bytes / 20e9, rel=1e-6)
+    shared = {"node__shared_cores": 2, "node__comm_cpu_ns": 1.0}
+    assert reduce_s(**shared) == approx(reduce_s(node__shared_cores=2), rel=1e-9)
+
+
 def test_memory_of_gpt2_small_single_process(cluster):
     r = simulate(_cfg("--train.global_batch", "1"), cluster)
     m = r.memory[0]

@@ -6,8 +6,10 @@ moments), and the most unsharded parameters and gradients it held at once, sampl
 runs, as every module's output gradient arrives in the backward and as every unsharded gradient is
 accumulated (FSDP2 gathers a unit's parameters before these points, and reduce-scatters and frees its
 gradients after), and at each reduce-scatter FSDP2 issues (the gradients it took and their fp32 input). Between
-those moments nothing is seen: the figure is a lower bound. The simulator's memory model (``foldtrain simulate``:
-``params + grads + optimizer``, and ``comm_buffers``) predicts both from the configuration alone.
+those moments nothing is seen: the figure is a lower bound. The second step also measures, exactly, the most
+bytes of tensors alive at once (every tensor, activations included: :func:`allocated_peak`, from the profiler's
+allocator events). The simulator's memory model (``foldtrain simulate``: ``params + grads + optimizer``,
+``comm_buffers`` and ``activations``) predicts all three from the configuration alone.
 
     foldtrain bench fsdp-memory [--preset gpt2-small] [--vocab 8192] [--ranks 4] [--reshard true]
                                 [--pp 2 [--schedule 1f1b]]
@@ -36,10 +38,11 @@ def config_args(a) -> list[str]:
     common = [
         *("--model.preset", a.preset, "--model.vocab_size", str(a.vocab)),
         *("--dp.strategy", "fsdp", "--dp.reshard_after_forward", a.reshard),
-        *("--precision", a.precision, "--train.device", "cpu", "--train.seq_len", "32"),
+        *("--precision", a.precision, "--train.device", "cpu", "--train.seq_len", str(a.seq_len)),
     ]
     if a.pp == 1:
-        return [*common, "--train.global_batch", str(2 * a.ranks), "--train.micro_batch", "2"]
+        mb = str(a.micro_batch)
+        return [*common, "--train.global_batch", str(a.micro_batch * a.ranks), "--train.micro_batch", mb]
     dp = a.ranks // a.pp  # the 3D engine: every chunk sharded over dp, 4 micro-batches of one row
     layout = ["--parallel.dp", str(dp), "--parallel.pp", str(a.pp), "--parallel.schedule", a.schedule]
     return [*common, *layout, "--train.global_batch", str(4 * dp), "--train.micro_batch", "1"]
@@ -130,6 +133,45 @@ class Sampler:
                 full.register_post_accumulate_grad_hook(lambda _t: self.sample())
 
 
+def tensors_alive() -> int:
+    """Bytes of every CPU tensor storage reachable from Python now, each storage once (a DTensor's local one)."""
+    import gc
+    import warnings
+
+    import torch
+
+    storages: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance() on torch.distributed's deprecated objects warns
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "cpu"]
+    for o in tensors:
+        st = (o.to_local() if hasattr(o, "to_local") else o).untyped_storage()
+        if st.data_ptr():
+            storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
+def allocated_peak(run) -> int:
+    """The most bytes of CPU tensors alive at once while ``run()`` runs, exactly (the CPU's
+    ``torch.cuda.max_memory_allocated``): those alive before it plus the highest running total of PyTorch's CPU
+    allocator, which the profiler reports with every allocation and free from its start. Call it before the
+    first step: then only Python holds tensors (after a step, collectives' work objects may still hold some)."""
+    import torch
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    before = tensors_alive()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    todo, totals = list(prof.profiler.kineto_results.experimental_event_tree()), [0]
+    while todo:
+        node = todo.pop()
+        todo += node.children
+        if node.tag == _EventType.Allocation and node.extra_fields.device == torch.device("cpu"):
+            totals.append(node.extra_fields.total_allocated)
+    return before + max(totals)
+
+
 def local_bytes(t) -> int:
     return (t.to_local() if hasattr(t, "to_local") else t).nbytes
 
@@ -161,24 +203,67 @@ def worker(out: Path, argv: list[str]) -> None:
         )
     dp_rank, dp = getattr(engine, "dp_rank", rank), getattr(engine, "dp_world", world)
     g = torch.Generator().manual_seed(0)
-    for step in range(2):
-        x = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.train.seq_len + 1), generator=g)
-        mine = x[dp_rank::dp]
-        engine.train_step(mine[:, :-1].contiguous(), mine[:, 1:].contiguous())
-        if step == 0:
-            sampler.watch_gradients()
+
+    def two_steps() -> None:
+        for step in range(2):
+            x = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.train.seq_len + 1), generator=g)
+            mine = x[dp_rank::dp]
+            engine.train_step(mine[:, :-1].contiguous(), mine[:, 1:].contiguous())
+            if step == 0:
+                sampler.watch_gradients()
+
+    allocated = allocated_peak(two_steps)
     row = {
         "pp_rank": getattr(getattr(engine, "topo", None), "pp_rank", 0),
         "params": sum(local_bytes(p) for p in engine.model.parameters()),
         "grads": sum(seen.values()),
         "optimizer": sum(local_bytes(t) for o in opts for st in o.state.values() for k, t in st.items() if k != "step"),
         "unsharded_peak": sampler.peak,  # a lower bound (the module docstring says why)
+        "allocated_peak": allocated,  # every tensor, activations included: exact
     }
-    every = [None] * world
+    write_gathered(out, row)
+
+
+def write_gathered(out: Path, row: dict) -> None:
+    """Every rank's ``row``, gathered and written by rank 0 to ``OUT/bytes.json``; the group is then closed."""
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size()
     dist.all_gather_object(every, row)
-    if rank == 0:
+    if dist.get_rank() == 0:
         (out / "bytes.json").write_text(json.dumps(every))
     dist.destroy_process_group()
+
+
+def plain_worker(out: Path, argv: list[str]) -> None:
+    """Under torchrun: the plain FSDP2 script's model, sharding and step (:mod:`foldtrain.bench.anchors.fsdp_plain`)
+    for two steps on the same batches; its exact peak of tensors alive, per rank."""
+    import torch
+    import torch.distributed as dist
+
+    from foldtrain.bench.anchors.common import adamw, loss_fn
+    from foldtrain.bench.anchors.fsdp_plain import shard
+    from foldtrain.config import build_config
+    from foldtrain.model import GPT, GPTShape
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = build_config(argv)
+    model = shard(GPT(GPTShape.from_config(cfg.model), cfg.train.seed), cfg, world, torch.device("cpu"))
+    opt = adamw(model.parameters(), cfg.optim)
+    g = torch.Generator().manual_seed(0)
+
+    def two_steps() -> None:
+        for _ in range(2):
+            x = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.train.seq_len + 1), generator=g)
+            mine = x[rank::world]
+            loss_fn(model(mine[:, :-1]), mine[:, 1:]).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    write_gathered(out, {"allocated_peak": allocated_peak(two_steps)})
 
 
 def model_sizes(argv: list[str]) -> tuple[int, int, int]:
@@ -206,7 +291,27 @@ def predicted(argv: list[str], ranks: int, pp: int) -> list[dict[str, float]]:
     return simulate(cfg, load_cluster("dgx-a100"), check_memory=False).memory
 
 
-def dp_report(a, args: list[str], rows: list[dict], pred: dict) -> None:
+SIM_TOTAL = ("params", "grads", "optimizer", "masters", "comm_buffers", "activations")
+
+
+def allocated_table(rows: list[dict], preds: list[dict], plain: list[dict] | None = None) -> None:
+    """Each rank's exact peak of every tensor alive against the simulator's sum of what it counts for that rank
+    (``preds[i]``; the process's runtime aside) and, without a pipeline, the plain FSDP2 script's (``plain``)."""
+    print()
+    print(
+        "| rank | every tensor alive at once, MB (exact) | simulator: state + unsharded buffers + activations "
+        "| error |" + (" plain FSDP2 script, MB (exact) |" if plain else "")
+    )
+    print("|---|---|---|---|" + ("---|" if plain else ""))
+    for i, (m, p) in enumerate(zip(rows, preds)):
+        sim = sum(p.get(k, 0.0) for k in SIM_TOTAL)
+        anchor = f" {plain[i]['allocated_peak'] / MB:.1f} |" if plain else ""
+        print(
+            f"| {i} | {m['allocated_peak'] / MB:.1f} | {sim / MB:.1f} | {sim / m['allocated_peak'] - 1:+.1%} |{anchor}"
+        )
+
+
+def dp_report(a, args: list[str], rows: list[dict], pred: dict, plain: list[dict]) -> None:
     """Without a pipeline: each rank against the model's 1/N + one block, and rank 0 against the simulator."""
     total, block, root = model_sizes(args)
     full, one = 16 * total, 16 * block  # fp32 parameter, gradient and AdamW's two moments
@@ -237,6 +342,7 @@ def dp_report(a, args: list[str], rows: list[dict], pred: dict) -> None:
         f"({pred['comm_buffers'] / max(rows[0]['unsharded_peak'], 1) - 1:+.1%} against the sampled lower bound; "
         "it also counts a block's gradient and an fp32 reduce-scatter input in flight)"
     )
+    allocated_table(rows, [pred] * len(rows), plain)
 
 
 def pipeline_report(a, rows: list[dict], preds: list[dict]) -> None:
@@ -256,11 +362,15 @@ def pipeline_report(a, rows: list[dict], preds: list[dict]) -> None:
             f"| {i} | {m['pp_rank']} | {state / MB:.1f} | {sim_state / MB:.1f} | {sim_state / state - 1:+.1%} | "
             f"{held / MB:.1f} | {sim_held / MB:.1f} | {sim_held / max(held, 1) - 1:+.1%} |"
         )
+    allocated_table(rows, [preds[m["pp_rank"]] for m in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--worker":
-        worker(Path(argv[1]), argv[2:])
+        if argv[2:3] == ["--plain"]:
+            plain_worker(Path(argv[1]), argv[3:])
+        else:
+            worker(Path(argv[1]), argv[2:])
         return 0
     ap = argparse.ArgumentParser(
         prog="foldtrain bench fsdp-memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -272,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedule", default="1f1b", help="with --pp: the pipeline schedule")
     ap.add_argument("--reshard", choices=("true", "false"), default="true", help="--dp.reshard_after_forward")
     ap.add_argument("--precision", default="fp32", help="--precision (e.g. bf16-master: bf16 weights gathered)")
+    ap.add_argument("--seq_len", type=int, default=32, help="tokens per row (fewer: fewer activations)")
+    ap.add_argument("--micro_batch", type=int, default=2, help="rows per rank, without --pp")
     a = ap.parse_args(argv)
     if a.ranks % a.pp or a.ranks // a.pp < 2:
         raise SystemExit(f"foldtrain bench fsdp-memory: --ranks {a.ranks} needs at least 2 x --pp {a.pp}, a multiple")
@@ -279,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = gather_from_workers("fsdp-memory", a.ranks, args)
     preds = predicted(args, a.ranks, a.pp)
     if a.pp == 1:
-        dp_report(a, args, rows, preds[0])
+        dp_report(a, args, rows, preds[0], gather_from_workers("fsdp-memory", a.ranks, ["--plain", *args]))
     else:
         pipeline_report(a, rows, preds)
     return 0

@@ -34,6 +34,7 @@ import torch.nn as nn
 from foldtrain import collectives
 from foldtrain.model.gpt import Block
 from foldtrain.parallel.pipeline.p2p import local_part
+from foldtrain.parallel.scatter import reduce_scatter_in_place_on_gloo
 
 
 def shard_chunk(chunk: nn.Module, dp_mesh, reshard_after_forward: bool, precision) -> None:
@@ -43,10 +44,12 @@ def shard_chunk(chunk: nn.Module, dp_mesh, reshard_after_forward: bool, precisio
 
     param_dtype, reduce_dtype = precision.fsdp_dtypes
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for block in [m for m in chunk.modules() if isinstance(m, Block)]:
+    blocks = [m for m in chunk.modules() if isinstance(m, Block)]
+    for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     # the chunk's own group stays gathered after its forward: the fused head reads it after ``body``
     fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    reduce_scatter_in_place_on_gloo([*blocks, chunk], dp_mesh.get_group())
     register_fsdp_forward_method(chunk, "body")
 
 

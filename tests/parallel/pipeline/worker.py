@@ -128,26 +128,29 @@ def equivalence_case(case: dict) -> dict | None:
 
 @contextlib.contextmanager
 def counting_reduce_scatters():
-    """Count the reduce-scatters FSDP2 issues (it calls ``torch.distributed.reduce_scatter_single`` in torch
-    2.13, ``reduce_scatter_tensor`` in 2.11)."""
-    calls = [0]
-    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
-    real = {n: getattr(dist, n) for n in names}
+    """Count the reduce-scatters FSDP2 issues: on gloo through foldtrain's ``InPlaceReduceScatter``, elsewhere
+    ``torch.distributed.reduce_scatter_single`` (torch 2.13; ``reduce_scatter_tensor`` in 2.11)."""
+    from foldtrain.parallel.scatter import InPlaceReduceScatter
 
-    def counting(name):
+    calls = [0]
+    owners = [(dist, n) for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
+    owners.append((InPlaceReduceScatter, "__call__"))
+    real = {(o, n): getattr(o, n) for o, n in owners}
+
+    def counting(key):
         def counted(*args, **kwargs):
             calls[0] += 1
-            return real[name](*args, **kwargs)
+            return real[key](*args, **kwargs)
 
         return counted
 
-    for n in names:
-        setattr(dist, n, counting(n))
+    for key in owners:
+        setattr(*key, counting(key))
     try:
         yield calls
     finally:
-        for n in names:
-            setattr(dist, n, real[n])
+        for key in owners:
+            setattr(*key, real[key])
 
 
 def fsdp_groups(engine) -> int:

@@ -51,7 +51,9 @@ streams), so nothing overlaps; every rank computes at ``min(threads, cores / N)`
 Memory per rank: the fp32 shards (parameters, gradients, AdamW's two moments: 16 bytes per parameter / N; no
 separate masters) and the unsharded buffers at the turn of the last micro-batch (``comm_buffers``): the root
 and two blocks gathered (the current and the prefetched; every block with ``reshard_after_forward false``),
-the root's and a block's gradient in the gathered dtype and one fp32 reduce-scatter input in flight; with
+the root's and a block's gradient in the gathered dtype and one fp32 reduce-scatter input in flight, or, if
+more, at the embedding's backward the root's parameters and three copies of the tied weight's gradient (the
+head's, the embedding's and their sum) beside block 0's reduce-scatter input; with
 gradient accumulation instead every unit's gradient accumulated unsharded in fp32 (4 bytes per parameter,
 not sharded: the price of ``no_sync``), plus the current units' gradients before they are added in the
 master modes. Activations and runtime as every data-parallel strategy (:func:`.memory.rank_memory`).
@@ -285,7 +287,13 @@ def unsharded_bytes(s: Setup) -> float:
     if s.microbatches > 1:  # no_sync: every unit's gradient accumulated unsharded in fp32
         fresh = wb * (root + block) if wb != REDUCE_BYTES else 0.0  # this micro-batch's, before it is added
         return gathered + REDUCE_BYTES * model_params(s) + fresh + in_flight
-    return gathered + wb * (root + block) + in_flight
+    during_blocks = gathered + wb * (root + block) + in_flight
+    # The embedding's backward comes last: autograd adds its dense gradient of the tied weight to the head's out
+    # of place (FSDP2 holds a reference to the head's), so the root's parameters and three tied-weight-sized
+    # gradients are alive at once, beside block 0's reduce-scatter input (foldtrain bench fsdp-memory: the peak
+    # at GPT-2's vocabulary, where the tied weight is 5.6 blocks)
+    at_embedding = wb * root + 3 * wb * s.vocab * s.d_model + in_flight
+    return max(during_blocks, at_embedding)
 
 
 def rank_bytes(s: Setup, c: Cluster) -> dict[str, float]:

@@ -184,9 +184,23 @@ def test_accumulation_reduce_scatters_once_and_keeps_fp32_gradients_unsharded():
     events = timeline(three, phases(three, c))[1]
     assert count(events, "reduce-scatter") == three.n_layer + 1
     assert count(events, "all-gather") == 3 * (2 * three.n_layer + 1)
-    grown = rank_bytes(three, c)["comm_buffers"] - rank_bytes(one, c)["comm_buffers"]
     root, block = root_params(one), block_params(one)
-    assert grown == pytest.approx(4 * model_params(one) - 4 * (root + block))  # fp32 weights: no separate fresh copy
+    gathered, in_flight = 4 * (root + 2 * block), 4 * block
+    # every unit's fp32 gradient accumulated unsharded; fp32 weights: no separate fresh copy
+    assert rank_bytes(three, c)["comm_buffers"] == pytest.approx(gathered + 4 * model_params(one) + in_flight)
+
+
+def test_the_embeddings_backward_holds_three_copies_of_the_tied_gradient():
+    """Autograd adds the embedding's dense gradient of the tied weight to the head's out of place: at GPT-2's
+    vocabulary (the tied weight 5.4 blocks) that moment is the peak, with a small vocabulary the blocks' is."""
+    c = load_cluster("dgx-a100")
+    for vocab, tied_peak in ((50257, True), (8192, False)):
+        s = setup(8, 8, 8, "--model.vocab_size", str(vocab))
+        root, block, tied = root_params(s), block_params(s), s.vocab * s.d_model
+        during_blocks = 4 * (root + 2 * block) + 4 * (root + block) + 4 * block
+        at_embedding = 4 * root + 3 * 4 * tied + 4 * block
+        assert rank_bytes(s, c)["comm_buffers"] == pytest.approx(max(during_blocks, at_embedding))
+        assert (at_embedding > during_blocks) == tied_peak
 
 
 def test_optimizer_state_and_step_are_one_nth():

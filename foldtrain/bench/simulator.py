@@ -456,26 +456,23 @@ def _link_rows(loop: dict, net: dict) -> list[tuple[str, str, str]]:
             "node.collective_cpu_us",
             loop_of("collective_cpu_s", ms),
         ),
-        (
-            "gloo all-reduce bandwidth (loopback)",
-            "intra.bw_gbs",
-            loop_of("allreduce_bw", lambda x: f"{x / 1e9:.2f} GB/s"),
-        ),
-        (
-            "the same across two emulated nodes at 1 Gbit/s",
-            "inter.bw_gbs",
-            f"{net['allreduce_bw'] / 1e9:.3f} GB/s" if "allreduce_bw" in net else "",
-        ),
-        (
+        *_bandwidth_rows("gloo all-reduce bandwidth (loopback)", "bw_gbs", "allreduce_bw", loop_of, net),
+        *_bandwidth_rows(
             "gloo send/recv bandwidth, 16 MB (loopback; the parameter server's transfers)",
-            "intra.p2p_gbs",
-            loop_of("p2p_bw", lambda x: f"{x / 1e9:.2f} GB/s"),
+            "p2p_gbs",
+            "p2p_bw",
+            loop_of,
+            net,
         ),
-        (
-            "the same across two emulated nodes at 1 Gbit/s",
-            "inter.p2p_gbs",
-            f"{net['p2p_bw'] / 1e9:.3f} GB/s" if "p2p_bw" in net else "",
-        ),
+    ]
+
+
+def _bandwidth_rows(what: str, key: str, probe: str, loop_of, net: dict) -> list[tuple[str, str, str]]:
+    """A gloo bandwidth on loopback (by process count, through ``loop_of``) and across the two emulated nodes."""
+    across = f"{net[probe] / 1e9:.3f} GB/s" if probe in net else ""
+    return [
+        (what, f"intra.{key}", loop_of(probe, lambda x: f"{x / 1e9:.2f} GB/s")),
+        ("the same across two emulated nodes at 1 Gbit/s", f"inter.{key}", across),
     ]
 
 

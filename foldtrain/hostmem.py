@@ -22,7 +22,11 @@ HOST_CACHE_BYTES = 1 << 30
 # A CPU run's resident size above the tensors it holds, measured on rank 0 of a dp2 x pp2 fsdp run of an
 # 8-layer, 256-wide model (peak resident size over the 16 steps, median of 2 runs in alternation): 550 MB
 # with glibc's defaults, 452 MB with these two (the tensors and the interpreter account for about 400 MB);
-# the same run with the engine's all-reduce 460 -> 439 MB; tokens/s unchanged (within the runs' noise).
+# the same run with the engine's all-reduce 460 -> 439 MB; tokens/s unchanged (within the runs' noise):
+#   [FOLDTRAIN_GLIBC_TUNABLES=0] OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 -m foldtrain train \
+#     --model.n_layer 8 --model.d_model 256 --train.global_batch 8 --train.seq_len 32 --train.steps 16 \
+#     --parallel.dp 2 --parallel.pp 2 --parallel.microbatches 4 --dp.strategy fsdp   # or --dp.strategy none
+# (peak_mem_mb in the run's metrics.jsonl)
 # The per-thread caches (tcache) hold freed small blocks as in use, so the free space around them cannot
 # merge, and the next large block (an FSDP unit's unsharded parameters, a gradient bucket) extends the heap
 # instead of reusing it; every thread (gloo's among them) otherwise has an arena of its own that keeps the

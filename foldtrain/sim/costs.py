@@ -45,8 +45,13 @@ def block_params(s: Setup) -> float:
     return (12 * d * d) / s.tp + 13 * d
 
 
+def tied_params(s: Setup) -> float:
+    """The tied embedding / head weight's parameters on one tensor-parallel rank (vocabulary-parallel)."""
+    return s.vocab * s.d_model / s.tp
+
+
 def embed_params(s: Setup) -> float:
-    return s.vocab * s.d_model / s.tp + s.context * s.d_model
+    return tied_params(s) + s.context * s.d_model
 
 
 def segment_params(s: Setup, seg: int) -> float:
@@ -58,7 +63,7 @@ def segment_params(s: Setup, seg: int) -> float:
     if seg == last:
         n += 2 * s.d_model
         if last > 0:
-            n += s.vocab * s.d_model / s.tp  # the head's copy of the tied embedding
+            n += tied_params(s)  # the head's copy of the tied embedding
     return n
 
 
@@ -67,7 +72,7 @@ def whole_params(s: Setup, seg: int) -> float:
     where the pipeline splits the tie (every dp rank has its gradient in full and steps all of it), unless
     ``--optim.shard_tied`` slices it too (and all-gathers it with the rest)."""
     if s.pp > 1 and seg in (0, s.segments - 1) and not s.shard_tied:
-        return s.vocab * s.d_model / s.tp
+        return tied_params(s)
     return 0.0
 
 

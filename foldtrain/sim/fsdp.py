@@ -68,7 +68,7 @@ from foldtrain.errors import ConfigError
 from foldtrain.schedules import build_schedule
 
 from .cluster import Cluster
-from .costs import CostModel, Placement, block_params, model_params
+from .costs import CostModel, Placement, block_params, model_params, tied_params
 from .memory import GB, format_breakdown, rank_memory
 from .setup import Setup
 
@@ -292,7 +292,7 @@ def unsharded_bytes(s: Setup) -> float:
     # of place (FSDP2 holds a reference to the head's), so the root's parameters and three tied-weight-sized
     # gradients are alive at once, beside block 0's reduce-scatter input (foldtrain bench fsdp-memory: the peak
     # at GPT-2's vocabulary, where the tied weight is 5.6 blocks)
-    at_embedding = wb * root + 3 * wb * s.vocab * s.d_model + in_flight
+    at_embedding = wb * root + 3 * wb * tied_params(s) + in_flight
     return max(during_blocks, at_embedding)
 
 

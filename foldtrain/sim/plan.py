@@ -27,7 +27,7 @@ from foldtrain.errors import ConfigError, FoldtrainError
 from foldtrain.schedules.generators import DEFERRABLE, SPLIT_BACKWARD
 
 from .cluster import Cluster
-from .costs import CostModel, Placement, rank_segments, segment_params, stepped_share
+from .costs import CostModel, Placement, rank_segments, segment_params, stepped_share, tied_params
 from .memory import GB
 from .setup import Setup, resolve_setup
 from .simulate import Result, simulate_setup
@@ -211,7 +211,7 @@ def estimate(s: Setup, c: Cluster) -> tuple[float, float]:
         factor = 2 if s.strategy != "sharded-ps" and not s.dist_optim else 1 + s.weight_bytes / s.grad_bytes
         ring = factor * (s.dp - 1) / s.dp * g / bw + 2 * (s.dp - 1) * lat
         if s.shard_tied and P > 1:  # the tied copy's all-gather, on top of the tie's full all-reduce
-            ring += (s.dp - 1) / s.dp * s.vocab * s.d_model / s.tp * s.weight_bytes / bw
+            ring += (s.dp - 1) / s.dp * tied_params(s) * s.weight_bytes / bw
         if s.strategy == "fsdp-3d":  # exposed: an all-gather per pass that finds its blocks sharded, the LR's
             # fp32 reduce-scatter (pipeline_fsdp)
             n = g / s.grad_bytes

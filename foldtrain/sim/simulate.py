@@ -42,6 +42,7 @@ from .costs import (
     segment_params,
     segment_rank,
     stepped_share,
+    tied_params,
     whole_params,
 )
 from .dataparallel import simulate_dataparallel
@@ -327,7 +328,7 @@ class RunCosts:
         return sizes
 
     def tied_params(self) -> float:
-        return self.s.vocab * self.s.d_model / self.s.tp
+        return tied_params(self.s)
 
     def fsdp_tie(self, p: int, seg: int) -> list:
         """fsdp: the all-reduce of the tied copy's shard between the pipeline's two ends (pipeline/fsdp.py),

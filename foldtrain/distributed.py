@@ -142,9 +142,10 @@ def _init_from_horovod(device_request: str, timeout_s: float) -> DistEnv:
 
 
 def shutdown() -> None:
-    """Tear the process group down, after the engines that used it: DDP's reducer sits in reference cycles and holds
-    the group's work objects, and a process whose gloo threads outlive the group dies in their destructors at exit
-    ("terminate called without an active exception", SIGABRT; seen once in a 2-node doc-test run)."""
+    """Tear the process group down, after the engines that used it are collected: an engine left in a reference
+    cycle (DDP's reducer holds the group's work objects) would outlive the group, and a process whose gloo threads
+    outlive it can die in their destructors at exit ("terminate called without an active exception", SIGABRT; seen
+    once in a 2-node doc-test run, not reproduced since)."""
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()

@@ -6,7 +6,7 @@ moments), and the most unsharded parameters and gradients it held at once, sampl
 runs, as every module's output gradient arrives in the backward and as every unsharded gradient is
 accumulated (FSDP2 gathers a unit's parameters before these points, and reduce-scatters and frees its
 gradients after), and at each reduce-scatter FSDP2 issues (the gradients it took and their fp32 input). Between
-those moments nothing is seen: the figure is a lower bound. The second step also measures, exactly, the most
+those moments nothing is seen: the figure is a lower bound. The two steps are also measured exactly: the most
 bytes of tensors alive at once (every tensor, activations included: :func:`allocated_peak`, from the profiler's
 allocator events). The simulator's memory model (``foldtrain simulate``: ``params + grads + optimizer``,
 ``comm_buffers`` and ``activations``) predicts all three from the configuration alone.
@@ -172,6 +172,16 @@ def allocated_peak(run) -> int:
     return before + max(totals)
 
 
+def rank_batch(cfg, g, rank: int, ranks: int):
+    """This rank's share (every ``ranks``-th row from ``rank``) of one random global batch drawn from ``g``:
+    (inputs, targets), the same batches for foldtrain's engine and the plain FSDP2 script."""
+    import torch
+
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.train.seq_len + 1), generator=g)
+    mine = x[rank::ranks]
+    return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+
+
 def local_bytes(t) -> int:
     return (t.to_local() if hasattr(t, "to_local") else t).nbytes
 
@@ -206,9 +216,7 @@ def worker(out: Path, argv: list[str]) -> None:
 
     def two_steps() -> None:
         for step in range(2):
-            x = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.train.seq_len + 1), generator=g)
-            mine = x[dp_rank::dp]
-            engine.train_step(mine[:, :-1].contiguous(), mine[:, 1:].contiguous())
+            engine.train_step(*rank_batch(cfg, g, dp_rank, dp))
             if step == 0:
                 sampler.watch_gradients()
 
@@ -256,9 +264,8 @@ def plain_worker(out: Path, argv: list[str]) -> None:
 
     def two_steps() -> None:
         for _ in range(2):
-            x = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.train.seq_len + 1), generator=g)
-            mine = x[rank::world]
-            loss_fn(model(mine[:, :-1]), mine[:, 1:]).backward()
+            inputs, targets = rank_batch(cfg, g, rank, world)
+            loss_fn(model(inputs), targets).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)

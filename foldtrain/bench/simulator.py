@@ -439,22 +439,21 @@ def _link_rows(loop: dict, net: dict) -> list[tuple[str, str, str]]:
     def loop_of(key: str, fmt) -> str:
         return _per({n: v[key] for n, v in loop.items() if key in v}, "ranks", fmt)
 
-    ms = _ms
     return [
         (
             "one step of a collective, every rank communicating (loopback)",
             "intra.collective_latency_us",
-            loop_of("collective_latency_s", ms),
+            loop_of("collective_latency_s", _ms),
         ),
         (
             "the same across two emulated nodes at 1 Gbit/s",
             "inter.collective_latency_us",
-            ms(net["collective_latency_s"]) if "collective_latency_s" in net else "",
+            _ms(net["collective_latency_s"]) if "collective_latency_s" in net else "",
         ),
         (
             "CPU a collective's step takes from each rank (loopback)",
             "node.collective_cpu_us",
-            loop_of("collective_cpu_s", ms),
+            loop_of("collective_cpu_s", _ms),
         ),
         *_bandwidth_rows("gloo all-reduce bandwidth (loopback)", "bw_gbs", "allreduce_bw", loop_of, net),
         *_bandwidth_rows(
@@ -482,12 +481,11 @@ def calibration_table(comp: dict, loop: dict, net: dict) -> list[str]:
     c = comp[min(comp)]  # the allocator's, the oversubscription's and the executor's figures are in every entry
     over = c.get("action_overhead", {})
 
-    ms = _ms
     rows = [
         (
             "the executor's host work per action",
             "device.action_overhead_us",
-            _per(over, "processes", ms) if isinstance(over, dict) else ms(over),
+            _per(over, "processes", _ms) if isinstance(over, dict) else _ms(over),
         ),
         (
             "fp32 matrix-product peak per process",

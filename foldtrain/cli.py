@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from foldtrain.errors import CheckpointError, ConfigError, FoldtrainError
+from foldtrain.errors import CheckpointError, ConfigError, FoldtrainError, report
 from foldtrain.hostmem import restart_with_glibc_tunables
 
 USAGE = """foldtrain <command> [--config FILE] [--section.field VALUE ...]
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         ns, extra = _parser(cmd).parse_known_args(rest)
         return COMMANDS[cmd](ns, extra)
     except FoldtrainError as e:
-        print(f"foldtrain: error: {e}", file=sys.stderr)
+        report(e)
         return 2
     except KeyboardInterrupt:
         print("foldtrain: interrupted", file=sys.stderr)

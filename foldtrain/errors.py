@@ -1,13 +1,26 @@
 """User-facing errors: one clear line naming the problem and the fix.
 
-Anything raised as a ``FoldtrainError`` is printed by the CLI as a single line
+Anything raised as a ``FoldtrainError`` is printed (by :func:`report`, once) as a single line
 ``foldtrain: error: ...`` and the process exits with status 2, before any
 process group is created where possible.
 """
 
+import sys
+
 
 class FoldtrainError(Exception):
     """A problem the user can fix; its message names the problem and the fix."""
+
+    reported = False
+
+
+def report(e: FoldtrainError) -> None:
+    """Print ``e``'s line to stderr, once: a failing run says why before it tears down its process group,
+    because the launcher may end the process during that teardown (torchrun signals the survivors of a dead
+    rank) and the CLI's own report would then never be printed."""
+    if not e.reported:
+        print(f"foldtrain: error: {e}", file=sys.stderr, flush=True)
+        e.reported = True
 
 
 class ConfigError(FoldtrainError):

@@ -27,7 +27,7 @@ from foldtrain.distributed import (
     shutdown,
 )
 from foldtrain.engine import build_engine
-from foldtrain.errors import EXIT_PREEMPTED, ConfigError
+from foldtrain.errors import EXIT_PREEMPTED, ConfigError, FoldtrainError, report
 from foldtrain.hostmem import keep_freed_host_memory
 from foldtrain.model import GPT, GPTShape, analytic_param_count
 from foldtrain.model.generate import sample
@@ -85,6 +85,9 @@ def train(cfg: Config) -> dict:
     try:
         check_same_data(data.fingerprint)  # every rank trains on the same prepared data (meta.json checksums)
         return _train(cfg, env, data, plan)
+    except FoldtrainError as e:
+        report(e)  # now: shutdown() below can take long enough for torchrun's SIGTERM to arrive first
+        raise
     finally:
         shutdown()
 

@@ -289,13 +289,20 @@ def model_sizes(argv: list[str]) -> tuple[int, int, int]:
 
 
 def predicted(argv: list[str], ranks: int, pp: int) -> list[dict[str, float]]:
-    """The simulator's memory per pipeline rank (without a pipeline it takes the ranks as ``--parallel.dp``)."""
+    """The simulator's memory per pipeline rank (without a pipeline it takes the ranks as ``--parallel.dp``), for
+    ranks sharing this machine's cores: there FSDP2's collectives run on the training thread
+    (``foldtrain.sim.pipeline_fsdp.on_thread``). The preset's other numbers (a GPU's) enter none of the terms
+    compared here."""
+    import dataclasses
+    import os
+
     from foldtrain.config import build_config
     from foldtrain.sim.cluster import load_cluster
     from foldtrain.sim.simulate import simulate
 
     cfg = build_config(argv if pp > 1 else [*argv, "--parallel.dp", str(ranks)])
-    return simulate(cfg, load_cluster("dgx-a100"), check_memory=False).memory
+    here = dataclasses.replace(load_cluster("dgx-a100"), shared_cores=float(os.cpu_count() or 1))
+    return simulate(cfg, here, check_memory=False).memory
 
 
 SIM_TOTAL = ("params", "grads", "optimizer", "masters", "comm_buffers", "activations")

@@ -39,32 +39,3 @@ def exchange_rows(
         return collectives.all_to_all_single(recv, rows, group=group, async_op=True), recv, False
     out = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device) if into is None else into
     return collectives.reduce_scatter_single(out, rows.reshape(-1), group=group, async_op=True), out, True
-
-
-class InPlaceReduceScatter:
-    """FSDP2's reduce-scatter on gloo (``FSDPModule.set_custom_reduce_scatter``). gloo's ``reduce_scatter_single``
-    all-reduces a copy of its whole input and keeps this rank's slice; FSDP2 allocates that input for the
-    collective alone and never reads it after, so this all-reduces it in place and copies the slice out: the
-    same sums, bit for bit, without the copy. That copy was more than a unit's gradients at the worst moment:
-    gloo's worker thread frees it only once it runs again, and with more threads than cores (4 ranks on 2 here)
-    it held up to five of them while the backward went on (``foldtrain bench fsdp-memory``)."""
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False) -> None:
-        if async_op:  # FSDP2 calls it synchronously; an asynchronous caller would read the slice too early
-            raise NotImplementedError("InPlaceReduceScatter is synchronous")
-        collectives.all_reduce(input_tensor, op=op, group=group)
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        output_tensor.copy_(input_tensor.view(world, -1)[rank].view_as(output_tensor))
-
-
-def reduce_scatter_in_place_on_gloo(modules, group) -> None:
-    """Give every FSDP2 module of ``modules`` the :class:`InPlaceReduceScatter` when ``group`` is gloo's (NCCL
-    and others keep their own ring reduce-scatter); a torch whose FSDP2 lacks the hook keeps gloo's."""
-    if dist.get_backend(group) != "gloo":
-        return
-    for m in modules:
-        if hasattr(m, "set_custom_reduce_scatter"):
-            m.set_custom_reduce_scatter(InPlaceReduceScatter())

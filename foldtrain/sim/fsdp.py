@@ -50,10 +50,11 @@ streams), so nothing overlaps; every rank computes at ``min(threads, cores / N)`
 
 Memory per rank: the fp32 shards (parameters, gradients, AdamW's two moments: 16 bytes per parameter / N; no
 separate masters) and the unsharded buffers at the turn of the last micro-batch (``comm_buffers``): the root
-and two blocks gathered (the current and the prefetched; every block with ``reshard_after_forward false``),
-the root's and a block's gradient in the gathered dtype and one fp32 reduce-scatter input in flight, or, if
-more, at the embedding's backward the root's parameters and three copies of the tied weight's gradient (the
-head's, the embedding's and their sum) beside block 0's reduce-scatter input; with
+and two blocks gathered (the current and the prefetched; one on shared cores, where foldtrain turns the
+prefetch off: :func:`.pipeline_fsdp.on_thread`; every block with ``reshard_after_forward false``), the root's
+and a block's gradient in the gathered dtype and one fp32 reduce-scatter input in flight, or, if more, at the
+embedding's backward the root's parameters and three copies of the tied weight's gradient (the head's, the
+embedding's and their sum) beside block 0's reduce-scatter input (freed already on shared cores); with
 gradient accumulation instead every unit's gradient accumulated unsharded in fp32 (4 bytes per parameter,
 not sharded: the price of ``no_sync``), plus the current units' gradients before they are added in the
 master modes. Activations and runtime as every data-parallel strategy (:func:`.memory.rank_memory`).
@@ -70,6 +71,7 @@ from foldtrain.schedules import build_schedule
 from .cluster import Cluster
 from .costs import CostModel, Placement, block_params, model_params, tied_params
 from .memory import GB, format_breakdown, rank_memory
+from .pipeline_fsdp import on_thread
 from .setup import Setup
 
 REDUCE_BYTES = 4  # fp32 gradients on the wire and in the accumulation buffer
@@ -277,12 +279,12 @@ def timeline(s: Setup, ph: Phases, overlap: bool = True, slowdown: float = 0.0) 
     return t, ln.events, ln.waited
 
 
-def unsharded_bytes(s: Setup) -> float:
+def unsharded_bytes(s: Setup, thread: bool = False) -> float:
     """The unsharded parameters and gradients a rank holds at the turn of the last micro-batch (the module
-    docstring says which)."""
+    docstring says which); ``thread``: :func:`.pipeline_fsdp.on_thread`."""
     wb, L = s.weight_bytes, s.n_layer
     root, block = root_params(s), block_params(s)
-    gathered = wb * (root + (L if not s.reshard_after_forward else min(L, 2)) * block)
+    gathered = wb * (root + (L if not s.reshard_after_forward else min(L, 1 if thread else 2)) * block)
     in_flight = REDUCE_BYTES * block  # one reduce-scatter's fp32 input
     if s.microbatches > 1:  # no_sync: every unit's gradient accumulated unsharded in fp32
         fresh = wb * (root + block) if wb != REDUCE_BYTES else 0.0  # this micro-batch's, before it is added
@@ -290,9 +292,10 @@ def unsharded_bytes(s: Setup) -> float:
     during_blocks = gathered + wb * (root + block) + in_flight
     # The embedding's backward comes last: autograd adds its dense gradient of the tied weight to the head's out
     # of place (FSDP2 holds a reference to the head's), so the root's parameters and three tied-weight-sized
-    # gradients are alive at once, beside block 0's reduce-scatter input (foldtrain bench fsdp-memory: the peak
-    # at GPT-2's vocabulary, where the tied weight is 5.6 blocks)
-    at_embedding = wb * root + 3 * wb * tied_params(s) + in_flight
+    # gradients (foldtrain bench fsdp-memory: the peak at GPT-2's vocabulary, where the tied weight is 5.6
+    # blocks) are alive at once, beside block 0's reduce-scatter input, which FSDP2 keeps for a GPU stream
+    # still reading it; on shared cores foldtrain's synchronous reduce-scatter has freed it
+    at_embedding = wb * root + 3 * wb * tied_params(s) + (0.0 if thread else in_flight)
     return max(during_blocks, at_embedding)
 
 
@@ -306,7 +309,7 @@ def rank_bytes(s: Setup, c: Cluster) -> dict[str, float]:
         "grads": REDUCE_BYTES * n / w,
         "optimizer": 8 * n / w,
         "masters": 0.0,
-        "comm_buffers": unsharded_bytes(s),
+        "comm_buffers": unsharded_bytes(s, on_thread(c)),
         "activations": base["activations"],
         "runtime": base["runtime"],
     }

@@ -26,7 +26,7 @@ from __future__ import annotations
 from foldtrain.schedules import Schedule, activations_peak
 
 from .costs import CostModel, rank_segments, segment_params, stepped_share
-from .pipeline_fsdp import peak_buffers, units
+from .pipeline_fsdp import on_thread, peak_buffers, units
 from .setup import Setup
 
 GB = 1e9
@@ -80,7 +80,7 @@ def rank_memory(
         per_seg[g] = x
     if s.strategy == "fsdp-3d" and s.dp > 1:  # the most activations and unsharded buffers held together
         blocks, roots = ({g: units(s, g)[k] for g in segs} for k in (0, 1))
-        act, out["comm_buffers"] = peak_buffers(s, sched, p, per_seg, blocks, roots)
+        act, out["comm_buffers"] = peak_buffers(s, sched, p, per_seg, blocks, roots, on_thread(cm.c))
     else:
         act = activations_peak(sched, p, per_seg)
     if s.ac:

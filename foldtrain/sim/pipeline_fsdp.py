@@ -23,19 +23,29 @@ Memory per rank: the fp32 shards (16 bytes per parameter / dp) and, walking the 
 the unsharded units and the accumulated fp32 gradients hold together with the activations
 (:func:`peak_buffers`): a chunk's root from its first forward to its ``LR``, its blocks from its first
 backward (with ``reshard_after_forward false`` from its first forward), its gradients (4 bytes per parameter)
-from its first backward; two blocks gathered at once in a pass while the chunk's blocks are not held (the one
-computing, the one prefetched); at the ``LR``, where each unit in turn is resharded and its gradients copied
-into an fp32 reduce-scatter input, the largest unit's input less its weights.
+from its first backward; in a pass while the chunk's blocks are not held, two blocks gathered at once on a GPU
+(the one computing, the one prefetched), one on shared cores (:func:`on_thread`); at the ``LR``, where each
+unit in turn is resharded and its gradients copied into an fp32 reduce-scatter input, the largest unit's input
+less its weights.
 """
 
 from __future__ import annotations
 
 from foldtrain.schedules import WEIGHT_OPS, Op, Schedule
 
+from .cluster import Cluster
 from .costs import block_params, segment_params
 from .setup import Setup
 
 REDUCE_BYTES = 4  # fp32 gradients: accumulated, reduce-scattered, sharded
+
+
+def on_thread(c: Cluster) -> bool:
+    """Whether FSDP2's collectives run on the training thread: on shared cores (gloo on CPUs). There a prefetch
+    would overlap nothing, so foldtrain turns it off, and frees each reduce-scatter's input as it returns
+    (``foldtrain/parallel/fsdp_gloo.py``): a rank holds one gathered block in a pass, not two, and no
+    reduce-scatter input beyond the one being filled."""
+    return c.shared_cores > 0
 
 
 def units(s: Setup, seg: int) -> tuple[float, float]:
@@ -71,11 +81,19 @@ def roots_gathered(sched: Schedule, p: int) -> set[tuple[int, int]]:
 
 
 def peak_buffers(
-    s: Setup, sched: Schedule, p: int, act: dict[int, float], blocks: dict[int, float], roots: dict[int, float]
+    s: Setup,
+    sched: Schedule,
+    p: int,
+    act: dict[int, float],
+    blocks: dict[int, float],
+    roots: dict[int, float],
+    thread: bool = False,
 ) -> tuple[float, float]:
     """``(activations, unsharded buffers)`` at the moment rank ``p`` holds most of both together; ``act``: a
-    segment's activation bytes per micro-batch; ``blocks`` / ``roots``: its blocks' and root's parameters."""
+    segment's activation bytes per micro-batch; ``blocks`` / ``roots``: its blocks' and root's parameters;
+    ``thread``: :func:`on_thread`."""
     wb = s.weight_bytes
+    passing = 1 if thread else 2  # blocks gathered during a pass: the one computing (and the one prefetched)
     first_f: set[int] = set()
     first_b: set[int] = set()
     live = 0.0
@@ -103,8 +121,8 @@ def peak_buffers(
             first_f.add(c)
             live += act[c]
         if a.op in (Op.FORWARD, Op.BACKWARD) and s.layers[c]:
-            # the unit computing and the one prefetched, where the chunk's blocks are not all held already
-            moment(0.0 if blocks_held(c) else 2 * blocks[c] / s.layers[c] * wb)  # a forward; a backward's start
+            # the unit computing (and the one prefetched), where the chunk's blocks are not all held already
+            moment(0.0 if blocks_held(c) else passing * blocks[c] / s.layers[c] * wb)  # a forward; a backward's start
             if a.op is Op.BACKWARD:  # its end: this micro-batch's activations freed, the chunk's gradients there
                 first_b.add(c)
                 live -= act[c]

@@ -203,6 +203,21 @@ def test_the_embeddings_backward_holds_three_copies_of_the_tied_gradient():
         assert (at_embedding > during_blocks) == tied_peak
 
 
+def test_on_shared_cores_one_block_is_gathered_and_no_reduce_scatter_input_kept():
+    """On gloo foldtrain turns FSDP2's backward prefetch off and frees each reduce-scatter's input as it returns
+    (foldtrain/parallel/fsdp_gloo.py): one block gathered, not two, and nothing kept beside the embedding's
+    backward."""
+    gpu = load_cluster("dgx-a100")
+    cpu = dataclasses.replace(gpu, shared_cores=2.0)
+    for vocab in (50257, 8192):
+        s = setup(8, 8, 8, "--model.vocab_size", str(vocab))
+        root, block, tied = root_params(s), block_params(s), s.vocab * s.d_model
+        during_blocks = 4 * (root + block) + 4 * (root + block) + 4 * block
+        at_embedding = 4 * root + 3 * 4 * tied
+        assert rank_bytes(s, cpu)["comm_buffers"] == pytest.approx(max(during_blocks, at_embedding))
+        assert rank_bytes(s, cpu)["comm_buffers"] < rank_bytes(s, gpu)["comm_buffers"]
+
+
 def test_optimizer_state_and_step_are_one_nth():
     c = load_cluster("dgx-a100")
     for n in (2, 8):

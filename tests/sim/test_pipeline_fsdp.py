@@ -13,7 +13,7 @@ from foldtrain.errors import ConfigError
 from foldtrain.schedules import Op, build_schedule
 from foldtrain.sim.cluster import from_dict
 from foldtrain.sim.costs import block_params, segment_params
-from foldtrain.sim.pipeline_fsdp import gathering_actions
+from foldtrain.sim.pipeline_fsdp import gathering_actions, peak_buffers, units
 from foldtrain.sim.plan import _reductions
 from foldtrain.sim.setup import resolve_setup
 from foldtrain.sim.simulate import simulate
@@ -61,6 +61,19 @@ def test_the_lr_waits_for_every_units_reduce_scatter_and_gloo_pays_an_all_reduce
     rs_gloo = [e["end"] - e["start"] for e in last_iteration(slow.events[0]) if e["name"] == "RS c0"][0]
     assert rs_gloo - waits["RS c0"] == pytest.approx(sum(n * 4 / 2 / 10e9 for n in units), rel=1e-6)
     assert r.step_time > simulate(build_config([*GPT2, "--parallel.dp", "2", "--parallel.pp", "2"]), c).step_time
+
+
+def test_on_shared_cores_a_pass_holds_one_gathered_block_not_two():
+    """foldtrain turns FSDP2's backward prefetch off on gloo (foldtrain/parallel/fsdp_gloo.py): with many
+    activations alive (GPipe's last forward) the peak is a pass's gathered blocks beside the root."""
+    s = resolve_setup(cfg("--parallel.schedule", "gpipe", "--parallel.microbatches", "4"))
+    sched = build_schedule("gpipe", 2, 1, 4)
+    blocks, root = units(s, 0)
+    act = {0: 1e9}
+    gpu, cpu = (peak_buffers(s, sched, 0, act, {0: blocks}, {0: root}, thread) for thread in (False, True))
+    assert gpu[0] == cpu[0] == 4e9
+    one = blocks / s.layers[0] * s.weight_bytes
+    assert (gpu[1], cpu[1]) == pytest.approx((root * s.weight_bytes + 2 * one, root * s.weight_bytes + one))
 
 
 def test_every_rank_holds_fp32_shards_and_its_chunks_unsharded_until_their_lr():

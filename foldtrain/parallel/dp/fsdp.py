@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from foldtrain.parallel.dp.base import DataParallelStrategy
-from foldtrain.parallel.scatter import reduce_scatter_in_place_on_gloo
+from foldtrain.parallel.fsdp_gloo import fit_fsdp_to_gloo
 
 
 class FSDPStrategy(DataParallelStrategy):
@@ -45,7 +45,7 @@ class FSDPStrategy(DataParallelStrategy):
         for block in self.model.blocks:
             fully_shard(block, **opts)
         fully_shard(self.model, **opts)
-        reduce_scatter_in_place_on_gloo([*self.model.blocks, self.model], self.mesh.get_group())
+        fit_fsdp_to_gloo([*self.model.blocks, self.model], self.mesh.get_group())
         state.named_params = list(self.model.named_parameters())  # now DTensors
         state.set_optimizer(state.named_params)
 

@@ -33,8 +33,8 @@ import torch.nn as nn
 
 from foldtrain import collectives
 from foldtrain.model.gpt import Block
+from foldtrain.parallel.fsdp_gloo import fit_fsdp_to_gloo
 from foldtrain.parallel.pipeline.p2p import local_part
-from foldtrain.parallel.scatter import reduce_scatter_in_place_on_gloo
 
 
 def shard_chunk(chunk: nn.Module, dp_mesh, reshard_after_forward: bool, precision) -> None:
@@ -49,7 +49,7 @@ def shard_chunk(chunk: nn.Module, dp_mesh, reshard_after_forward: bool, precisio
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     # the chunk's own group stays gathered after its forward: the fused head reads it after ``body``
     fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
-    reduce_scatter_in_place_on_gloo([*blocks, chunk], dp_mesh.get_group())
+    fit_fsdp_to_gloo([*blocks, chunk], dp_mesh.get_group())
     register_fsdp_forward_method(chunk, "body")
 
 

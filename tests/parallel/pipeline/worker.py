@@ -130,7 +130,7 @@ def equivalence_case(case: dict) -> dict | None:
 def counting_reduce_scatters():
     """Count the reduce-scatters FSDP2 issues: on gloo through foldtrain's ``InPlaceReduceScatter``, elsewhere
     ``torch.distributed.reduce_scatter_single`` (torch 2.13; ``reduce_scatter_tensor`` in 2.11)."""
-    from foldtrain.parallel.scatter import InPlaceReduceScatter
+    from foldtrain.parallel.fsdp_gloo import InPlaceReduceScatter
 
     calls = [0]
     owners = [(dist, n) for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]

@@ -1,0 +1,69 @@
+"""FSDP2 on gloo (``foldtrain/parallel/fsdp_gloo.py``): the in-place reduce-scatter frees its input, and with
+the backward prefetch off a rank holds one gathered block at a time in the backward, not two. One process, a
+one-rank gloo group (FSDP2 still gathers and prefetches there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from foldtrain.config import build_config
+from foldtrain.parallel.fsdp_gloo import InPlaceReduceScatter, fit_fsdp_to_gloo
+from foldtrain.train.trainer import build_model
+from tests.conftest import TINY_ARGS
+
+
+@pytest.fixture
+def gloo_group(tmp_path):
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_the_reduce_scatter_keeps_the_slice_and_frees_its_input(gloo_group):
+    rs = InPlaceReduceScatter()
+    full = rs.allocate((6,), dtype=torch.float32, device=torch.device("cpu"))
+    full.copy_(torch.arange(6.0))
+    out = torch.empty(6)
+    rs(output_tensor=out, input_tensor=full, group=gloo_group, op=dist.ReduceOp.SUM)
+    assert out.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # one rank: its slice is everything, summed once
+    assert full.untyped_storage().nbytes() == 0
+    with pytest.raises(NotImplementedError):
+        rs(output_tensor=out, input_tensor=out.clone(), group=gloo_group, op=dist.ReduceOp.SUM, async_op=True)
+
+
+def most_blocks_gathered_in_backward(fit: bool) -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_model(
+        build_config([*TINY_ARGS, "--model.n_layer", "4", "--model.vocab_size", "64", "--train.seq_len", "8"])
+    )
+    mesh = init_device_mesh("cpu", (1,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if fit:
+        fit_fsdp_to_gloo([*model.blocks, model], mesh.get_group())
+    seen: list[int] = []
+
+    def count(*_):
+        groups = [fully_shard.state(b)._fsdp_param_group for b in model.blocks]
+        # gathered, or its all-gather's output held (a prefetch is waited for only when its unit's backward starts)
+        seen.append(sum(g.is_unsharded or g._all_gather_result is not None for g in groups))
+
+    for block in model.blocks:
+        block.ln1.register_full_backward_hook(
+            count
+        )  # the block's last backward op: it is gathered, the next one prefetched
+    idx = torch.randint(0, 64, (2, 8))
+    model(idx, idx).backward()
+    assert len(seen) == len(model.blocks)
+    return max(seen)
+
+
+def test_without_the_backward_prefetch_one_block_is_gathered_at_a_time(gloo_group):
+    assert most_blocks_gathered_in_backward(fit=False) == 2  # FSDP2's own: the next block is prefetched
+    assert most_blocks_gathered_in_backward(fit=True) == 1

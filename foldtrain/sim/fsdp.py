@@ -338,7 +338,7 @@ def simulate_fsdp(s: Setup, c: Cluster, check_memory: bool = True) -> FSDPStep:
             f"{'' if s.ac else ', --ac full'} or a larger device{accumulated}"
         )
     ph = phases(s, c)
-    overlap = c.shared_cores <= 0
+    overlap = not on_thread(c)
     step, events, waited = timeline(s, ph, overlap, c.overlap_slowdown)
     gathers = sum(it.gather for it in items(s, ph))
     reduces = sum(it.reduce for it in items(s, ph))

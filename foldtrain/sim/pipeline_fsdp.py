@@ -41,10 +41,10 @@ REDUCE_BYTES = 4  # fp32 gradients: accumulated, reduce-scattered, sharded
 
 
 def on_thread(c: Cluster) -> bool:
-    """Whether FSDP2's collectives run on the training thread: on shared cores (gloo on CPUs). There a prefetch
-    would overlap nothing, so foldtrain turns it off, and frees each reduce-scatter's input as it returns
-    (``foldtrain/parallel/fsdp_gloo.py``): a rank holds one gathered block in a pass, not two, and no
-    reduce-scatter input beyond the one being filled."""
+    """Whether FSDP2's collectives run on the training thread: on shared cores (gloo on CPUs). There they
+    overlap no compute, so a prefetch would only hold memory: foldtrain turns it off, and frees each
+    reduce-scatter's input as it returns (``foldtrain/parallel/fsdp_gloo.py``): a rank holds one gathered block
+    in a pass, not two, and no reduce-scatter input beyond the one being filled."""
     return c.shared_cores > 0
 
 

@@ -49,7 +49,7 @@ from .dataparallel import simulate_dataparallel
 from .events import Sim, run_schedule
 from .fsdp import simulate_fsdp
 from .memory import GB, format_breakdown, rank_memory
-from .pipeline_fsdp import REDUCE_BYTES, gathering_actions, roots_gathered, units
+from .pipeline_fsdp import REDUCE_BYTES, gathering_actions, on_thread, roots_gathered, units
 from .setup import Setup, resolve_setup
 
 
@@ -111,7 +111,7 @@ class RunCosts:
 
     def compute(self, p: int, a) -> float:
         t = self._compute[a.op](a.chunk)
-        if self.fsdp and self.c.shared_cores <= 0 and (a.op, a.chunk, a.mb) in self._gathers[p]:
+        if self.fsdp and not on_thread(self.c) and (a.op, a.chunk, a.mb) in self._gathers[p]:
             # FSDP2 prefetches the next unit while one computes: the pass lasts as long as the longer of the two
             block = self.all_gather(p, self.block_bytes(), self.slower("ag"))
             t = max(t, (self.s.layers[a.chunk] - 1) * self._seconds(block))
@@ -151,7 +151,7 @@ class RunCosts:
         if a.op is Op.FORWARD and root > 0 and (a.chunk, a.mb) in self._roots[p]:
             out += self.all_gather(p, root * self.s.weight_bytes, k)
         if (a.op, a.chunk, a.mb) in self._gathers[p]:
-            blocks = self.s.layers[a.chunk] if self.c.shared_cores > 0 else min(1, self.s.layers[a.chunk])
+            blocks = self.s.layers[a.chunk] if on_thread(self.c) else min(1, self.s.layers[a.chunk])
             for _ in range(blocks):
                 out += self.all_gather(p, self.block_bytes(), k)
         return out or None
@@ -199,8 +199,8 @@ class RunCosts:
         g = cm.grad_bytes(seg)
         w = segment_params(s, seg) * s.weight_bytes
         if self.tie(p, seg) is not None:  # the tied copy has its own reduction (tie)
-            g -= self.tied_params() * s.grad_bytes
-            w -= self.tied_params() * s.weight_bytes
+            g -= tied_params(s) * s.grad_bytes
+            w -= tied_params(s) * s.weight_bytes
         out: list = []
         if n > 1:
             key, weight, bw, lat = self.pl.dp_link(p)
@@ -259,7 +259,7 @@ class RunCosts:
         s = self.s
         if s.dp <= 1:
             return None
-        g = self.cm.grad_bytes(seg) - (self.tied_params() * s.grad_bytes if self.tie(p, seg) is not None else 0.0)
+        g = self.cm.grad_bytes(seg) - (tied_params(s) * s.grad_bytes if self.tie(p, seg) is not None else 0.0)
         cap = s.fold_bucket_bytes
         sizes = [cap] * int(g // cap) + ([g - cap * int(g // cap)] if g % cap > 0 else [])
         return [self.collective(p, b) for b in sizes]
@@ -327,9 +327,6 @@ class RunCosts:
                 sizes = [first] + [(g - first) / (k - 1)] * (k - 1)
         return sizes
 
-    def tied_params(self) -> float:
-        return tied_params(self.s)
-
     def fsdp_tie(self, p: int, seg: int) -> list:
         """fsdp: the all-reduce of the tied copy's shard between the pipeline's two ends (pipeline/fsdp.py),
         or ``[]`` where ``seg`` holds no split tie."""
@@ -337,7 +334,7 @@ class RunCosts:
         if s.segments < 2 or seg not in (0, self.last) or segment_rank(s, 0) == segment_rank(s, self.last):
             return []
         key, weight, lat = self.pl.p2p_link(p, segment_rank(s, self.last if seg == 0 else 0))
-        return [self.steps(2, lat), ("flow", key, weight, self.tied_params() / s.dp * REDUCE_BYTES)]
+        return [self.steps(2, lat), ("flow", key, weight, tied_params(s) / s.dp * REDUCE_BYTES)]
 
     def tie(self, p: int, seg: int):
         """The tied embedding's reduction (``foldtrain/parallel/pipeline/tie.py``) at the end that holds

@@ -52,9 +52,9 @@ Memory per rank: the fp32 shards (parameters, gradients, AdamW's two moments: 16
 separate masters) and the unsharded buffers at the turn of the last micro-batch (``comm_buffers``): the root
 and two blocks gathered (the current and the prefetched; every block with ``reshard_after_forward false``), the
 root's and a block's gradient in the gathered dtype and one fp32 reduce-scatter input in flight (on shared cores,
-where foldtrain turns the prefetch off and frees each input at once, :func:`.pipeline_fsdp.on_thread`: the root
-and its gradient, and the more of a block's weights and its fp32 input, as FSDP2 reshards the block before
-copying its gradients in), or, if more, at the
+where foldtrain turns the prefetch off and frees each input at once, :func:`.pipeline_fsdp.on_thread`: one
+block gathered, not two, and of the block's own fp32 input only its excess over the block's weights, which
+FSDP2 reshards before copying the gradients in), or, if more, at the
 embedding's backward the root's parameters and three copies of the tied weight's gradient (the head's, the
 embedding's and their sum) beside block 0's reduce-scatter input (freed already on shared cores); with
 gradient accumulation instead every unit's gradient accumulated unsharded in fp32 (4 bytes per parameter,
@@ -291,12 +291,11 @@ def unsharded_bytes(s: Setup, thread: bool = False) -> float:
     if s.microbatches > 1:  # no_sync: every unit's gradient accumulated unsharded in fp32
         fresh = wb * (root + block) if wb != REDUCE_BYTES else 0.0  # this micro-batch's, before it is added
         return gathered + REDUCE_BYTES * model_params(s) + fresh + in_flight
-    during_blocks = gathered + wb * (root + block) + in_flight
-    if thread:  # FSDP2 reshards a block before copying its gradients into the reduce-scatter input, and nothing is
-        # prefetched or kept: the most is at the block's backward (its weights) or its copy-in (the fp32 input)
-        during_blocks = wb * root + wb * (root + block) + max(wb, REDUCE_BYTES) * block
+    # the fp32 reduce-scatter input: on a GPU the last one, kept beside the next unit's gradients; on shared cores
+    # only the block's own, filled after FSDP2 has resharded the block's weights (so only its excess over them)
+    during_blocks = gathered + wb * (root + block) + (max(0.0, REDUCE_BYTES - wb) * block if thread else in_flight)
     # The embedding's backward comes last: autograd adds its dense gradient of the tied weight to the head's out
-    # of place (FSDP2 holds a reference to the head's), so the root's parameters and three tied-weight-sized
+    # of place (as it does in plain torch with a tied head), so the root's parameters and three tied-weight-sized
     # gradients (foldtrain bench fsdp-memory: the peak at GPT-2's vocabulary, where the tied weight is 5.6
     # blocks) are alive at once, beside block 0's reduce-scatter input, which FSDP2 keeps for a GPU stream
     # still reading it; on shared cores foldtrain's synchronous reduce-scatter has freed it

@@ -216,6 +216,11 @@ def test_on_shared_cores_one_block_is_gathered_and_no_reduce_scatter_input_kept(
         at_embedding = 4 * root + 3 * 4 * tied
         assert rank_bytes(s, cpu)["comm_buffers"] == pytest.approx(max(during_blocks, at_embedding))
         assert rank_bytes(s, cpu)["comm_buffers"] < rank_bytes(s, gpu)["comm_buffers"]
+    kept = setup(8, 8, 8, "--model.vocab_size", "8192", "--dp.reshard_after_forward", "false")
+    root, block = root_params(kept), block_params(kept)  # every block stays gathered from its forward
+    assert rank_bytes(kept, cpu)["comm_buffers"] == pytest.approx(
+        4 * (root + kept.n_layer * block) + 4 * (root + block)
+    )
 
 
 def test_optimizer_state_and_step_are_one_nth():

@@ -54,10 +54,8 @@ def most_blocks_gathered_in_backward(fit: bool) -> int:
         # gathered, or its all-gather's output held (a prefetch is waited for only when its unit's backward starts)
         seen.append(sum(g.is_unsharded or g._all_gather_result is not None for g in groups))
 
-    for block in model.blocks:
-        block.ln1.register_full_backward_hook(
-            count
-        )  # the block's last backward op: it is gathered, the next one prefetched
+    for block in model.blocks:  # ln1's backward is the block's last: it is gathered, the next one prefetched
+        block.ln1.register_full_backward_hook(count)
     idx = torch.randint(0, 64, (2, 8))
     model(idx, idx).backward()
     assert len(seen) == len(model.blocks)

@@ -81,3 +81,9 @@ def test_world_checks():
     validate(build_config(["--parallel.dp", "2", "--optim.distributed", "true", "--train.global_batch", "4"]), 2)
     with pytest.raises(ConfigError, match="--optim.shard_tied slices .* add --optim.distributed true"):
         validate(build_config(["--parallel.dp", "2", "--optim.shard_tied", "true", "--train.global_batch", "4"]), 2)
+    # --dp.shard_vocab splits the rows as Shard(0) does, ceil-sized pieces first: 6 rows over 4 ranks are 2, 2, 2, 0
+    tiny_vocab = ["--dp.strategy", "fsdp", "--train.global_batch", "4", "--model.vocab_size"]
+    validate(build_config([*tiny_vocab, "7"]), world_size=4)
+    with pytest.raises(ConfigError, match="6-row vocabulary over 4 ranks.*--dp.shard_vocab false"):
+        validate(build_config([*tiny_vocab, "6"]), world_size=4)
+    validate(build_config([*tiny_vocab, "6", "--dp.shard_vocab", "false"]), world_size=4)

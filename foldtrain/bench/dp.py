@@ -25,7 +25,9 @@ from foldtrain.bench.tables import DP_HEADERS, dp_ratios, dp_rows
 from foldtrain.config import DPConfig
 from foldtrain.errors import FoldtrainError
 
-STRATEGIES = ("none", "ps", "sharded-ps", "allreduce", "ddp", "horovod", "fsdp")
+STRATEGIES = ("none", "ps", "sharded-ps", "allreduce", "ddp", "horovod", "fsdp", "fsdp-root")
+# a row that is a --dp.strategy with options, not a strategy of its own
+VARIANTS = {"fsdp-root": ["--dp.strategy", "fsdp", "--dp.shard_vocab", "false"]}
 ANCHORS = ("ddp_plain", "horovod_plain", "fsdp_plain")
 ANCHOR_ALIASES = {"horovod": "horovod_plain"}
 # Horovod's background thread gathers ready gradients every HOROVOD_CYCLE_TIME ms (default 1 ms, tuned for
@@ -58,7 +60,9 @@ def parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("what to compare")
     g.add_argument(
-        "--strategies", default=",".join(STRATEGIES), help="comma list of --dp.strategy values (default: all)"
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help="comma list of --dp.strategy values, and fsdp-root: fsdp with --dp.shard_vocab false (default: all)",
     )
     g.add_argument("--precisions", default="fp32,bf16", help="comma list of --precision values (default %(default)s)")
     g.add_argument("--ranks", type=common.csv_ints, default=[1, 2, 4], help="comma list of world sizes (default 1,2,4)")
@@ -168,7 +172,7 @@ class _Jobs:
 def _strategy_layout(a, s: str, n: int, notes: list[str]) -> tuple[list[str], int] | None:
     """Strategy ``s`` at ``n`` ranks: its extra arguments and data-parallel workers, or None (with a
     line in ``notes``) when it cannot run: no worker left by the servers, or a batch that does not split."""
-    extra, workers = ["--dp.strategy", s], n
+    extra, workers = list(VARIANTS.get(s, ["--dp.strategy", s])), n
     if s == "ps" and a.ps_servers:
         if a.ps_servers >= n:
             notes.append(f"ps at {n} ranks skipped: --ps_servers {a.ps_servers} leaves no worker")

@@ -12,7 +12,10 @@ allocator events). The simulator's memory model (``foldtrain simulate``: ``param
 ``comm_buffers`` and ``activations``) predicts all three from the configuration alone.
 
     foldtrain bench fsdp-memory [--preset gpt2-small] [--vocab 8192] [--ranks 4] [--reshard true]
-                                [--pp 2 [--schedule 1f1b]]
+                                [--shard_vocab true] [--pp 2 [--schedule 1f1b]]
+
+``--shard_vocab`` is ``--dp.shard_vocab``: the tied embedding and head split by rows over the ranks (the default),
+or gathered whole in the root's unit (``false``, as the plain script and torchtitan keep them).
 
 With ``--pp`` the ranks run the 3D engine (dp = ranks / pp, every chunk sharded over dp, 4 micro-batches of one
 row) and each rank is held against the simulator's memory of its pipeline stage: there FSDP accumulates every
@@ -42,7 +45,8 @@ def config_args(a) -> list[str]:
     ]
     if a.pp == 1:
         mb = str(a.micro_batch)
-        return [*common, "--train.global_batch", str(a.micro_batch * a.ranks), "--train.micro_batch", mb]
+        rows = ["--train.global_batch", str(a.micro_batch * a.ranks), "--train.micro_batch", mb]
+        return [*common, *rows, "--dp.shard_vocab", a.shard_vocab]
     dp = a.ranks // a.pp  # the 3D engine: every chunk sharded over dp, 4 micro-batches of one row
     layout = ["--parallel.dp", str(dp), "--parallel.pp", str(a.pp), "--parallel.schedule", a.schedule]
     return [*common, *layout, "--train.global_batch", str(4 * dp), "--train.micro_batch", "1"]
@@ -273,8 +277,9 @@ def plain_worker(out: Path, argv: list[str]) -> None:
     write_gathered(out, {"allocated_peak": allocated_peak(two_steps)})
 
 
-def model_sizes(argv: list[str]) -> tuple[int, int, int]:
-    """Parameters of the whole model (tied weight once), of one block, and of the root unit (the rest)."""
+def model_sizes(argv: list[str]) -> tuple[int, int, int, int]:
+    """Parameters of the whole model (tied weight once), of one block, of the root unit (the rest) and of the tied
+    weight."""
     import torch
 
     from foldtrain.config import build_config
@@ -285,7 +290,7 @@ def model_sizes(argv: list[str]) -> tuple[int, int, int]:
         model = GPT(GPTShape.from_config(cfg.model))
     total = sum(p.numel() for p in model.parameters())
     block = sum(p.numel() for p in model.blocks[0].parameters())
-    return total, block, total - cfg.model.n_layer * block
+    return total, block, total - cfg.model.n_layer * block, model.embedding.wte.weight.numel()
 
 
 def predicted(argv: list[str], ranks: int, pp: int) -> list[dict[str, float]]:
@@ -327,11 +332,16 @@ def allocated_table(rows: list[dict], preds: list[dict], plain: list[dict] | Non
 
 def dp_report(a, args: list[str], rows: list[dict], pred: dict, plain: list[dict]) -> None:
     """Without a pipeline: each rank against the model's 1/N + one block, and rank 0 against the simulator."""
-    total, block, root = model_sizes(args)
+    total, block, root, tied = model_sizes(args)
     full, one = 16 * total, 16 * block  # fp32 parameter, gradient and AdamW's two moments
     print(f"fsdp over {a.ranks} ranks, {a.preset} with a {a.vocab}-word vocabulary, {a.precision},")
     print(f"reshard_after_forward {a.reshard}: {total / 1e6:.1f} M parameters, a block {block / 1e6:.2f} M, the root ")
-    print(f"unit (embedding, head, final norm) {root / 1e6:.2f} M = {root / block:.1f} blocks")
+    print(f"unit (embedding, head, final norm) {root / 1e6:.2f} M = {root / block:.1f} blocks", end="")
+    if a.shard_vocab == "true":
+        print(f"; shard_vocab true: its tied weight ({tied / 1e6:.2f} M) split by rows over the {a.ranks} ranks, ")
+        print("never gathered")
+    else:
+        print("; shard_vocab false: gathered whole")
     print()
     print(
         "| rank | params MB | grads MB | AdamW MB | sharded state / (model's / N) | unsharded peak MB, at least | "
@@ -396,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages: fsdp in the 3D engine over ranks / pp")
     ap.add_argument("--schedule", default="1f1b", help="with --pp: the pipeline schedule")
     ap.add_argument("--reshard", choices=("true", "false"), default="true", help="--dp.reshard_after_forward")
+    ap.add_argument("--shard_vocab", choices=("true", "false"), default="true", help="--dp.shard_vocab (without --pp)")
     ap.add_argument("--precision", default="fp32", help="--precision (e.g. bf16-master: bf16 weights gathered)")
     ap.add_argument("--seq_len", type=int, default=32, help="tokens per row (fewer: fewer activations)")
     ap.add_argument("--micro_batch", type=int, default=2, help="rows per rank, without --pp")

@@ -298,8 +298,8 @@ def _ratio(
 def dp_ratios(runs: list[RunResult]) -> list[Ratio]:
     """The study's target ratios, each from runs of this same benchmark invocation.
 
-    * allreduce / ddp_plain, sharded-ps / ddp_plain and fsdp / fsdp_plain tokens/s, per network and
-      precision, at the largest rank count both ran;
+    * allreduce / ddp_plain, sharded-ps / ddp_plain, fsdp / fsdp_plain and fsdp-root / fsdp_plain tokens/s, per
+      network and precision, at the largest rank count both ran;
     * allreduce vs colocated ps tokens/s at 4 ranks (else the largest) on each throttled network;
     * server vs worker bytes per step for ps (largest rank count, per network)."""
     runs = [r for r in runs if r.bench == "dp"]
@@ -316,7 +316,12 @@ def _dp_run(runs: list[RunResult], impl: str, variant: str, net: str, prec: str,
     return _find(runs, impl=impl, variant=variant, network=net, precision=prec, ranks=n)
 
 
-PLAIN_PAIRS = (("allreduce", "ddp_plain"), ("sharded-ps", "ddp_plain"), ("fsdp", "fsdp_plain"))
+PLAIN_PAIRS = (
+    ("allreduce", "ddp_plain"),
+    ("sharded-ps", "ddp_plain"),
+    ("fsdp", "fsdp_plain"),
+    ("fsdp-root", "fsdp_plain"),
+)
 
 
 def _dp_vs_ddp_plain(runs: list[RunResult], networks: list[str], precisions: list[str], variants: set) -> list[Ratio]:

@@ -128,6 +128,9 @@ class DPConfig:
     timeout_s: float = 120.0  # a rank that stalls this long makes every rank fail
     # fsdp: free a block's gathered parameters after its forward and gather them again for its backward
     reshard_after_forward: bool = True
+    # fsdp without a --parallel layout: the tied embedding and output layer split by vocabulary rows over the dp
+    # ranks and never gathered (the activations travel instead); false: in the root's FSDP2 unit, as torchtitan
+    shard_vocab: bool = True
 
 
 @dataclass

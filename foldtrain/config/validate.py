@@ -167,12 +167,28 @@ def validate_world(cfg: Config, world_size: int) -> None:
     if uses_3d_engine(cfg):  # mesh sizes, schedule, chunk split, tensor-parallel divisibility
         validate_layout(cfg, world_size)
         return
+    if d.strategy == "fsdp" and d.shard_vocab:
+        check_vocab_slices(cfg, world_size)
     workers = dp_workers(cfg, world_size)
     micro = t.micro_batch or max(1, t.global_batch // workers)
     if t.global_batch % (workers * micro):
         raise ConfigError(
             f"--train.global_batch {t.global_batch} is not divisible by data-parallel workers x micro-batch "
             f"({workers} x {micro}); pick a global batch that is a multiple of {workers * micro}"
+        )
+
+
+def check_vocab_slices(cfg: Config, world_size: int) -> None:
+    """``--dp.shard_vocab``: every rank needs at least one row of the (padded) vocabulary."""
+    from foldtrain.model.presets import padded_vocab
+
+    m = cfg.model
+    rows = padded_vocab(m.vocab_size, m.vocab_multiple, 1)
+    chunk = -(-rows // world_size)  # split as DTensor's Shard(0) splits: ceil-sized pieces first
+    if (world_size - 1) * chunk >= rows:
+        raise ConfigError(
+            f"--dp.shard_vocab splits the {rows}-row vocabulary over {world_size} ranks, which leaves the last "
+            f"rank none; add --dp.shard_vocab false or use fewer ranks"
         )
 
 

@@ -19,7 +19,6 @@ import torch.nn as nn
 
 from foldtrain.optim import TrainState
 from foldtrain.parallel.dp import Strategy
-from foldtrain.parallel.tp_loss import tp_loss
 
 
 class ReplicatedEngine:
@@ -78,7 +77,7 @@ class ReplicatedEngine:
 
     def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self.precision.forward_context():
-            return tp_loss(self.strategy.forward(x), y)  # = lm_loss on plain logits; vocab-parallel on sharded ones
+            return self.strategy.loss(self.strategy.forward(x), y)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Forward/backward this rank's rows of the global batch and update; returns the global mean loss."""

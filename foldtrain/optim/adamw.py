@@ -10,10 +10,11 @@ import torch.nn as nn
 def build_optimizer(params_named: list[tuple[str, nn.Parameter]], optim_cfg) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (not biases, LayerNorms); order follows the model.
 
-    The fused kernel where every parameter is a plain CPU or CUDA tensor: it is faster than the
-    multi-tensor (``foreach``) one and needs no temporary copy of the moments, so a rank's peak
-    memory stays close to parameters + gradients + moments (``foldtrain bench memory``);
-    ``foreach`` for tensor-parallel (DTensor) parameters.
+    The fused kernel where every parameter is a CPU or CUDA tensor, DTensors (FSDP's shards, tensor
+    parallelism's) included: it is faster than the multi-tensor (``foreach``) one and needs no temporary
+    copy of the moments (``foreach`` makes one of the square roots of the second moments, as large as
+    the parameters), so a rank's peak memory stays close to parameters + gradients + moments
+    (``foldtrain bench memory``, ``foldtrain bench fsdp-memory``); ``foreach`` elsewhere.
     """
     decay = [p for _, p in params_named if p.dim() >= 2]
     no_decay = [p for _, p in params_named if p.dim() < 2]
@@ -22,8 +23,8 @@ def build_optimizer(params_named: list[tuple[str, nn.Parameter]], optim_cfg) -> 
         for g in ({"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
         if g["params"]
     ]
-    plain = all(type(p) in (torch.Tensor, nn.Parameter) and p.device.type in ("cpu", "cuda") for _, p in params_named)
-    kind = {"fused": True} if plain else {"foreach": True}
+    fusable = all(p.device.type in ("cpu", "cuda") for _, p in params_named)
+    kind = {"fused": True} if fusable else {"foreach": True}
     return torch.optim.AdamW(
         groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps, **kind
     )

@@ -1,7 +1,10 @@
 """The simulated step of ``--dp.strategy fsdp``: FSDP2 (``fully_shard``, ZeRO-3) over ``N = --parallel.dp`` ranks,
 as ``foldtrain/parallel/dp/fsdp.py`` applies it.
 
-Units: every transformer block is one, and the root (the model: embedding, final norm, tied head) another.
+Units: every transformer block is one, and the root (the model: embedding, final norm, tied head) another;
+with ``--dp.shard_vocab`` (``Setup.shard_vocab``) the tied weight is no unit's: split by rows, never gathered or
+reduce-scattered, its gradient a 1/N slice, and each micro-batch's embedding and head exchange rows of
+activations instead (:func:`vocab_exchanges`), collectives the compute waits for.
 Every rank keeps 1/N of each parameter, gradient and AdamW moment in fp32. A unit's all-gather moves its
 parameters in the gathered dtype (the run's ``weight_bytes``: 2 under ``bf16-master`` / ``fp16-master``, whose
 ``MixedPrecisionPolicy`` gathers half-precision weights; 4 otherwise, autocast runs over the fp32 weights); its
@@ -56,7 +59,8 @@ where foldtrain turns the prefetch off and frees each input at once, :func:`.pip
 block gathered, not two, and of the block's own fp32 input only its excess over the block's weights, which
 FSDP2 reshards before copying the gradients in), or, if more, at the
 embedding's backward the root's parameters and three copies of the tied weight's gradient (the head's, the
-embedding's and their sum) beside block 0's reduce-scatter input (freed already on shared cores); with
+embedding's and their sum; none with ``shard_vocab``, whose one slice is the sharded gradient) beside block 0's
+reduce-scatter input (freed already on shared cores); with
 gradient accumulation instead every unit's gradient accumulated unsharded in fp32 (4 bytes per parameter,
 not sharded: the price of ``no_sync``), plus the current units' gradients before they are added in the
 master modes. Activations and runtime as every data-parallel strategy (:func:`.memory.rank_memory`).
@@ -95,6 +99,11 @@ class Phases:
     optim: float
     before_step: float  # the fp16 overflow vote and the gradient-norm all-reduce
     loss: float  # the loss all-reduce after the step
+    # --dp.shard_vocab: the activations' exchanges of the vocabulary-sharded embedding (forward, backward) and
+    # head (forward and backward, with the cross entropy's all-reduces); they block the compute
+    vocab_embed_f: float = 0.0
+    vocab_head: float = 0.0
+    vocab_embed_b: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,7 @@ class Item:
     gather: float = 0.0
     reduce: float = 0.0
     first: bool = False  # the micro-batch's first: its all-gather cannot be prefetched
+    exchange: float = 0.0  # a collective of activations (--dp.shard_vocab) the compute waits for
 
 
 @dataclass
@@ -119,8 +129,24 @@ class FSDPStep:
 
 
 def root_params(s: Setup) -> float:
-    """The root unit's parameters: the tied embedding/head, the positions, the final norm."""
-    return model_params(s) - s.n_layer * block_params(s)
+    """The root unit's parameters: the tied embedding/head (unless ``shard_vocab`` keeps it out), the positions, the
+    final norm."""
+    return model_params(s) - s.n_layer * block_params(s) - (tied_params(s) if s.shard_vocab else 0.0)
+
+
+def vocab_exchanges(s: Setup, c: Cluster) -> tuple[float, float, float]:
+    """Seconds of ``--dp.shard_vocab``'s collectives per micro-batch, (embedding forward, head forward and
+    backward, embedding backward): each rank's rows of activations gathered from or summed to every rank (N x
+    rows x d), the token ids and targets gathered, the cross entropy's three all-reduces of a float per row."""
+    if not s.shard_vocab or s.dp <= 1:
+        return 0.0, 0.0, 0.0
+    every_row = s.dp * s.micro_batch * s.seq  # rows of all ranks
+    acts = every_row * s.d_model * s.act_bytes
+    ids = collective(s, c, every_row * 8, "ag")
+    per_row = 3 * 2 * collective(s, c, every_row * 4, "rs")  # an all-reduce is a reduce-scatter and an all-gather
+    embed_f = ids + collective(s, c, acts, "rs")
+    head = ids + collective(s, c, acts, "ag") + per_row + collective(s, c, acts, "rs")
+    return embed_f, head, collective(s, c, acts, "ag")
 
 
 def collective(s: Setup, c: Cluster, nbytes: float, kind: str) -> float:
@@ -154,6 +180,7 @@ def phases(s: Setup, c: Cluster) -> Phases:
     small = pl.world_latency()  # one small all-reduce over every rank
     # the sharded fp32 parameters are the masters: AdamW's 28 bytes per parameter, no half copy
     optim = CostModel(dataclasses.replace(s, master=False), c).optim(0, 1.0 / s.dp)
+    vocab_embed_f, vocab_head, vocab_embed_b = vocab_exchanges(s, c)
     return Phases(
         ag_root=collective(s, c, root * wb, "ag"),
         ag_block=collective(s, c, block * wb, "ag"),
@@ -167,6 +194,9 @@ def phases(s: Setup, c: Cluster) -> Phases:
         optim=optim / rate,
         before_step=small * (2 if s.fp16_scaler else 1),
         loss=small,
+        vocab_embed_f=vocab_embed_f,
+        vocab_head=vocab_head,
+        vocab_embed_b=vocab_embed_b,
     )
 
 
@@ -176,9 +206,9 @@ def items(s: Setup, ph: Phases) -> list[Item]:
     out: list[Item] = []
     for m in range(s.microbatches):
         sync = m == s.microbatches - 1  # no_sync on the others: no reduce-scatter
-        out.append(Item(f"F embed mb{m}", "F", ph.embed_f, gather=ph.ag_root, first=True))
+        out.append(Item(f"F embed mb{m}", "F", ph.embed_f, gather=ph.ag_root, first=True, exchange=ph.vocab_embed_f))
         out += [Item(f"F block {i} mb{m}", "F", ph.block_f, gather=ph.ag_block) for i in range(L)]
-        out.append(Item(f"F head mb{m}", "F", ph.head))
+        out.append(Item(f"F head mb{m}", "F", ph.head, exchange=ph.vocab_head))
         out += [
             Item(
                 f"B block {i} mb{m}",
@@ -189,7 +219,9 @@ def items(s: Setup, ph: Phases) -> list[Item]:
             )
             for i in reversed(range(L))
         ]
-        out.append(Item(f"B embed mb{m}", "B", ph.embed_b, reduce=ph.rs_root if sync else 0.0))
+        out.append(
+            Item(f"B embed mb{m}", "B", ph.embed_b, reduce=ph.rs_root if sync else 0.0, exchange=ph.vocab_embed_b)
+        )
     return out
 
 
@@ -257,6 +289,8 @@ def timeline(s: Setup, ph: Phases, overlap: bool = True, slowdown: float = 0.0) 
         if it.gather and k not in ready:  # not prefetched: issued now
             ready[k] = ln.issue(f"all-gather for {it.name}", it.gather, ln.t)
         ln.wait(ready.get(k, 0.0), "all-gather")
+        if it.exchange:
+            ln.wait(ln.issue(f"vocabulary exchange of {it.name}", it.exchange, ln.t), "vocabulary exchange")
         start = ln.t
         nxt = todo[k + 1] if k + 1 < len(todo) else None
         prefetch = overlap and nxt is not None and nxt.gather and not nxt.first
@@ -299,7 +333,9 @@ def unsharded_bytes(s: Setup, thread: bool = False) -> float:
     # gradients (foldtrain bench fsdp-memory: the peak at GPT-2's vocabulary, where the tied weight is 5.6
     # blocks) are alive at once, beside block 0's reduce-scatter input, which FSDP2 keeps for a GPU stream
     # still reading it; on shared cores foldtrain's synchronous reduce-scatter has freed it
-    at_embedding = wb * root + 3 * wb * tied_params(s) + (0.0 if thread else in_flight)
+    # (--dp.shard_vocab: one copy of this rank's slice, its sharded gradient itself)
+    tied_copies = 0.0 if s.shard_vocab else 3 * wb * tied_params(s)
+    at_embedding = wb * root + tied_copies + (0.0 if thread else in_flight)
     return max(during_blocks, at_embedding)
 
 

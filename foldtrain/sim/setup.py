@@ -90,6 +90,7 @@ class Setup:
     # the chunk's weights all-gathered over dp after its step
     dist_optim: bool = False
     shard_tied: bool = False  # --optim.shard_tied: the tied copies' state sliced over dp too
+    shard_vocab: bool = False  # fsdp without a layout, --dp.shard_vocab: the tied weight split by rows, never gathered
 
     @property
     def optim_share(self) -> float:
@@ -226,6 +227,7 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         clip=cfg.optim.grad_clip > 0,
         dropout=m.dropout > 0,
         reshard_after_forward=d.reshard_after_forward,
+        shard_vocab=strat == "fsdp" and d.shard_vocab,
         dist_optim=three_d and distributed_optimizer(cfg),
         shard_tied=three_d and distributed_optimizer(cfg) and cfg.optim.shard_tied,
     )

@@ -21,8 +21,9 @@ GPT2 = ["--model.preset", "gpt2-small", "--train.seq_len", "1024"]
 
 
 def setup(n: int, rows: int = 8, micro: int = 8, *args: str):
-    """GPT-2 small under fsdp on ``n`` ranks, ``rows`` rows per rank in micro-batches of ``micro``."""
-    fsdp = ["--dp.strategy", "fsdp", "--parallel.dp", str(n)]
+    """GPT-2 small under fsdp on ``n`` ranks, ``rows`` rows per rank in micro-batches of ``micro``; the tied weight in
+    the root's unit (``--dp.shard_vocab false``) unless ``args`` say otherwise."""
+    fsdp = ["--dp.strategy", "fsdp", "--parallel.dp", str(n), "--dp.shard_vocab", "false"]
     return resolve_setup(
         build_config([*GPT2, "--train.global_batch", str(n * rows), "--train.micro_batch", str(micro), *fsdp, *args])
     )
@@ -221,6 +222,35 @@ def test_on_shared_cores_one_block_is_gathered_and_no_reduce_scatter_input_kept(
     assert rank_bytes(kept, cpu)["comm_buffers"] == pytest.approx(
         4 * (root + kept.n_layer * block) + 4 * (root + block)
     )
+
+
+def test_a_sharded_vocabulary_moves_activations_and_holds_no_tied_copies():
+    """--dp.shard_vocab: the tied weight leaves the root's unit (never gathered, its gradient one 1/N slice, never
+    reduce-scattered); each micro-batch exchanges rows of activations instead: the embedding's partial sums
+    reduce-scattered (forward) and their gradients all-gathered (backward), the head's input all-gathered and
+    its gradient reduce-scattered, the ids, the targets and the cross entropy's per-row floats."""
+    c = from_dict(cluster_dict())  # intra 10 GB/s, 10 us
+    s = setup(4, 8, 8, "--dp.shard_vocab", "true")
+    whole = setup(4, 8, 8)
+    assert s.shard_vocab and not whole.shard_vocab
+    tied = s.vocab * s.d_model
+    assert root_params(s) == pytest.approx(root_params(whole) - tied)
+    ph = phases(s, c)
+    ring = lambda nbytes: 3 / 4 * nbytes / 10e9 + 3 * 10e-6  # noqa: E731
+    rows = 4 * 8 * 1024  # every rank's rows
+    acts, ids, per_row = rows * 768 * 4, ring(rows * 8), 6 * ring(rows * 4)
+    assert (ph.vocab_embed_f, ph.vocab_embed_b) == (pytest.approx(ids + ring(acts)), pytest.approx(ring(acts)))
+    assert ph.vocab_head == pytest.approx(ids + 2 * ring(acts) + per_row)
+    assert phases(whole, c).vocab_head == 0.0
+    events = timeline(s, ph)[1]
+    assert count(events, "vocabulary exchange") == 3
+    # at the embedding's backward only the root's small parameters: the blocks' moment is the peak
+    gpu = load_cluster("dgx-a100")
+    root, block = root_params(s), block_params(s)
+    during_blocks = 4 * (root + 2 * block) + 4 * (root + block) + 4 * block
+    assert rank_bytes(s, gpu)["comm_buffers"] == pytest.approx(during_blocks)
+    assert rank_bytes(s, gpu)["grads"] == rank_bytes(whole, gpu)["grads"]  # the slice's gradient is a shard
+    assert rank_bytes(s, gpu)["total"] < rank_bytes(whole, gpu)["total"]
 
 
 def test_optimizer_state_and_step_are_one_nth():

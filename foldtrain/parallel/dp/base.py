@@ -8,10 +8,10 @@ shares: its place in the process group, the step's communication measurements, t
 logged values over ranks, and failures named by rank.
 
 Hooks, in the order the engine's step calls them: ``forward`` (the model call, e.g. DDP's
-wrapper), ``no_sync`` (accumulation micro-batches), ``sync_grads``, ``global_finite`` (one
-loss-scaler verdict for ranks holding different gradient shards), ``apply_update`` (clip, step,
-LR schedule), ``reduce_scalar`` (the logged loss), ``zero_grad``; ``flush`` (before the replica's
-weights are read outside a step). Checkpoint and export:
+wrapper), ``loss`` (the mean cross entropy of what ``forward`` returned), ``no_sync`` (accumulation
+micro-batches), ``sync_grads``, ``global_finite`` (one loss-scaler verdict for ranks holding different
+gradient shards), ``apply_update`` (clip, step, LR schedule), ``reduce_scalar`` (the logged loss),
+``zero_grad``; ``flush`` (before the replica's weights are read outside a step). Checkpoint and export:
 ``model_optim_state`` / ``load_model_optim_state`` / ``eval_model``.
 """
 
@@ -27,6 +27,17 @@ from foldtrain import collectives
 from foldtrain.optim import TrainState
 from foldtrain.parallel.dp.comm import CommStats
 from foldtrain.parallel.failures import is_comm_failure
+from foldtrain.parallel.tp_loss import tp_loss
+
+
+def squared_norm(tensors: list[torch.Tensor], device: torch.device, piece: int = 1 << 18) -> torch.Tensor:
+    """Sum of squares of every element, in float64, a ``piece`` of elements at a time: converting a whole
+    tensor (e.g. a shard of a large vocabulary's embedding) would hold two float64 copies of it at once."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for t in tensors:
+        for part in t.reshape(-1).split(piece):
+            total += part.double().pow(2).sum()
+    return total
 
 
 class Strategy:
@@ -71,6 +82,9 @@ class Strategy:
     # ------------------------------------------------------------------ the step's hooks
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return tp_loss(logits, targets)  # = lm_loss on plain logits; vocab-parallel on sharded ones
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Sees each training micro-batch's (detached) loss."""
@@ -184,9 +198,7 @@ class DataParallelStrategy(Strategy):
         ``clip_grads_with_norm_`` does."""
         size = group_size or self.world
         grads = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in params) if g is not None]
-        sq = sum(
-            (g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=self.device)
-        ).reshape(1)
+        sq = squared_norm(grads, self.device).reshape(1)
         if size > 1:
             self.comm.count_all_reduce(sq, size)
             with self.comm.blocked("gradient-norm all-reduce"):

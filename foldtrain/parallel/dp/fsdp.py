@@ -1,11 +1,16 @@
 """``--dp.strategy fsdp``: PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``), ZeRO-3.
 
-As torchtitan applies it: ``fully_shard`` on every transformer block, then on the whole model (the
-embedding, the head and their tied weight form the root's group, so the tie stays one parameter).
-Every rank keeps 1/W of each parameter, of its gradient and of its AdamW state as a ``Shard(0)``
-DTensor. A block's parameters are all-gathered just before its forward (and again before its
-backward when ``--dp.reshard_after_forward true``, which frees them in between); its gradients are
+As torchtitan applies it: ``fully_shard`` on every transformer block, then on the whole model (the root's
+group: the positions and the final norm). Every rank keeps 1/W of each parameter, of its gradient and of its
+AdamW state as a ``Shard(0)`` DTensor. A block's parameters are all-gathered just before its forward (and again
+before its backward when ``--dp.reshard_after_forward true``, which frees them in between); its gradients are
 reduce-scattered as its backward ends. AdamW steps the local shards.
+
+The tied embedding and head: with ``--dp.shard_vocab true`` (the default) their one weight stays out of FSDP2,
+split by vocabulary rows over the ranks and never gathered (:mod:`foldtrain.parallel.dp.vocab_shard`: the
+activations travel instead, and every rank backpropagates the global batch's mean loss, so the units'
+reduce-scatters sum). With ``false`` it is in the root's group, as torchtitan has it: gathered whole at the
+forward's start and through the backward of the head and the embedding.
 
 Precisions: the autocast modes (``bf16``, ``fp16``) run autocast over fp32 weights, as every other
 strategy does; the master modes (``bf16-master``, ``fp16-master``) are FSDP's own mixed precision
@@ -26,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from foldtrain.parallel.dp.base import DataParallelStrategy
+from foldtrain.parallel.dp.vocab_shard import shard_vocab
 from foldtrain.parallel.fsdp_gloo import fit_fsdp_to_gloo
 
 
@@ -42,10 +48,19 @@ class FSDPStrategy(DataParallelStrategy):
         param_dtype, reduce_dtype = self.precision.fsdp_dtypes
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         opts = dict(mesh=self.mesh, reshard_after_forward=cfg.dp.reshard_after_forward, mp_policy=policy)
+        self.vocab_head = None
+        if cfg.dp.shard_vocab:
+            ignored = {shard_vocab(self.model, self.mesh, param_dtype)}
+            self.vocab_head = self.model.head.lm_head
         for block in self.model.blocks:
             fully_shard(block, **opts)
-        fully_shard(self.model, **opts)
-        fit_fsdp_to_gloo([*self.model.blocks, self.model], self.mesh.get_group())
+        fully_shard(self.model, **opts, ignored_params=ignored if cfg.dp.shard_vocab else None)
+        units = [*self.model.blocks, self.model]
+        fit_fsdp_to_gloo(units, self.mesh.get_group())
+        if cfg.dp.shard_vocab:
+            for unit in units:  # every rank backpropagates the global mean loss: its gradients are already 1/N
+                unit.set_gradient_divide_factor(1.0)
+                unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no PREMUL_SUM)
         state.named_params = list(self.model.named_parameters())  # now DTensors
         state.set_optimizer(state.named_params)
 
@@ -60,6 +75,11 @@ class FSDPStrategy(DataParallelStrategy):
                 self.model.set_requires_gradient_sync(True)
 
         return accumulate()
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.vocab_head is None:
+            return super().loss(logits, targets)
+        return self.vocab_head.loss(logits, targets)
 
     def global_finite(self, finite: bool) -> bool:
         return self.all_true(finite, "loss-scaler all-reduce") if self.precision.scaler.enabled else finite

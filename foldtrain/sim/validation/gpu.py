@@ -138,6 +138,8 @@ def run_args(run: dict) -> list[str]:
     strategy = DP_STRATEGIES.get(run.get("dp_strategy", ""), "")
     if strategy:  # a data-parallel engine: no pipeline schedule
         args["dp.strategy"] = strategy
+        if strategy == "fsdp":  # their FSDP keeps the embedding in a gathered unit
+            args["dp.shard_vocab"] = "false"
         args["precision"] = FSDP_PRECISION.get(run.get("fsdp_mixed_precision", ""), args["precision"])
         del args["parallel.virtual"], args["parallel.schedule"]
     return [x for k, v in args.items() for x in (f"--{k}", str(v))]

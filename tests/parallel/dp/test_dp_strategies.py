@@ -71,6 +71,7 @@ def spec(world: int) -> list[dict]:
         cases.append(s(f"fp32/{name}", args, 10, ckpt_at=5, **extra))
         micro = "2" if world == 2 or name == "ps-1server" else "1"  # per-worker rows: 6, 3 or 4
         cases.append(s(f"clip/{name}", [*args, *CLIP[:1], micro, *CLIP[2:]], 6))
+    cases += vocab_cases(world)
     if world == 2:
         cases.append(
             s("fp32/allreduce-fusion", ["--dp.strategy", "allreduce", "--dp.fusion_mb", "0.02"], 10, ckpt_at=5)
@@ -138,6 +139,19 @@ def spec(world: int) -> list[dict]:
             )
         )
     return cases
+
+
+def vocab_cases(world: int) -> list[dict]:
+    """fsdp's tied weight: in the root's FSDP2 unit (``--dp.shard_vocab false``), and split by rows (the default)
+    unevenly (125 rows over 4 ranks: 32, 32, 32, 29) or with padding rows past the words (120 words in 128 rows
+    over 2 ranks: the second slice ends in 8 rows that take no probability), checkpoint round trips included."""
+    fsdp = ["--dp.strategy", "fsdp"]
+    if world == 2:
+        return [
+            s("fp32/fsdp-root-vocab", [*fsdp, "--dp.shard_vocab", "false"], 10, ckpt_at=5),
+            s("clip/fsdp-padded-vocab", [*fsdp, "--model.vocab_size", "120", "--model.vocab_multiple", "64", *CLIP], 6),
+        ]
+    return [s("fp32/fsdp-uneven-vocab", [*fsdp, "--model.vocab_size", "125"], 6, ckpt_at=3)]
 
 
 # Bucketed overlap at 4 ranks: allreduce with a cycle time so short that (nearly) every gradient

@@ -4,12 +4,14 @@ one-rank gloo group (FSDP2 still gathers and prefetches there)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from foldtrain.config import build_config
-from foldtrain.parallel.fsdp_gloo import InPlaceReduceScatter, fit_fsdp_to_gloo
+from foldtrain.parallel.fsdp_gloo import InPlaceReduceScatter, ReleasedAllGather, fit_fsdp_to_gloo
 from foldtrain.train.trainer import build_model
 from tests.conftest import TINY_ARGS
 
@@ -32,6 +34,35 @@ def test_the_reduce_scatter_keeps_the_slice_and_frees_its_input(gloo_group):
     assert full.untyped_storage().nbytes() == 0
     with pytest.raises(NotImplementedError):
         rs(output_tensor=out, input_tensor=out.clone(), group=gloo_group, op=dist.ReduceOp.SUM, async_op=True)
+
+
+def test_the_all_gather_returns_once_the_worker_has_let_go_of_its_output(gloo_group, monkeypatch):
+    """gloo's worker thread drops its views of an all-gather's output only after the caller has been told the
+    collective is done. Here a stand-in worker keeps a view for 50 ms after gloo's all-gather returns: the
+    all-gather returns once the storage is referenced by the caller alone (its use count as before the call)."""
+    import threading
+
+    from foldtrain import collectives
+
+    real = collectives.all_gather_single
+
+    def slow_to_let_go(output_tensor, input_tensor, group=None, async_op=False):
+        real(output_tensor, input_tensor, group=group)
+        view = output_tensor.view(-1)[:1]
+        threading.Timer(0.05, view.untyped_storage).start()  # holds ``view`` until it fires
+        del view
+
+    monkeypatch.setattr(collectives, "all_gather_single", slow_to_let_go)
+    ag = ReleasedAllGather()
+    out = ag.allocate((6,), dtype=torch.float32, device=torch.device("cpu"))
+    before = torch._C._storage_Use_Count(out.untyped_storage()._cdata)
+    start = time.monotonic()
+    ag(output_tensor=out, input_tensor=torch.arange(6.0), group=gloo_group)
+    assert out.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert torch._C._storage_Use_Count(out.untyped_storage()._cdata) == before
+    assert time.monotonic() - start >= 0.04
+    with pytest.raises(NotImplementedError):
+        ag(output_tensor=out, input_tensor=torch.arange(6.0), group=gloo_group, async_op=True)
 
 
 def most_blocks_gathered_in_backward(fit: bool) -> int:

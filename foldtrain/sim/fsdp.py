@@ -63,7 +63,9 @@ embedding's and their sum; none with ``shard_vocab``, whose one slice is the sha
 reduce-scatter input (freed already on shared cores); with
 gradient accumulation instead every unit's gradient accumulated unsharded in fp32 (4 bytes per parameter,
 not sharded: the price of ``no_sync``), plus the current units' gradients before they are added in the
-master modes. Activations and runtime as every data-parallel strategy (:func:`.memory.rank_memory`).
+master modes. Activations and runtime as every data-parallel strategy (:func:`.memory.rank_memory`). With one
+micro-batch a step the peak is the larger of two moments (:func:`rank_bytes`): the backward's start (every
+activation, no gradient shard yet) and its end (every gradient shard, the buffers above, the activations freed).
 """
 
 from __future__ import annotations
@@ -339,20 +341,34 @@ def unsharded_bytes(s: Setup, thread: bool = False) -> float:
     return max(during_blocks, at_embedding)
 
 
+def backward_start_bytes(s: Setup, thread: bool = False) -> float:
+    """The unsharded buffers as the backward starts (the head's): the root gathered (kept from the forward), the
+    head's unsharded gradient of the tied weight (in the root's unit only), and on a GPU the last block's
+    all-gather, prefetched as the head's backward starts."""
+    wb = s.weight_bytes
+    tied_grad = 0.0 if s.shard_vocab else wb * tied_params(s)
+    return wb * root_params(s) + tied_grad + (0.0 if thread else wb * block_params(s))
+
+
 def rank_bytes(s: Setup, c: Cluster) -> dict[str, float]:
-    """Bytes by category on every rank."""
+    """Bytes by category on every rank, at its peak moment. With one micro-batch a step the backward frees the
+    activations as it makes the sharded gradients (``zero_grad`` set them to None): at its start every activation
+    is alive and no gradient shard, at its end every gradient shard and the units' buffers
+    (:func:`unsharded_bytes`), the activations freed; the larger is the peak (``foldtrain bench fsdp-memory``: at
+    GPT-2's vocabulary over 2 x 32 tokens per rank, the end). With accumulation the unsharded fp32 gradients are
+    alive throughout: everything is counted at once."""
     n, w = model_params(s), s.dp
     sched = build_schedule("1f1b", 1, 1, s.microbatches)
     base = rank_memory(s, CostModel(s, c), sched, 0, c.runtime)
-    out = {
-        "params": 4 * n / w,
-        "grads": REDUCE_BYTES * n / w,
-        "optimizer": 8 * n / w,
-        "masters": 0.0,
-        "comm_buffers": unsharded_bytes(s, on_thread(c)),
-        "activations": base["activations"],
-        "runtime": base["runtime"],
-    }
+    thread = on_thread(c)
+    shards = {"params": 4 * n / w, "optimizer": 8 * n / w, "masters": 0.0, "runtime": base["runtime"]}
+    end = {"grads": REDUCE_BYTES * n / w, "comm_buffers": unsharded_bytes(s, thread), "activations": 0.0}
+    if s.microbatches > 1:
+        moment = {**end, "activations": base["activations"]}
+    else:
+        start = {"grads": 0.0, "comm_buffers": backward_start_bytes(s, thread), "activations": base["activations"]}
+        moment = max(start, end, key=lambda m: sum(m.values()))
+    out = {**shards, **moment}
     return {**out, "total": sum(out.values())}
 
 

@@ -12,7 +12,18 @@ from foldtrain.config import build_config
 from foldtrain.errors import ConfigError
 from foldtrain.sim.cluster import from_dict, load_cluster
 from foldtrain.sim.costs import CostModel, block_params, model_params
-from foldtrain.sim.fsdp import Phases, items, phases, rank_bytes, root_params, simulate_fsdp, stretched, timeline
+from foldtrain.sim.fsdp import (
+    Phases,
+    backward_start_bytes,
+    items,
+    phases,
+    rank_bytes,
+    root_params,
+    simulate_fsdp,
+    stretched,
+    timeline,
+    unsharded_bytes,
+)
 from foldtrain.sim.setup import resolve_setup
 from foldtrain.sim.simulate import simulate, simulate_setup
 from tests.sim.conftest import cluster_dict
@@ -200,7 +211,7 @@ def test_the_embeddings_backward_holds_three_copies_of_the_tied_gradient():
         root, block, tied = root_params(s), block_params(s), s.vocab * s.d_model
         during_blocks = 4 * (root + 2 * block) + 4 * (root + block) + 4 * block
         at_embedding = 4 * root + 3 * 4 * tied + 4 * block
-        assert rank_bytes(s, c)["comm_buffers"] == pytest.approx(max(during_blocks, at_embedding))
+        assert unsharded_bytes(s) == pytest.approx(max(during_blocks, at_embedding))
         assert (at_embedding > during_blocks) == tied_peak
 
 
@@ -215,13 +226,11 @@ def test_on_shared_cores_one_block_is_gathered_and_no_reduce_scatter_input_kept(
         root, block, tied = root_params(s), block_params(s), s.vocab * s.d_model
         during_blocks = 4 * root + 4 * (root + block) + 4 * block  # the block resharded before its copy-in
         at_embedding = 4 * root + 3 * 4 * tied
-        assert rank_bytes(s, cpu)["comm_buffers"] == pytest.approx(max(during_blocks, at_embedding))
-        assert rank_bytes(s, cpu)["comm_buffers"] < rank_bytes(s, gpu)["comm_buffers"]
+        assert unsharded_bytes(s, thread=True) == pytest.approx(max(during_blocks, at_embedding))
+        assert unsharded_bytes(s, thread=True) < unsharded_bytes(s)
     kept = setup(8, 8, 8, "--model.vocab_size", "8192", "--dp.reshard_after_forward", "false")
     root, block = root_params(kept), block_params(kept)  # every block stays gathered from its forward
-    assert rank_bytes(kept, cpu)["comm_buffers"] == pytest.approx(
-        4 * (root + kept.n_layer * block) + 4 * (root + block)
-    )
+    assert unsharded_bytes(kept, thread=True) == pytest.approx(4 * (root + kept.n_layer * block) + 4 * (root + block))
 
 
 def test_a_sharded_vocabulary_moves_activations_and_holds_no_tied_copies():
@@ -248,9 +257,29 @@ def test_a_sharded_vocabulary_moves_activations_and_holds_no_tied_copies():
     gpu = load_cluster("dgx-a100")
     root, block = root_params(s), block_params(s)
     during_blocks = 4 * (root + 2 * block) + 4 * (root + block) + 4 * block
-    assert rank_bytes(s, gpu)["comm_buffers"] == pytest.approx(during_blocks)
-    assert rank_bytes(s, gpu)["grads"] == rank_bytes(whole, gpu)["grads"]  # the slice's gradient is a shard
+    assert unsharded_bytes(s) == pytest.approx(during_blocks)
+    assert backward_start_bytes(s) == pytest.approx(4 * (root + block))  # no unsharded tied gradient at the head
+    assert backward_start_bytes(whole) == pytest.approx(4 * (root_params(whole) + tied + block))
     assert rank_bytes(s, gpu)["total"] < rank_bytes(whole, gpu)["total"]
+
+
+def test_the_peak_is_the_backwards_start_or_its_end():
+    """One micro-batch: the backward frees the activations as it makes the gradient shards. Many activations (8
+    rows of 1,024 tokens): the peak is its start, every activation and no gradient shard; 2 tokens: its end,
+    every gradient shard and the units' buffers. With accumulation the unsharded fp32 gradients live throughout:
+    all of it at once."""
+    c = load_cluster("dgx-a100")
+    many, few = setup(8), setup(8, 1, 1, "--train.seq_len", "2")
+    start, end = rank_bytes(many, c), rank_bytes(few, c)
+    assert start["grads"] == 0 and start["comm_buffers"] == pytest.approx(backward_start_bytes(many))
+    assert start["activations"] > 0
+    assert end["activations"] == 0 and end["comm_buffers"] == pytest.approx(unsharded_bytes(few))
+    assert end["grads"] == pytest.approx(4 * model_params(few) / 8)
+    for m, s in ((start, many), (end, few)):
+        assert m["total"] == pytest.approx(sum(v for k, v in m.items() if k != "total"))
+        other = dataclasses.replace(s, microbatches=2)  # accumulation: gradients, buffers and activations at once
+        both = rank_bytes(other, c)
+        assert both["grads"] > 0 and both["activations"] > 0 and both["comm_buffers"] == unsharded_bytes(other)
 
 
 def test_optimizer_state_and_step_are_one_nth():
@@ -260,7 +289,9 @@ def test_optimizer_state_and_step_are_one_nth():
         mem = rank_bytes(s, c)
         N = model_params(s)
         assert mem["optimizer"] == pytest.approx(8 * N / n) and mem["params"] == pytest.approx(4 * N / n)
-        assert mem["grads"] == pytest.approx(4 * N / n) and mem["masters"] == 0  # the fp32 shards are the masters
+        assert mem["masters"] == 0  # the fp32 shards are the masters
+        end = rank_bytes(dataclasses.replace(s, micro_batch=1, seq=2), c)  # few activations: the backward's end
+        assert end["grads"] == pytest.approx(4 * N / n)
         no_copy = dataclasses.replace(s, master=False)  # AdamW writes no half copy: FSDP casts at the gather
         assert phases(s, c).optim == pytest.approx(CostModel(no_copy, c).optim(0, 1.0 / n))
     assert phases(setup(8), c).optim < phases(setup(2), c).optim

@@ -24,6 +24,7 @@ from foldtrain.sim.fsdp import (
     timeline,
     unsharded_bytes,
 )
+from foldtrain.sim.pipeline_fsdp import on_thread
 from foldtrain.sim.setup import resolve_setup
 from foldtrain.sim.simulate import simulate, simulate_setup
 from tests.sim.conftest import cluster_dict
@@ -221,9 +222,12 @@ def test_on_shared_cores_one_block_is_gathered_and_no_reduce_scatter_input_kept(
     backward."""
     gpu = load_cluster("dgx-a100")
     cpu = dataclasses.replace(gpu, shared_cores=2.0)
+    assert on_thread(cpu) and not on_thread(gpu)
     for vocab in (50257, 8192):
-        s = setup(8, 8, 8, "--model.vocab_size", str(vocab))
+        s = setup(8, 8, 8, "--model.vocab_size", str(vocab), "--train.seq_len", "2")
         root, block, tied = root_params(s), block_params(s), s.vocab * s.d_model
+        # few activations: the peak is the backward's end, with these buffers, on the shared cores too
+        assert rank_bytes(s, cpu)["comm_buffers"] == unsharded_bytes(s, thread=True)
         during_blocks = 4 * root + 4 * (root + block) + 4 * block  # the block resharded before its copy-in
         at_embedding = 4 * root + 3 * 4 * tied
         assert unsharded_bytes(s, thread=True) == pytest.approx(max(during_blocks, at_embedding))

@@ -206,7 +206,6 @@ def test_accumulation_reduce_scatters_once_and_keeps_fp32_gradients_unsharded():
 def test_the_embeddings_backward_holds_three_copies_of_the_tied_gradient():
     """Autograd adds the embedding's dense gradient of the tied weight to the head's out of place: at GPT-2's
     vocabulary (the tied weight 5.4 blocks) that moment is the peak, with a small vocabulary the blocks' is."""
-    c = load_cluster("dgx-a100")
     for vocab, tied_peak in ((50257, True), (8192, False)):
         s = setup(8, 8, 8, "--model.vocab_size", str(vocab))
         root, block, tied = root_params(s), block_params(s), s.vocab * s.d_model

@@ -29,17 +29,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group) -> torch.Tensor:  # type: ignore[override]
         n_local = logits.shape[-1]
-        row_max = logits.max(dim=-1).values
-        collectives.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - row_max.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        collectives.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
-
         local_t = targets - vocab_start
         outside = (local_t < 0) | (local_t >= n_local)  # also true for ignore_index rows
         local_t = local_t.masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        target_logit = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1)
+
+        row_max = logits.max(dim=-1).values
+        collectives.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        exp = logits - row_max.unsqueeze(-1)  # the one slice-sized tensor: exponentiated and normalised in place
+        exp.exp_()
+        sum_exp = exp.sum(dim=-1)
+        collectives.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
+        target_logit = (target_logit - row_max).masked_fill(outside, 0.0)
         collectives.all_reduce(target_logit, op=dist.ReduceOp.SUM, group=group)
 
         loss = sum_exp.log() - target_logit
@@ -49,8 +50,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):  # type: ignore[override]
-        softmax, local_t, outside = ctx.saved_tensors
-        grad = softmax.clone()
+        # softmax - one_hot, in the saved softmax's own memory (as Megatron's): this backward runs once
+        grad, local_t, outside = ctx.saved_tensors
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local_t] -= (~outside).to(grad.dtype)
         grad.mul_(grad_loss.unsqueeze(-1))

@@ -399,6 +399,12 @@ def simulate_fsdp(s: Setup, c: Cluster, check_memory: bool = True) -> FSDPStep:
         f"compute waiting {ms(waited)} for them (the root's all-gather per micro-batch {ms(ph.ag_root)}, its "
         f"reduce-scatter at the end {ms(ph.rs_root)}); optimizer on 1/{s.dp} {ms(ph.optim)}; "
         f"reshard_after_forward {str(s.reshard_after_forward).lower()}"
+        + (
+            f"; the tied weight split by rows (shard_vocab): its exchanges of activations "
+            f"{ms(s.microbatches * (ph.vocab_embed_f + ph.vocab_head + ph.vocab_embed_b))} per step, blocking"
+            if s.shard_vocab
+            else ""
+        )
         + ("" if overlap else "; gloo on shared cores: every collective blocks the training thread")
     ]
     return FSDPStep(step, [events], [mem], waited, notes)

@@ -114,9 +114,10 @@ class ChunkOptimizers:
         self.lr_schedulers[s].step()
         self.optimizers[s].zero_grad(set_to_none=True)
 
-    def weights_ready(self, s: int) -> None:
-        if self.shards is not None and self.shards[s].pushed:
-            self.shards[s].land(lambda w: self.wait_collective(w, f"all-gather of chunk {s}'s weights over dp"))
+    def weights_ready(self, s: int, ids: list[torch.Tensor] | None = None) -> None:
+        if self.shards is not None and self.shards[s].pending():
+            wait = lambda w: self.wait_collective(w, f"all-gather of chunk {s}'s weights over dp")  # noqa: E731
+            self.shards[s].land(wait, ids)
 
     def step_early(self, s: int) -> None:
         self._pull(s)

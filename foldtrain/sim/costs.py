@@ -76,6 +76,26 @@ def whole_params(s: Setup, seg: int) -> float:
     return 0.0
 
 
+def lookup_rows(s: Setup, seg: int) -> float:
+    """Rows of the tied weight the embedding's copy takes after a step, where ``--optim.shard_tied`` slices it and
+    nothing else in the segment reads it (the first segment, without tensor parallelism): those the step's token
+    ids name over every dp rank, at most the vocabulary (``ChunkShards.land``); 0 where it is all-gathered whole."""
+    if not (s.dist_optim and s.shard_tied and s.pp > 1 and s.tp == 1 and seg == 0 and s.segments > 1):
+        return 0.0
+    return min(float(s.vocab), s.dp * s.microbatches * s.micro_batch * s.seq)
+
+
+def gathered_bytes(s: Setup, seg: int) -> float:
+    """Bytes the distributed optimizer's all-gather of segment ``seg`` moves after its step: its sliced weights, in
+    their dtype; a lookup-only tied copy's rows instead of its whole (an all-reduce of fp32 rows: twice their
+    bytes, as a gather's)."""
+    n = segment_params(s, seg) - whole_params(s, seg)
+    rows = lookup_rows(s, seg)
+    if rows:
+        n -= tied_params(s)
+    return n * s.weight_bytes + 2 * rows * s.d_model * 4
+
+
 def stepped_share(s: Setup, seg: int) -> float:
     """The fraction of segment ``seg``'s parameters whose AdamW state a rank holds and steps."""
     share = s.optim_share

@@ -27,7 +27,7 @@ from foldtrain.errors import ConfigError, FoldtrainError
 from foldtrain.schedules.generators import DEFERRABLE, SPLIT_BACKWARD
 
 from .cluster import Cluster
-from .costs import CostModel, Placement, rank_segments, segment_params, stepped_share, tied_params
+from .costs import CostModel, Placement, lookup_rows, rank_segments, segment_params, stepped_share, tied_params
 from .memory import GB
 from .setup import Setup, resolve_setup
 from .simulate import Result, simulate_setup
@@ -210,8 +210,11 @@ def estimate(s: Setup, c: Cluster) -> tuple[float, float]:
         g = sum(cm.grad_bytes(x) for x in rank_segments(s, 0))
         factor = 2 if s.strategy != "sharded-ps" and not s.dist_optim else 1 + s.weight_bytes / s.grad_bytes
         ring = factor * (s.dp - 1) / s.dp * g / bw + 2 * (s.dp - 1) * lat
-        if s.shard_tied and P > 1:  # the tied copy's all-gather, on top of the tie's full all-reduce
-            ring += (s.dp - 1) / s.dp * tied_params(s) * s.weight_bytes / bw
+        if s.shard_tied and P > 1:  # the tied copy's all-gather, on top of the tie's full all-reduce (rank 0's
+            # embedding copy: the looked-up rows only, costs.lookup_rows)
+            rows = lookup_rows(s, 0)
+            tied = 2 * rows * s.d_model * 4 if rows else tied_params(s) * s.weight_bytes
+            ring += (s.dp - 1) / s.dp * tied / bw
         if s.strategy == "fsdp-3d":  # exposed: an all-gather per pass that finds its blocks sharded, the LR's
             # fp32 reduce-scatter (pipeline_fsdp)
             n = g / s.grad_bytes

@@ -38,12 +38,12 @@ from .costs import (
     CostModel,
     Placement,
     block_params,
+    gathered_bytes,
     model_params,
     segment_params,
     segment_rank,
     stepped_share,
     tied_params,
-    whole_params,
 )
 from .dataparallel import simulate_dataparallel
 from .events import Sim, run_schedule
@@ -381,11 +381,11 @@ class RunCosts:
 
     def gather(self, p: int, seg: int) -> list | None:
         """The distributed optimizer's all-gather of the chunk's sharded weights: n-1 steps, (n-1)/n of the
-        bytes on the link (the tied copy is stepped whole: not gathered)."""
+        bytes on the link (the tied copy stepped whole: not gathered; looked up only: its rows, ``gathered_bytes``)."""
         s = self.s
         if not s.dist_optim:
             return None
-        return self.all_gather(p, (segment_params(s, seg) - whole_params(s, seg)) * s.weight_bytes)
+        return self.all_gather(p, gathered_bytes(s, seg))
 
     # -- barriers the action list does not show
     def before_steps(self):

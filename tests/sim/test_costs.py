@@ -535,7 +535,14 @@ def test_distributed_optimizer_shards_moments_and_masters_and_gathers_the_weight
             assert tied_sharded.memory[p]["optimizer"] == approx(8 * n / 4)
             assert tied_sharded.memory[p]["masters"] == approx(masters * n / 4)
         rc = RunCosts(tied_sharded.setup, cluster)
-        assert rc.gather(0, 0)[-1] == ("flow", key, weight, approx(3 / 4 * n0 * dist.setup.weight_bytes))
+        # the embedding's copy is only looked up: the rows of the step's tokens over every dp rank (an all-reduce
+        # of fp32 rows), not the whole; the head's copy is all-gathered whole
+        st = tied_sharded.setup
+        rows = min(50257, st.dp * st.microbatches * st.micro_batch * st.seq)
+        looked_up = (n0 - tied) * st.weight_bytes + 2 * rows * 768 * 4
+        assert rc.gather(0, 0)[-1] == ("flow", key, weight, approx(3 / 4 * looked_up))
+        n1 = rc.cm.grad_bytes(1) / st.grad_bytes
+        assert rc.gather(1, 1)[-1][-1] == approx(3 / 4 * n1 * st.weight_bytes)
 
     # two nodes of two ranks (dp across them) on a slow link: the reduce-scatter and all-gather move the all-reduce's
     # bytes and the all-gather overlaps the next iteration's forwards, so the step is no slower than the default's;

@@ -72,9 +72,10 @@ class ChunkStepper(Protocol):
     def before_steps(self) -> None:
         """Once per iteration, before the first non-deferred step: overflow check, gradient norm, clip."""
 
-    def weights_ready(self, s: int) -> None:
+    def weights_ready(self, s: int, ids: list[torch.Tensor] | None = None) -> None:
         """Before chunk ``s``'s weights are read: what its last step still sends them (the distributed
-        optimizer's all-gather) has landed."""
+        optimizer's all-gather) has landed. ``ids``: the step's token ids, when the reader is the first chunk's
+        training forward (an embedding looks up only their rows)."""
 
 
 @dataclass
@@ -237,7 +238,7 @@ class Executor:
             inp = it.stage_outputs[(s - 1, m)].detach().to(self.act_dtype).requires_grad_(True)
         else:
             inp = it.received_acts.pop((s, m)).requires_grad_(True)
-        self.stepper.weights_ready(s)
+        self.stepper.weights_ready(s, it.xs if s == 0 else None)
         with self._span(f"F c{s} m{m}", "compute", op="F", chunk=s, mb=m):
             with self.precision.forward_context():
                 run = chunk.body if s == self.last else chunk

@@ -160,6 +160,32 @@ class FlatShard:
             wait(work)
         self.unpack(full, self.params)
 
+    @torch.no_grad()
+    def land_rows(self, ids: torch.Tensor) -> None:
+        """The rows ``ids`` of this bucket's one matrix (the embedding's copy of the tied weight), stepped, become the
+        chunk's on every dp rank: the rows every rank needs, with the elements each rank's slice holds, summed over
+        dp (each element is in one slice). The other rows stay as they were."""
+        weight = local_part(self.params[0])
+        width = weight.shape[1]
+        rows = self._every_ranks_rows(ids.reshape(-1).unique())
+        elems = rows.unsqueeze(1) * width + torch.arange(width, device=rows.device)  # their flat positions
+        buf = torch.zeros(elems.shape, dtype=torch.float32, device=weight.device)
+        for sg in self.segments:  # (one: the slice's part of the matrix, or none: padding only)
+            mine = (elems >= sg.start) & (elems < sg.end)
+            buf[mine] = sg.tensor[elems[mine] - sg.start].float()
+        collectives.all_reduce(buf, group=self.group)
+        weight[rows] = buf.to(weight.dtype)
+
+    def _every_ranks_rows(self, mine: torch.Tensor) -> torch.Tensor:
+        """The union over dp of each rank's ``mine`` (sorted row ids)."""
+        count = torch.tensor([mine.numel()], device=mine.device)
+        collectives.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        padded = torch.full((int(count),), -1, dtype=torch.long, device=mine.device)
+        padded[: mine.numel()] = mine
+        every = torch.empty(self.dp * padded.numel(), dtype=torch.long, device=mine.device)
+        collectives.all_gather_single(every, padded, group=self.group)
+        return every[every >= 0].unique()
+
 
 class ScatterBucket(ReductionBucket):
     """A bucket of a chunk's gradients reduce-scattered over dp into this rank's slice of ``shard``."""
@@ -184,6 +210,18 @@ class ScatterBucket(ReductionBucket):
         # all-to-all: the dp pieces of this rank's slice, summed here (in fp32, as the segments keep them)
         self.shard.receive(self.flat if self.summed else self.flat.float().sum(0))
         self.flat = self.work = self.packed = None
+
+
+def looked_up_only(chunk: nn.Module, tied, topo) -> bool:
+    """Whether the chunk reads ``tied`` only as an embedding table (its ``Embedding``'s ``wte``, no head using it),
+    without tensor parallelism (whose vocabulary-sharded lookup reads rows by another rule)."""
+    from foldtrain.model.gpt import Embedding, Head
+
+    if tied is None or topo.tp > 1:
+        return False
+    looks_up = any(isinstance(m, Embedding) and m.wte.weight is tied for m in chunk.modules())
+    projects = any(isinstance(m, Head) and m.lm_head.weight is tied for m in chunk.modules())
+    return looks_up and not projects
 
 
 def ensure_state(optimizer: torch.optim.Optimizer, t: torch.Tensor) -> dict:
@@ -218,6 +256,11 @@ class ChunkShards:
         whole = not optim_cfg.shard_tied
         self.buckets = self.own + ([make([tied], whole=whole)] if tied is not None else [])
         self.pushed: list = []  # (bucket, all-gather in flight) since the step, until the next forward
+        # shard_tied: the embedding's copy, where nothing else in the chunk reads it, is only looked up: after a
+        # step the next forward takes the rows its step's token ids name (lookup_rows), and a full all-gather waits
+        # for whoever reads the whole weight (an evaluation, a checkpoint, a flush)
+        self.lookup_only = [b for b in self.buckets[len(self.own) :] if not whole and looked_up_only(chunk, tied, topo)]
+        self.stale: dict[int, bool] = {}  # lookup-only bucket -> its rows for the next forward are still due
         segments = [sg for b in self.buckets for sg in b.segments]
         device = next(chunk.parameters()).device
         decay = [sg.tensor for sg in segments if sg.decay]
@@ -249,16 +292,33 @@ class ChunkShards:
         return sum((b.norm_sq() for b in self.buckets[1:]), self.buckets[0].norm_sq())
 
     def step(self) -> None:
-        """Step the slices and start the all-gathers of the chunk's weights (:meth:`land` completes them)."""
+        """Step the slices and start the all-gathers of the chunk's weights (:meth:`land` completes them; a
+        lookup-only copy's rows wait for the next forward's ids)."""
         self.optimizer.step()
-        self.pushed = [(b, x) for b in self.buckets if (x := b.push()) is not None]
+        rows = set(map(id, self.lookup_only))
+        self.pushed = [(b, x) for b in self.buckets if id(b) not in rows and (x := b.push()) is not None]
+        self.stale = {id(b): True for b in self.lookup_only}
 
-    def land(self, wait) -> None:
-        """Before the chunk's weights are read (its next forward, an evaluation, a checkpoint): the
-        all-gathers started by :meth:`step` complete into them."""
+    def pending(self) -> bool:
+        """Whether the chunk's weights are behind its last step."""
+        return bool(self.pushed or self.stale)
+
+    def land(self, wait, ids: list[torch.Tensor] | None = None) -> None:
+        """Before the chunk's weights are read: the all-gathers started by :meth:`step` complete into them. ``ids``:
+        the token ids of the step's micro-batches, when the reader is its training forward, which needs only those
+        rows of a lookup-only copy; else (an evaluation, a checkpoint) the whole of it is all-gathered."""
         pushed, self.pushed = self.pushed, []
         for b, x in pushed:
             b.land(x, wait)
+        for b in self.lookup_only:
+            if not self.stale.get(id(b)):
+                continue
+            if ids is None:
+                b.land(b.push(), wait)
+                del self.stale[id(b)]
+            elif self.stale[id(b)]:
+                b.land_rows(torch.cat([t.reshape(-1) for t in ids]))
+                self.stale[id(b)] = False  # the other rows stay behind until a whole read
 
     # ------------------------------------------------------------------ checkpoint views
     def _bucket_view(self, b: FlatShard, module: nn.Module) -> list:

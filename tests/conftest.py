@@ -1,4 +1,5 @@
-"""Shared fixtures: a small prepared dataset built from real text (a slice of the stdlib)."""
+"""Shared fixtures: a small prepared dataset built from real text (a slice of the stdlib), and a one-rank gloo
+process group."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 TINY_ARGS = [
     "--model.preset",
@@ -70,3 +72,12 @@ def tiny_run_args(data: Path, out: Path, *extra: str) -> list[str]:
         str(out),
         *extra,
     ]
+
+
+@pytest.fixture
+def gloo_group(tmp_path):
+    """A one-rank gloo process group for the test (a FileStore in ``tmp_path``), destroyed after it."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

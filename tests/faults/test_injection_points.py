@@ -157,15 +157,6 @@ def fault_state(monkeypatch):
     return arm
 
 
-@pytest.fixture
-def gloo_group(tmp_path):
-    """A one-rank gloo process group for the test (a FileStore in ``tmp_path``), destroyed after it."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_install_leaves_torch_distributed_alone(fault_state):
     before = {name: getattr(dist, name) for name in COMM if hasattr(dist, name)}
     fault_state("0:0:1:reduce;0:0:1:p2p")

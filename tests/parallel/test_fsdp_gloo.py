@@ -16,14 +16,6 @@ from foldtrain.train.trainer import build_model
 from tests.conftest import TINY_ARGS
 
 
-@pytest.fixture
-def gloo_group(tmp_path):
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def test_the_reduce_scatter_keeps_the_slice_and_frees_its_input(gloo_group):
     rs = InPlaceReduceScatter()
     full = rs.allocate((6,), dtype=torch.float32, device=torch.device("cpu"))

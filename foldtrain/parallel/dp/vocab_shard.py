@@ -66,30 +66,18 @@ def scatter_rows(x: torch.Tensor, group, world: int) -> torch.Tensor:
     return out
 
 
-class _GatherRows(torch.autograd.Function):
-    """``gather_rows`` whose backward sums each rank's rows of the gradient over ranks."""
+class _Rows(torch.autograd.Function):
+    """``gather_rows`` (``gather``) or ``scatter_rows``, whose backward is the other: the gradient of gathered rows
+    is summed back to each rank's rows, that of summed rows is every rank's."""
 
     @staticmethod
-    def forward(ctx, x, group, world):  # type: ignore[override]
-        ctx.group, ctx.world = group, world
-        return gather_rows(x, group, world)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return scatter_rows(grad, ctx.group, ctx.world), None, None
-
-
-class _ScatterRows(torch.autograd.Function):
-    """``scatter_rows`` whose backward gives every rank the gradients of all rows."""
-
-    @staticmethod
-    def forward(ctx, x, group, world):  # type: ignore[override]
-        ctx.group, ctx.world = group, world
-        return scatter_rows(x, group, world)
+    def forward(ctx, x, group, world, gather: bool):  # type: ignore[override]
+        ctx.group, ctx.world, ctx.gather = group, world, gather
+        return (gather_rows if gather else scatter_rows)(x, group, world)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return gather_rows(grad, ctx.group, ctx.world), None, None
+        return (scatter_rows if ctx.gather else gather_rows)(grad, ctx.group, ctx.world), None, None, None
 
 
 class SharedSlice:
@@ -171,7 +159,7 @@ class VocabShardedEmbedding(_VocabSlice):
         ids = gather_rows(idx, sh.group, sh.world) - sh.start
         outside = (ids < 0) | (ids >= w.shape[0])
         partial = _Lookup.apply(ids.masked_fill(outside, 0), outside, w, sh)
-        return _ScatterRows.apply(partial, sh.group, sh.world)
+        return _Rows.apply(partial, sh.group, sh.world, False)
 
 
 class VocabShardedHead(_VocabSlice):
@@ -187,7 +175,7 @@ class VocabShardedHead(_VocabSlice):
         w, sh.pending = sh.pending, None  # not held past the forward
         tied = w is not None and torch.is_grad_enabled()  # the embedding's backward will come after this one's
         w = w if w is not None else sh.local()
-        logits = _Project.apply(_GatherRows.apply(x, sh.group, sh.world), w, sh, tied)
+        logits = _Project.apply(_Rows.apply(x, sh.group, sh.world, True), w, sh, tied)
         real = self.vocab_size - sh.start  # rows of this slice that are words, not padding
         if real >= w.shape[0]:
             return logits

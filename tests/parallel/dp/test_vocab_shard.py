@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from foldtrain.config import build_config
 from foldtrain.model.gpt import lm_loss
@@ -18,13 +17,10 @@ from tests.conftest import TINY_ARGS
 
 
 @pytest.fixture
-def mesh(tmp_path):
+def mesh(gloo_group):
     from torch.distributed.device_mesh import init_device_mesh
 
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
+    return init_device_mesh("cpu", (1,))
 
 
 def test_rows_split_as_shard_0_splits():

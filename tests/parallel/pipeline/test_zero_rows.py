@@ -6,25 +6,15 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from foldtrain.parallel.pipeline.zero import FlatShard, looked_up_only
 
 
-@pytest.fixture
-def group(tmp_path):
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
-def test_the_rows_looked_up_take_the_stepped_values_and_the_others_wait(group):
+def test_the_rows_looked_up_take_the_stepped_values_and_the_others_wait(gloo_group):
     weight = nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16))  # half weights: the slice is an fp32 master
-    shard = FlatShard([weight], dp=1, dp_rank=0, group=group, tp=1)
+    shard = FlatShard([weight], dp=1, dp_rank=0, group=gloo_group, tp=1)
     (seg,) = shard.segments
     seg.tensor.copy_(torch.arange(24.0))  # as if stepped
     shard.land_rows(torch.tensor([[4, 1], [1, 4]]))

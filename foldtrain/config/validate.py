@@ -180,12 +180,11 @@ def validate_world(cfg: Config, world_size: int) -> None:
 
 def check_vocab_slices(cfg: Config, world_size: int) -> None:
     """``--dp.shard_vocab``: every rank needs at least one row of the (padded) vocabulary."""
-    from foldtrain.model.presets import padded_vocab
+    from foldtrain.model.presets import padded_vocab, vocab_slice
 
     m = cfg.model
     rows = padded_vocab(m.vocab_size, m.vocab_multiple, 1)
-    chunk = -(-rows // world_size)  # split as DTensor's Shard(0) splits: ceil-sized pieces first
-    if (world_size - 1) * chunk >= rows:
+    if vocab_slice(rows, world_size, world_size - 1)[1] == 0:
         raise ConfigError(
             f"--dp.shard_vocab splits the {rows}-row vocabulary over {world_size} ranks, which leaves the last "
             f"rank none; add --dp.shard_vocab false or use fewer ranks"

@@ -115,7 +115,7 @@ class ChunkOptimizers:
         self.optimizers[s].zero_grad(set_to_none=True)
 
     def weights_ready(self, s: int, ids: list[torch.Tensor] | None = None) -> None:
-        if self.shards is not None and self.shards[s].pending():
+        if self.shards is not None and self.shards[s].pending(ids):
             wait = lambda w: self.wait_collective(w, f"all-gather of chunk {s}'s weights over dp")  # noqa: E731
             self.shards[s].land(wait, ids)
 

@@ -32,6 +32,14 @@ def padded_vocab(vocab_size: int, multiple: int = 1, tp: int = 1) -> int:
     return -(-vocab_size // step) * step
 
 
+def vocab_slice(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """(first row, row count) of ``rank``'s part of ``rows`` vocabulary rows split over ``world`` ranks as
+    ``Shard(0)`` (``torch.chunk``) splits them: ceil-sized pieces first, so the last ranks may get fewer or none."""
+    chunk = -(-rows // world)
+    start = min(rank * chunk, rows)
+    return start, min(chunk, rows - start)
+
+
 def analytic_param_count(n_layer: int, d_model: int, context: int, vocab_size: int) -> int:
     """Parameters of the GPT-2 architecture with biases and tied embeddings.
 

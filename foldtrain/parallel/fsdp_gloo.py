@@ -25,7 +25,14 @@ import torch.distributed as dist
 from foldtrain import collectives
 
 
-class InPlaceReduceScatter:
+class _Allocates:
+    """FSDP2's comm hooks allocate their buffers through the hook (``allocate``): plain empty tensors here."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class InPlaceReduceScatter(_Allocates):
     """FSDP2's reduce-scatter on gloo (``FSDPModule.set_custom_reduce_scatter``). gloo's ``reduce_scatter_single``
     all-reduces a copy of its whole input and keeps this rank's slice; FSDP2 allocates that input for the
     collective alone and never reads it after, so this all-reduces it in place, copies the slice out and frees
@@ -36,9 +43,6 @@ class InPlaceReduceScatter:
     (``reduce_scatter_max_input_buffers``, for a GPU stream still reading it) until the next unit's
     reduce-scatter, beside that unit's gradients."""
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False) -> None:
         if async_op:  # FSDP2 calls it synchronously; an asynchronous caller would read the slice too early
             raise NotImplementedError("InPlaceReduceScatter is synchronous")
@@ -48,7 +52,7 @@ class InPlaceReduceScatter:
         input_tensor.untyped_storage().resize_(0)  # a later read would fail loudly, not see stale sums
 
 
-class ReleasedAllGather:
+class ReleasedAllGather(_Allocates):
     """FSDP2's all-gather on gloo (``FSDPModule.set_custom_all_gather``), returning once gloo's worker thread has let
     go of the output. gloo runs a collective on a worker thread, which marks it done and only then, at the end of
     its loop, drops its references to the tensors (``_allgather_base`` holds views of the output). With more
@@ -60,9 +64,6 @@ class ReleasedAllGather:
 
     def __init__(self, patience_s: float = 0.1):
         self.patience_s = patience_s
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False) -> None:
         if async_op:  # FSDP2 calls it synchronously on a CPU (unshard_async_op is false there)

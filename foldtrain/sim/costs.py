@@ -80,7 +80,7 @@ def lookup_rows(s: Setup, seg: int) -> float:
     """Rows of the tied weight the embedding's copy takes after a step, where ``--optim.shard_tied`` slices it and
     nothing else in the segment reads it (the first segment, without tensor parallelism): those the step's token
     ids name over every dp rank, at most the vocabulary (``ChunkShards.land``); 0 where it is all-gathered whole."""
-    if not (s.dist_optim and s.shard_tied and s.pp > 1 and s.tp == 1 and seg == 0 and s.segments > 1):
+    if not (s.dist_optim and s.shard_tied and s.pp > 1 and s.tp == 1 and seg == 0):
         return 0.0
     return min(float(s.vocab), s.dp * s.microbatches * s.micro_batch * s.seq)
 

@@ -48,16 +48,14 @@ class FSDPStrategy(DataParallelStrategy):
         param_dtype, reduce_dtype = self.precision.fsdp_dtypes
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         opts = dict(mesh=self.mesh, reshard_after_forward=cfg.dp.reshard_after_forward, mp_policy=policy)
-        self.vocab_head = None
-        if cfg.dp.shard_vocab:
-            ignored = {shard_vocab(self.model, self.mesh, param_dtype)}
-            self.vocab_head = self.model.head.lm_head
+        ignored = {shard_vocab(self.model, self.mesh, param_dtype)} if cfg.dp.shard_vocab else None
+        self.vocab_head = self.model.head.lm_head if ignored else None
         for block in self.model.blocks:
             fully_shard(block, **opts)
-        fully_shard(self.model, **opts, ignored_params=ignored if cfg.dp.shard_vocab else None)
+        fully_shard(self.model, **opts, ignored_params=ignored)
         units = [*self.model.blocks, self.model]
         fit_fsdp_to_gloo(units, self.mesh.get_group())
-        if cfg.dp.shard_vocab:
+        if ignored:
             for unit in units:  # every rank backpropagates the global mean loss: its gradients are already 1/N
                 unit.set_gradient_divide_factor(1.0)
                 unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no PREMUL_SUM)

@@ -28,20 +28,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from foldtrain import collectives
-from foldtrain.parallel.scatter import uses_all_to_all
+from foldtrain.model.presets import vocab_slice
+from foldtrain.parallel.scatter import exchange_rows, uses_all_to_all
 from foldtrain.parallel.tp_loss import vocab_parallel_cross_entropy
-
-
-def slice_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
-    """(start, count) of ``rank``'s rows of a ``rows``-row tensor split as ``Shard(0)`` (``torch.chunk``) splits."""
-    chunk = -(-rows // world)
-    start = min(rank * chunk, rows)
-    return start, min(chunk, rows - start)
-
-
-def empty_slice(rows: int, world: int) -> bool:
-    """Whether some rank would hold no row (``torch.chunk`` gives ceil-sized pieces first)."""
-    return slice_rows(rows, world, world - 1)[1] <= 0
 
 
 def gather_rows(x: torch.Tensor, group, world: int) -> torch.Tensor:
@@ -52,18 +41,11 @@ def gather_rows(x: torch.Tensor, group, world: int) -> torch.Tensor:
 
 
 def scatter_rows(x: torch.Tensor, group, world: int) -> torch.Tensor:
-    """(W*B, ...) partial sums on each rank -> (B, ...): this rank's rows summed over ranks. gloo's reduce-scatter
-    all-reduces the whole tensor, so there the pieces travel by one all-to-all and are summed here
-    (:mod:`foldtrain.parallel.scatter`)."""
-    x = x.contiguous()
-    rows = x.shape[0] // world
-    if uses_all_to_all("auto"):
-        recv = torch.empty_like(x)
-        collectives.all_to_all_single(recv, x, group=group)
-        return recv.view(world, rows, *x.shape[1:]).sum(0)
-    out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    collectives.reduce_scatter_single(out, x, group=group)
-    return out
+    """(W*B, ...) partial sums on each rank -> (B, ...): this rank's rows summed over ranks, by the backend's best
+    reduce-scatter (:func:`foldtrain.parallel.scatter.exchange_rows`: on gloo an all-to-all and a local sum)."""
+    work, buf, summed = exchange_rows(x.contiguous().view(world, -1), uses_all_to_all("auto"), group=group)
+    work.wait()
+    return (buf if summed else buf.sum(0)).view(x.shape[0] // world, *x.shape[1:])
 
 
 class _Rows(torch.autograd.Function):
@@ -198,7 +180,7 @@ def shard_vocab(model: nn.Module, mesh, param_dtype: torch.dtype | None) -> nn.P
     full = wte.weight
     assert head.lm_head.weight is full, "shard_vocab needs the tied embedding and output layer"
     world, rank = mesh.size(), mesh.get_local_rank()
-    start, count = slice_rows(full.shape[0], world, rank)
+    start, count = vocab_slice(full.shape[0], world, rank)
     local = full.detach()[start : start + count].clone()
     weight = nn.Parameter(
         DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())

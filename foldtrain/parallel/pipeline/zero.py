@@ -167,7 +167,7 @@ class FlatShard:
         dp (each element is in one slice). The other rows stay as they were."""
         weight = local_part(self.params[0])
         width = weight.shape[1]
-        rows = self._every_ranks_rows(ids.reshape(-1).unique())
+        rows = self._every_ranks_rows(ids.reshape(-1))
         elems = rows.unsqueeze(1) * width + torch.arange(width, device=rows.device)  # their flat positions
         buf = torch.zeros(elems.shape, dtype=torch.float32, device=weight.device)
         for sg in self.segments:  # (one: the slice's part of the matrix, or none: padding only)
@@ -176,15 +176,12 @@ class FlatShard:
         collectives.all_reduce(buf, group=self.group)
         weight[rows] = buf.to(weight.dtype)
 
-    def _every_ranks_rows(self, mine: torch.Tensor) -> torch.Tensor:
-        """The union over dp of each rank's ``mine`` (sorted row ids)."""
-        count = torch.tensor([mine.numel()], device=mine.device)
-        collectives.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        padded = torch.full((int(count),), -1, dtype=torch.long, device=mine.device)
-        padded[: mine.numel()] = mine
-        every = torch.empty(self.dp * padded.numel(), dtype=torch.long, device=mine.device)
-        collectives.all_gather_single(every, padded, group=self.group)
-        return every[every >= 0].unique()
+    def _every_ranks_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows any dp rank's ``ids`` name, sorted: every rank has as many ids (a step's batch), so one
+        all-gather of them (as the tie's embedding end gathers its step's tokens, :mod:`.tie`)."""
+        every = torch.empty(self.dp * ids.numel(), dtype=ids.dtype, device=ids.device)
+        collectives.all_gather_single(every, ids, group=self.group)
+        return every.unique()
 
 
 class ScatterBucket(ReductionBucket):
@@ -259,8 +256,9 @@ class ChunkShards:
         # shard_tied: the embedding's copy, where nothing else in the chunk reads it, is only looked up: after a
         # step the next forward takes the rows its step's token ids name (lookup_rows), and a full all-gather waits
         # for whoever reads the whole weight (an evaluation, a checkpoint, a flush)
-        self.lookup_only = [b for b in self.buckets[len(self.own) :] if not whole and looked_up_only(chunk, tied, topo)]
-        self.stale: dict[int, bool] = {}  # lookup-only bucket -> its rows for the next forward are still due
+        self.lookup_only = self.buckets[-1] if not whole and looked_up_only(chunk, tied, topo) else None
+        self.behind = False  # the lookup-only copy is behind its last step (rows not looked up, or all of it)
+        self.rows_due = False  # ... and the rows of the next training forward have not landed yet
         segments = [sg for b in self.buckets for sg in b.segments]
         device = next(chunk.parameters()).device
         decay = [sg.tensor for sg in segments if sg.decay]
@@ -295,13 +293,13 @@ class ChunkShards:
         """Step the slices and start the all-gathers of the chunk's weights (:meth:`land` completes them; a
         lookup-only copy's rows wait for the next forward's ids)."""
         self.optimizer.step()
-        rows = set(map(id, self.lookup_only))
-        self.pushed = [(b, x) for b in self.buckets if id(b) not in rows and (x := b.push()) is not None]
-        self.stale = {id(b): True for b in self.lookup_only}
+        self.pushed = [(b, x) for b in self.buckets if b is not self.lookup_only and (x := b.push()) is not None]
+        self.behind = self.rows_due = self.lookup_only is not None
 
-    def pending(self) -> bool:
-        """Whether the chunk's weights are behind its last step."""
-        return bool(self.pushed or self.stale)
+    def pending(self, ids: list[torch.Tensor] | None = None) -> bool:
+        """Whether what reads the chunk's weights must first :meth:`land` (``ids``: its training forward, which
+        needs only their rows of a lookup-only copy)."""
+        return bool(self.pushed) or (self.rows_due if ids is not None else self.behind)
 
     def land(self, wait, ids: list[torch.Tensor] | None = None) -> None:
         """Before the chunk's weights are read: the all-gathers started by :meth:`step` complete into them. ``ids``:
@@ -310,15 +308,13 @@ class ChunkShards:
         pushed, self.pushed = self.pushed, []
         for b, x in pushed:
             b.land(x, wait)
-        for b in self.lookup_only:
-            if not self.stale.get(id(b)):
-                continue
-            if ids is None:
-                b.land(b.push(), wait)
-                del self.stale[id(b)]
-            elif self.stale[id(b)]:
-                b.land_rows(torch.cat([t.reshape(-1) for t in ids]))
-                self.stale[id(b)] = False  # the other rows stay behind until a whole read
+        b = self.lookup_only
+        if ids is None and self.behind:
+            b.land(b.push(), wait)
+            self.behind = self.rows_due = False
+        elif ids is not None and self.rows_due:
+            b.land_rows(torch.cat([t.reshape(-1) for t in ids]))
+            self.rows_due = False  # the other rows stay behind until a whole read
 
     # ------------------------------------------------------------------ checkpoint views
     def _bucket_view(self, b: FlatShard, module: nn.Module) -> list:

@@ -11,7 +11,8 @@ import torch
 
 from foldtrain.config import build_config
 from foldtrain.model.gpt import lm_loss
-from foldtrain.parallel.dp.vocab_shard import empty_slice, shard_vocab, slice_rows
+from foldtrain.model.presets import vocab_slice
+from foldtrain.parallel.dp.vocab_shard import shard_vocab
 from foldtrain.train.trainer import build_model
 from tests.conftest import TINY_ARGS
 
@@ -24,10 +25,9 @@ def mesh(gloo_group):
 
 
 def test_rows_split_as_shard_0_splits():
-    assert [slice_rows(125, 4, r) for r in range(4)] == [(0, 32), (32, 32), (64, 32), (96, 29)]
-    assert [slice_rows(6, 4, r) for r in range(4)] == [(0, 2), (2, 2), (4, 2), (6, 0)]
-    assert empty_slice(6, 4) and not empty_slice(7, 4)
-    assert [len(c) for c in torch.arange(125).chunk(4)] == [n for _, n in (slice_rows(125, 4, r) for r in range(4))]
+    assert [vocab_slice(125, 4, r) for r in range(4)] == [(0, 32), (32, 32), (64, 32), (96, 29)]
+    assert [vocab_slice(6, 4, r) for r in range(4)] == [(0, 2), (2, 2), (4, 2), (6, 0)]
+    assert [len(c) for c in torch.arange(125).chunk(4)] == [n for _, n in (vocab_slice(125, 4, r) for r in range(4))]
 
 
 def tiny_model(*args: str):

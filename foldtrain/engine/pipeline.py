@@ -174,6 +174,8 @@ class PipelineEngine:
         )
         for s, r in reducers.items():  # the distributed optimizer: chunks reduce-scatter into their slices
             r.shards = stepper.shards[s] if stepper.shards else None
+            if r.shards is not None and r.tie is not None and r.shards.tied_slice is not None:
+                r.tie.share_slices(r.shards.tied_slice)  # the tied copy sliced too: only its slice exchanged
         if lay.tp > 1:
             from foldtrain.parallel.tensor import tp_loss as loss_fn
         else:

@@ -347,7 +347,9 @@ class RunCosts:
         global batch), ``V (1 - (1 - 1/V)^T)``: an upper bound for text, whose tokens repeat more.
         ``send`` is what this end sends the other once its ``dp`` phase is done, on the pair's link:
         the head its dense copy, the embedding its rows (count, indices, values). Both ends on one rank (the V
-        placement): nothing sent, the embedding end all-reduces the dense sum (``tie.LocalTie``)."""
+        placement): nothing sent, the embedding end all-reduces the dense sum (``tie.LocalTie``). With
+        ``--optim.shard_tied`` only each dp rank's slice is needed (``tie.Slices``): the head's dense copy (the V
+        placement's sum) is reduce-scattered, and a dense message is the slice."""
         s = self.s
         if s.mode != "3d" or s.segments < 2 or seg not in (0, self.last) or self.fsdp:
             return None
@@ -357,13 +359,18 @@ class RunCosts:
         rows, cols = s.vocab / s.tp, s.d_model
         union = rows * (1.0 - (1.0 - 1.0 / s.vocab) ** (s.dp * s.microbatches * s.micro_batch * s.seq))
         other = segment_rank(s, self.last if seg == 0 else 0)
+        sliced = s.dist_optim and s.shard_tied and n > 1
+        dense = self.reduce_scatter if sliced else self.ring  # the dense copy's dp reduction
         if other == p:  # both ends on this rank (the V placement): the embedding end reduces the dense sum
-            phases = self.ring(p, rows * cols * s.grad_bytes) if n > 1 and seg == 0 else []
+            phases = dense(p, rows * cols * s.grad_bytes) if n > 1 and seg == 0 else []
             self._tie[(p, seg)] = out = {"dp": phases, "send": []}
             return out
         sent = union if seg == 0 and 2 * union <= rows else rows
         nbytes = sent * cols * s.grad_bytes
-        phases: list = self.ring(p, nbytes) if n > 1 else []  # (3D: no wire compression)
+        reduce = dense if seg != 0 else self.ring  # the embedding's rows (or dense copy) are all-reduced
+        phases: list = reduce(p, nbytes) if n > 1 else []  # (3D: no wire compression)
+        if sliced and sent == rows:  # the dense message is this rank's slice
+            nbytes /= n
         key, weight, lat = self.pl.p2p_link(p, other)
         if key[0] == "p2p":
             key = ("tie", p)  # the pair's own stream of the link, beside the pipeline's transfers

@@ -302,6 +302,28 @@ def test_a_nodes_nic_carries_the_bytes_the_3d_engine_sends():
     assert node0 / 1e6 == approx(34.2, abs=0.1)  # a 4-rank ring of both dense copies would send 38.1
 
 
+def test_sliced_tied_state_reduce_scatters_the_heads_copy_and_sends_slices():
+    """--optim.shard_tied (the distributed optimizer steps each dp rank's slice of the tied copies): the head's dense
+    copy is reduce-scattered over dp, half a 2-rank ring's bytes, and sends the other end only its slice; the
+    embedding's rows are all-reduced and sent as before; the V placement reduce-scatters its sum."""
+    base = ["--model.preset", "tiny", "--parallel.dp", "2", "--parallel.pp", "2", "--parallel.virtual", "2"]
+    base += ["--train.global_batch", "8", "--train.seq_len", "32", "--optim.distributed", "true"]
+    c = from_dict(cluster_dict(node__gpus=2))
+
+    def flows(phases):
+        return [ph[3] * ph[2] for ph in phases if ph[0] == "flow"]
+
+    for sched, head in (("fold", (1, 3)), ("zbv", (0, 0))):
+        args = [*base, "--parallel.schedule", sched, "--parallel.dp_sync", "per-chunk"]
+        whole, sliced = (RunCosts(resolve_setup(_cfg(*args, "--optim.shard_tied", t)), c) for t in ("false", "true"))
+        tied = whole.s.vocab * whole.s.d_model * 4
+        assert flows(whole.tie(*head)["dp"]) == approx([tied]) and flows(sliced.tie(*head)["dp"]) == approx([tied / 2])
+        if sched == "fold":  # the head's message: its dense copy, or its slice; the embedding's rows unchanged
+            assert flows(whole.tie(*head)["send"]) == approx([tied])
+            assert flows(sliced.tie(*head)["send"]) == approx([tied / 2])
+            assert whole.tie(0, 0) == sliced.tie(0, 0)
+
+
 def test_calibrate_fits_the_heads_cost_beyond_its_products():
     """Head times made from known per-logit and per-weight costs on top of the cost model's three products are
     fitted back exactly; a cluster with ``head_weight_gelems`` charges the last segment's forward for it."""

@@ -24,6 +24,13 @@ other lacks, within the replica, over ``topo.tie_group`` (pipeline ranks 0 and P
   embedding takes the head's dense copy and adds its own rows. ``a + b == b + a`` in IEEE
   arithmetic, so both copies are bit for bit the same.
 
+With ``--optim.shard_tied`` the distributed optimizer steps only this dp rank's slice of each copy
+(:meth:`TieSide.share_slices`), so only that slice of the sum is needed at either end: the head's dense
+copy is reduce-scattered over dp instead of all-reduced, and the head sends the embedding end its slice, not
+the dense copy (the embedding's dense fallback sends its slice too). The head's all-gather of the stepped
+weight then moves the bytes the all-reduce no longer does. Elements outside the slice are left as they
+were: nothing reads them before the optimizer takes its slice.
+
 With the V placement (zbv) both ends are on pipeline rank 0: :class:`LocalTie` adds the two copies there and
 reduces the sum over dp.
 
@@ -40,6 +47,45 @@ from __future__ import annotations
 import torch
 
 from foldtrain import collectives
+from foldtrain.parallel.flat import flatten
+from foldtrain.parallel.scatter import exchange_rows, uses_all_to_all
+
+
+class Slices:
+    """This dp rank's slice of a tied copy, flat and padded to ``dp`` slices of ``length`` elements: what the
+    distributed optimizer steps with ``--optim.shard_tied`` (its :class:`~.zero.FlatShard` of the copy)."""
+
+    def __init__(self, topo, length: int):
+        self.dp, self.group, self.length = topo.dp, topo.dp_group, length
+        self.lo = topo.dp_rank * length
+        self.inflight = None  # the reduce-scatter's (padded input, buffer, summed)
+
+    def of(self, g: torch.Tensor) -> torch.Tensor:
+        """The slice of ``g``, a view (the last rank's is shorter by the padding)."""
+        return g.view(-1)[self.lo : self.lo + self.length]
+
+    def padded(self, g: torch.Tensor) -> torch.Tensor:
+        """The slice of ``g`` in a new tensor of ``length`` elements (a message both ends size alike)."""
+        out = g.new_zeros(self.length)
+        mine = self.of(g)
+        out[: mine.numel()] = mine
+        return out
+
+    def scatter(self, g: torch.Tensor):
+        """Start the reduce-scatter of ``g`` averaged over dp; returns its work (:meth:`take` once done)."""
+        packed = flatten([g], g.dtype, size=self.dp * self.length).div_(self.dp)
+        work, buf, summed = exchange_rows(packed.view(self.dp, self.length), uses_all_to_all("auto"), group=self.group)
+        self.inflight = (packed, buf, summed)
+        return work
+
+    def take(self, g: torch.Tensor) -> torch.Tensor:
+        """The reduce-scatter landed: the summed slice (in ``g``'s dtype) becomes ``g``'s; returned padded."""
+        _packed, buf, summed = self.inflight
+        self.inflight = None
+        mine = (buf if summed else buf.float().sum(0)).to(g.dtype)
+        part = self.of(g)
+        part.copy_(mine[: part.numel()])
+        return mine
 
 
 class TieSide:
@@ -72,6 +118,13 @@ class TieSide:
         self.bufs: list = []  # their tensors (received into, or kept alive until sent)
         self.state = "idle"  # idle -> launched -> handed -> idle
         self.last_rows: int | None = None  # rows the embedding's last dp reduction sent (None: dense)
+        self.slices: Slices | None = None  # --optim.shard_tied: only this dp rank's slice is exchanged
+
+    def share_slices(self, length: int) -> None:
+        """``--optim.shard_tied``: the optimizer steps only elements ``[r * length, (r + 1) * length)`` of the flat
+        copy on dp rank ``r`` (the copy padded to ``dp`` slices), so only those of the sum are exchanged."""
+        if self.dp > 1:
+            self.slices = Slices(self.topo, length)
 
     def set_tokens(self, tokens_per_step: int) -> None:
         """``T``, the tokens of one global batch (both ends: it fixes the exchange's message sizes)."""
@@ -88,7 +141,7 @@ class TieSide:
         if self.like is not None and self.topo.tie_group is not None and self.early_recv is None:
             # gloo delivers a send only into a posted receive: posted now, the head's dense copy crosses
             # while this rank still computes, not after its own rows have landed
-            buf = torch.empty_like(self.like)
+            buf = torch.empty_like(self.like) if self.slices is None else self.like.new_empty(self.slices.length)
             self.early_recv = (collectives.irecv(buf, src=self.other, group=self.topo.tie_group), buf)
         tokens = torch.cat([x.reshape(-1) for x in xs])
         if self.tokens_per_step is not None and tokens.numel() * self.dp > self.tokens_per_step:
@@ -119,7 +172,9 @@ class TieSide:
         self.grad, self.state = g, "launched"
         group = self.topo.dp_group
         if self.head:
-            if self.dp > 1:
+            if self.slices is not None:  # only this rank's slice of the sum is stepped: a reduce-scatter
+                self.dp_work = self.slices.scatter(g)
+            elif self.dp > 1:
                 self.dp_work = collectives.all_reduce(g.div_(self.dp), group=group, async_op=True)
             return
         rows = self._union_rows(g.shape[0])
@@ -142,7 +197,7 @@ class TieSide:
         if self.state != "launched":
             return
         if self.dp_work is not None:
-            self.wait_fn(self.dp_work, "data-parallel all-reduce of the tied embedding's gradient")
+            self.wait_fn(self.dp_work, "data-parallel reduction of the tied embedding's gradient")
             self.dp_work = None
         group, g, peer = self.topo.tie_group, self.grad, self.other
         n_rows = g.shape[0]
@@ -150,10 +205,12 @@ class TieSide:
             T = self.tokens_per_step
             idx = torch.full((T + 1,), -1, dtype=torch.int64, device=g.device)
             vals = torch.zeros((T, *g.shape[1:]), dtype=g.dtype, device=g.device)
-        if self.head:  # send the dense copy, then receive the rows (or the dense copy)
-            self.works = [collectives.isend(g, dst=peer, group=group)]
-            self.bufs = [idx, vals] if self.sparse(n_rows) else [torch.empty_like(g)]
-            self.works += [collectives.irecv(b, src=peer, group=group) for b in self.bufs]
+        if self.head:  # send the dense copy (or slice), then receive the rows (or the dense copy or slice)
+            sent = self.slices.take(g) if self.slices is not None else g
+            self.works = [collectives.isend(sent, dst=peer, group=group)]
+            recv = [idx, vals] if self.sparse(n_rows) else [torch.empty_like(sent)]
+            self.works += [collectives.irecv(b, src=peer, group=group) for b in recv]
+            self.bufs = recv + [sent]  # (the sent tensor alive until the send is done)
         else:  # receive the head's dense copy, then send the rows (or the dense copy)
             (work, dense), self.early_recv = self.early_recv, None  # posted by begin
             self.works = [work]
@@ -169,10 +226,19 @@ class TieSide:
                 if self.rows is not None:  # the rows went sparse over dp: back into the dense copy
                     g.index_copy_(0, self.rows, self.packed)
                     self.rows = self.packed = None
-                out = [g.clone()]  # g itself gets the head's copy added before this send may be done
+                # g itself gets the head's copy added before this send may be done: a copy goes
+                out = [g.clone() if self.slices is None else self.slices.padded(g)]
             self.works += [collectives.isend(t, dst=peer, group=group) for t in out]
             self.bufs = [dense] + out
         self.state = "handed"
+
+    def _covered(self, g: torch.Tensor) -> torch.Tensor:
+        """What the other end's dense message covers: all of ``g``, or with ``share_slices`` this rank's slice."""
+        return g if self.slices is None else self.slices.of(g)
+
+    def _received(self, g: torch.Tensor) -> torch.Tensor:
+        """The other end's dense message (the first buffer received), without a slice's padding."""
+        return self.bufs[0] if self.slices is None else self.bufs[0][: self.slices.of(g).numel()]
 
     def wait(self) -> None:
         """Both ends end with the same sum (the other end's copy added to this one's)."""
@@ -184,15 +250,16 @@ class TieSide:
         g = self.grad
         if self.head:
             if self.sparse(g.shape[0]):
-                idx, vals = self.bufs
+                idx, vals = self.bufs[:2]
                 n = int(idx[0].item())
                 g.index_add_(0, idx[1 : n + 1], vals[:n])
             else:
-                g.add_(self.bufs[0])
+                self._covered(g).add_(self._received(g))
         elif self.rows is None:
-            g.add_(self.bufs[0])
+            self._covered(g).add_(self._received(g))
         else:
-            g.copy_(self.bufs[0]).index_add_(0, self.rows, self.packed)
+            self._covered(g).copy_(self._received(g))
+            g.index_add_(0, self.rows, self.packed)
         self.grad = self.rows = self.packed = None
         self.works, self.bufs = [], []
         self.state = "idle"
@@ -215,9 +282,10 @@ class LocalTie:
     each chunk's reducer its side, with :class:`TieSide`'s methods."""
 
     def __init__(self, topo, wait):
-        self.dp_group, self.dp = topo.dp_group, topo.dp
+        self.topo, self.dp_group, self.dp = topo, topo.dp_group, topo.dp
         self.wait_fn = wait
         self.sides = {head: LocalTieSide(self, head) for head in (False, True)}
+        self.slices: Slices | None = None  # --optim.shard_tied: the sum reduce-scattered, each copy takes the slice
 
     def end(self, head: bool) -> LocalTieSide:
         return self.sides[head]
@@ -228,7 +296,9 @@ class LocalTie:
         if head.state == "idle":
             raise RuntimeError("the tied weight's head end has not launched before the embedding end's reduction")
         emb.grad.add_(head.grad)
-        if self.dp > 1:
+        if self.slices is not None:
+            emb.dp_work = self.slices.scatter(emb.grad)
+        elif self.dp > 1:
             emb.dp_work = collectives.all_reduce(emb.grad.div_(self.dp), group=self.dp_group, async_op=True)
 
     def finish(self) -> None:
@@ -237,9 +307,13 @@ class LocalTie:
         if emb.state == "idle":
             raise RuntimeError("the tied weight's embedding end has not launched its reduction before the head's wait")
         if emb.dp_work is not None:
-            self.wait_fn(emb.dp_work, "data-parallel all-reduce of the tied embedding's gradient")
+            self.wait_fn(emb.dp_work, "data-parallel reduction of the tied embedding's gradient")
             emb.dp_work = None
-        head.grad.copy_(emb.grad)
+        if self.slices is not None:  # the slice of the sum is all either copy's optimizer reads
+            self.slices.take(emb.grad)
+            self.slices.of(head.grad).copy_(self.slices.of(emb.grad))
+        else:
+            head.grad.copy_(emb.grad)
         for side in (emb, head):
             side.grad, side.state = None, "idle"
 
@@ -253,6 +327,15 @@ class LocalTieSide:
         self.dp_work = None
         self.state = "idle"  # idle -> launched -> idle (at either end's wait)
         self.last_rows = None  # as TieSide's: the dp reduction sends the dense copy
+
+    @property
+    def slices(self) -> Slices | None:
+        return self.tie.slices
+
+    def share_slices(self, length: int) -> None:
+        """``--optim.shard_tied``: the sum reduce-scattered, not all-reduced (both copies step the same slice)."""
+        if self.tie.dp > 1:
+            self.tie.slices = Slices(self.tie.topo, length)
 
     def set_tokens(self, tokens_per_step: int) -> None:
         """Nothing to size: no message crosses to another pipeline rank."""
@@ -278,5 +361,5 @@ class LocalTieSide:
     def reset(self) -> None:
         """Before loading a checkpoint: finish a reduction in flight, forget the sum."""
         if self.dp_work is not None:
-            self.tie.wait_fn(self.dp_work, "data-parallel all-reduce of the tied embedding's gradient")
+            self.tie.wait_fn(self.dp_work, "data-parallel reduction of the tied embedding's gradient")
         self.grad, self.dp_work, self.state = None, None, "idle"

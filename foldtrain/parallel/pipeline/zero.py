@@ -235,8 +235,9 @@ class ChunkShards:
     (:class:`~foldtrain.parallel.pipeline.deadlines.DeadlineQueue`), else in one."""
 
     def __init__(self, chunk: nn.Module, tied, topo, optim_cfg, head_copy=None, bucket_bytes: float | None = None):
-        """``optim_cfg.shard_tied``: the tied weight's copy sliced over dp like the rest (its slice taken from the
-        gradient the tie all-reduced in full, the stepped slices all-gathered), else stepped whole."""
+        """``optim_cfg.shard_tied``: the tied weight's copy sliced over dp like the rest (the tie exchanges only its
+        slice of the gradient, :attr:`tied_slice`; the stepped slices all-gathered), else stepped whole."""
+        self.tied = tied
         params = [p for p in chunk.parameters() if p is not tied]
         if not params:
             own = []
@@ -248,8 +249,8 @@ class ChunkShards:
         self.index = {id(p): i for i, p in enumerate(chunk.parameters())}  # a parameter's place in the chunk
         make = lambda g, whole=False: FlatShard(g, topo.dp, topo.dp_rank, topo.dp_group, topo.tp, head_copy, whole)  # noqa: E731
         self.own = [make(g) for g in own]
-        # the tied copy: its gradient is all-reduced in full for the tie, so by default every rank steps all of
-        # it (its moments unsharded) rather than all-gather it again; shard_tied trades that all-gather for 1/dp
+        # the tied copy: by default its gradient is all-reduced in full for the tie and every rank steps all of it
+        # (its moments unsharded), with no all-gather; shard_tied slices it (a reduce-scatter, then an all-gather)
         whole = not optim_cfg.shard_tied
         self.buckets = self.own + ([make([tied], whole=whole)] if tied is not None else [])
         self.pushed: list = []  # (bucket, all-gather in flight) since the step, until the next forward
@@ -273,6 +274,12 @@ class ChunkShards:
             eps=optim_cfg.eps,
             **({"fused": True} if device.type in ("cpu", "cuda") else {"foreach": True}),
         )
+
+    @property
+    def tied_slice(self) -> int | None:
+        """Elements of this rank's slice of the tied copy, where it is sliced (``--optim.shard_tied``), else None."""
+        b = self.buckets[-1]
+        return b.length if self.tied is not None and not b.whole else None
 
     def pull(self) -> None:
         """Slices of gradients that were all-reduced (the tied copy's) taken from the chunk's."""

@@ -174,8 +174,9 @@ def equivalence_cases(world: int) -> list[dict]:
                 masters_in_fp32=True,
             ),
             _one((2, 2, 1, 2), "fold", "per-chunk", "zero-bf16m", zero=True, precision="bf16-master"),
-            # --optim.shard_tied: the tied copies' state sliced too (its slice of the tie's full gradient)
-            _one((2, 2, 1, 2), "fold", "per-chunk", "zero-tied", defer=True, zero=True, shard_tied=True),
+            # --optim.shard_tied: the tied copies' state sliced too; the tie exchanges slices (the head's copy
+            # reduce-scattered, the embedding's touched rows added into the head's slice: a 300-word vocabulary)
+            _one((2, 2, 1, 2), "fold", "per-chunk", "zero-tied", defer=True, zero=True, shard_tied=True, vocab=300),
             # split backward with dp: deferred and deadline-ordered reductions, clipping, the distributed optimizer
             *zero_bubble_cases((2, 2, 1, 2)),
             *zero_bubble_cases((1, 4, 1, 1)),

@@ -114,6 +114,10 @@ def test_matches_single_process(suite, world, case):
     assert (r["padding_rows"], r["padding_abs_max"]) == padded, r
     # the two tied copies (pipeline ranks 0 and P-1) end every step bit for bit the same (tie.py's exchange)
     assert r["tie_equal"] is (True if case["layout"][1] > 1 else None)
+    # shard_tied: the tie reduces and exchanges only each dp rank's slice of the copy (the head reduce-scatters)
+    sliced = case.get("shard_tied") and dp > 1 and case["layout"][1] > 1
+    copy = r["tied_elems"] // (2 if case["schedule"] == "zbv" else 1)  # zbv: both copies on rank 0
+    assert r["tie_slice"] == (-(-copy // dp) if sliced else None), (r["tie_slice"], r["tied_elems"])
     if case.get("vocab"):  # the tied embedding's dp reduction sent only the touched rows, not the dense gradient
         assert r["tie_rows"] is not None and 0 < r["tie_rows"] <= case["vocab"] // 2, r["tie_rows"]
     elif case["layout"][0] > 1 and case["layout"][1] > 1:  # 64 tokens of a 64-word vocabulary: dense

@@ -174,6 +174,7 @@ def _equivalence_case(case: dict) -> dict | None:
     return {
         **compare(cfg, losses, full, ev, norms),
         "tie_rows": tie.last_rows if tie else None,
+        "tie_slice": tie.slices.length if tie and tie.slices else None,  # --optim.shard_tied: elements exchanged
         "tie_equal": tie_equal,
         **optimizer_share(engine),
         **fsdp,

@@ -114,6 +114,12 @@ class ChunkOptimizers:
         self.lr_schedulers[s].step()
         self.optimizers[s].zero_grad(set_to_none=True)
 
+    def step_tied(self, s: int) -> bool:
+        if self.shards is None or self.shards[s].tied_slice is None or not self.step_ok:
+            return False
+        self.shards[s].step_tied()
+        return True
+
     def weights_ready(self, s: int, ids: list[torch.Tensor] | None = None) -> None:
         if self.shards is not None and self.shards[s].pending(ids):
             wait = lambda w: self.wait_collective(w, f"all-gather of chunk {s}'s weights over dp")  # noqa: E731

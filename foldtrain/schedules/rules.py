@@ -24,6 +24,12 @@ they are computed here once and read by both the torch executor
   makes its copy final after its last forward, so with per-chunk sync it starts there, ahead of the
   body's backwards; otherwise (and always for segment 0) at the chunk's ``LR``, before the chunk's
   own reduction.
+* **early_tie** (the iteration's start): the deferred chunks holding a tied copy. The tie's exchange
+  needs nothing of the chunk's own reduction, so where the :class:`StepPolicy` lets chunks step early
+  and the distributed optimizer slices the tied copy (``--optim.shard_tied``), the exchange completes
+  when the next iteration starts and the copy's slice steps there, alone: the all-gather of the stepped
+  weight then runs during the forwards before the chunk's, not between its deferred ``OS`` and its
+  first forward.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ class RankRules:
     rules: tuple[Rule, ...]
     deferred: frozenset[int]  # chunks reduced across the iteration boundary
     deadline: dict[int, int]  # chunk -> its reduction's deadline
+    early_tie: frozenset[int] = frozenset()  # deferred chunks holding a tied copy (see the module docstring)
 
     def deadline_of(self, chunk: int) -> int:
         """The deadline of ``chunk``'s reduction (past every action when no ``WR`` needs it)."""
@@ -108,7 +115,7 @@ def rank_rules(sched: Schedule, p: int) -> RankRules:
                 launch_tie=tie_after.get(i),
             )
         )
-    return RankRules(actions, tuple(rules), deferred, deadline)
+    return RankRules(actions, tuple(rules), deferred, deadline, frozenset(deferred & ties))
 
 
 def _tie_launches(actions: tuple[Action, ...], ties: set[int], per_chunk: bool, last: int) -> dict[int, int]:

@@ -72,6 +72,10 @@ class ChunkStepper(Protocol):
     def before_steps(self) -> None:
         """Once per iteration, before the first non-deferred step: overflow check, gradient norm, clip."""
 
+    def step_tied(self, s: int) -> bool:
+        """Step only chunk ``s``'s slice of the tied copy, whose gradient is final, and start its all-gather; False
+        (nothing done) where the copy is not sliced apart (the distributed optimizer with ``--optim.shard_tied``)."""
+
     def weights_ready(self, s: int, ids: list[torch.Tensor] | None = None) -> None:
         """Before chunk ``s``'s weights are read: what its last step still sends them (the distributed
         optimizer's all-gather) has landed. ``ids``: the step's token ids, when the reader is the first chunk's
@@ -217,6 +221,7 @@ class Executor:
         it.split = any(a.op is Op.BACKWARD_INPUT for a in rules.actions)  # the forwards note what the W needs
         for r in self.reducers.values():
             r.begin(xs)
+        self._step_ties_early(rules)
         for a, rule in rules.steps():
             self._between_actions()
             self._handlers[a.op](it, a, rule)
@@ -228,6 +233,18 @@ class Executor:
         if it.leftover():  # pragma: no cover - validated schedules consume everything they produce
             raise RuntimeError(f"pipeline rank {self.p}: schedule left unfinished work {it.leftover()[:4]}")
         return it.loss_sum
+
+    def _step_ties_early(self, rules: RankRules) -> None:
+        """``early_tie``: a deferred chunk's tied copy, exchanged with the other end, steps its slice now."""
+        if not self.policy.early_steps:
+            return
+        for s in sorted(rules.early_tie):
+            tie = self.reducers[s].tie
+            if tie is None or tie.state == "idle":  # nothing launched (the first iteration, after a flush)
+                continue
+            with self._span(f"OS tie c{s}", "optim", chunk=s, tie=True):
+                tie.wait()
+                self.stepper.step_tied(s)
 
     def _forward(self, it: Iteration, a: Action, rule: Rule) -> None:
         s, m = a.chunk, a.mb

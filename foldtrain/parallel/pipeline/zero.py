@@ -258,6 +258,7 @@ class ChunkShards:
         # step the next forward takes the rows its step's token ids name (lookup_rows), and a full all-gather waits
         # for whoever reads the whole weight (an evaluation, a checkpoint, a flush)
         self.lookup_only = self.buckets[-1] if not whole and looked_up_only(chunk, tied, topo) else None
+        self.tied_stepped = False  # the tied copy's slice stepped apart (step_tied) since the chunk's last step
         self.behind = False  # the lookup-only copy is behind its last step (rows not looked up, or all of it)
         self.rows_due = False  # ... and the rows of the next training forward have not landed yet
         segments = [sg for b in self.buckets for sg in b.segments]
@@ -299,9 +300,26 @@ class ChunkShards:
     def step(self) -> None:
         """Step the slices and start the all-gathers of the chunk's weights (:meth:`land` completes them; a
         lookup-only copy's rows wait for the next forward's ids)."""
-        self.optimizer.step()
-        self.pushed = [(b, x) for b in self.buckets if b is not self.lookup_only and (x := b.push()) is not None]
+        self.optimizer.step()  # (a tied slice stepped apart has no gradient now: AdamW skips it)
+        done = (self.lookup_only, self.buckets[-1] if self.tied_stepped else None)
+        self.pushed += [(b, x) for b in self.buckets if b not in done and (x := b.push()) is not None]
+        self.tied_stepped = False
         self.behind = self.rows_due = self.lookup_only is not None
+
+    def step_tied(self) -> None:
+        """Step only the tied copy's slice, its gradient final before the chunk's own (still in flight: their
+        segments have no gradient, which AdamW skips), and start its all-gather. The chunk's :meth:`step` then
+        steps the rest."""
+        b = self.buckets[-1]
+        if any(sg.tensor.grad is not None for o in self.own for sg in o.segments):
+            raise RuntimeError("the tied copy stepped apart while the chunk's own gradients were there")
+        b.pull()
+        self.optimizer.step()
+        for sg in b.segments:
+            sg.tensor.grad = None
+        if b is not self.lookup_only and (x := b.push()) is not None:
+            self.pushed.append((b, x))
+        self.tied_stepped = True
 
     def pending(self, ids: list[torch.Tensor] | None = None) -> bool:
         """Whether what reads the chunk's weights must first :meth:`land` (``ids``: its training forward, which

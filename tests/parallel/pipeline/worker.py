@@ -153,6 +153,24 @@ def counting_reduce_scatters():
             setattr(*key, real[key])
 
 
+@contextlib.contextmanager
+def counting_tied_steps():
+    """Count the tied copy's slices stepped apart at an iteration's start (``ChunkShards.step_tied``)."""
+    from foldtrain.parallel.pipeline.zero import ChunkShards
+
+    calls, real = [0], ChunkShards.step_tied
+
+    def counted(self):
+        calls[0] += 1
+        return real(self)
+
+    ChunkShards.step_tied = counted
+    try:
+        yield calls
+    finally:
+        ChunkShards.step_tied = real
+
+
 def fsdp_groups(engine) -> int:
     """The FSDP parameter groups of this rank's chunks (each reduce-scatters its gradients as one)."""
     from foldtrain.parallel.pipeline.fsdp import param_groups
@@ -162,8 +180,10 @@ def fsdp_groups(engine) -> int:
 
 def _equivalence_case(case: dict) -> dict | None:
     cfg = make_cfg(case)
-    with counting_reduce_scatters() as reduce_scatters:
+    with counting_reduce_scatters() as reduce_scatters, counting_tied_steps() as tied_steps:
         engine, losses, norms = run_engine(cfg, range(STEPS))
+    tied_steps = torch.tensor([float(tied_steps[0])])
+    dist.all_reduce(tied_steps)  # (the head's end is on the last pipeline rank)
     fsdp = {"reduce_scatters": reduce_scatters[0], "fsdp_groups": fsdp_groups(engine)} if case.get("fsdp") else {}
     ev = engine.eval_loss(val_data(cfg.model.vocab_size))
     full = engine.eval_model()
@@ -175,6 +195,7 @@ def _equivalence_case(case: dict) -> dict | None:
         **compare(cfg, losses, full, ev, norms),
         "tie_rows": tie.last_rows if tie else None,
         "tie_slice": tie.slices.length if tie and tie.slices else None,  # --optim.shard_tied: elements exchanged
+        "tied_steps_apart": int(tied_steps.item()),
         "tie_equal": tie_equal,
         **optimizer_share(engine),
         **fsdp,

@@ -120,6 +120,11 @@ class ChunkOptimizers:
         self.shards[s].step_tied()
         return True
 
+    def start_rows(self, s: int, ids: list[torch.Tensor]) -> torch.Tensor | None:
+        if self.shards is None or s not in self.shards:
+            return None
+        return self.shards[s].start_rows(torch.cat([t.reshape(-1) for t in ids]))
+
     def weights_ready(self, s: int, ids: list[torch.Tensor] | None = None) -> None:
         if self.shards is not None and self.shards[s].pending(ids):
             wait = lambda w: self.wait_collective(w, f"all-gather of chunk {s}'s weights over dp")  # noqa: E731

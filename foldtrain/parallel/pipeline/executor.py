@@ -76,6 +76,11 @@ class ChunkStepper(Protocol):
         """Step only chunk ``s``'s slice of the tied copy, whose gradient is final, and start its all-gather; False
         (nothing done) where the copy is not sliced apart (the distributed optimizer with ``--optim.shard_tied``)."""
 
+    def start_rows(self, s: int, ids: list[torch.Tensor]) -> torch.Tensor | None:
+        """When the iteration starts: where chunk ``s`` only looks its weight's rows up and its last step still owes
+        them (``--optim.shard_tied``'s embedding copy), start landing the rows of the step's token ids ``ids`` over
+        every dp rank; returns those ranks' ids (all-gathered), else None."""
+
     def weights_ready(self, s: int, ids: list[torch.Tensor] | None = None) -> None:
         """Before chunk ``s``'s weights are read: what its last step still sends them (the distributed
         optimizer's all-gather) has landed. ``ids``: the step's token ids, when the reader is the first chunk's
@@ -219,8 +224,10 @@ class Executor:
         rules = self.rules(sched)
         it = Iteration(rules, xs, ys, torch.zeros((), dtype=torch.float32, device=xs[0].device))
         it.split = any(a.op is Op.BACKWARD_INPUT for a in rules.actions)  # the forwards note what the W needs
+        # the embedding's rows first: they travel ahead of the all-gathers of the chunks stepping before its forward
+        every = self.stepper.start_rows(0, xs) if 0 in self.chunks else None
         for r in self.reducers.values():
-            r.begin(xs)
+            r.begin(xs, every)
         self._step_ties_early(rules)
         for a, rule in rules.steps():
             self._between_actions()

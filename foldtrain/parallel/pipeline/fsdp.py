@@ -117,7 +117,7 @@ class FSDPChunkReducer:
         self.chunk.set_reshard_after_backward(last)
         self.chunk.set_requires_gradient_sync(last)
 
-    def begin(self, xs: list[torch.Tensor]) -> None:
+    def begin(self, xs: list[torch.Tensor], every: torch.Tensor | None = None) -> None:
         """Start of an iteration: the chunk's backwards accumulate unsharded gradients until its ``LR``."""
         self._sync_on_this_backward(False)
 

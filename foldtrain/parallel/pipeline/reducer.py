@@ -81,10 +81,11 @@ class ChunkReducer:
             out.append(local_part(g))
         return out
 
-    def begin(self, xs: list[torch.Tensor]) -> None:
-        """Start of an iteration on micro-batches ``xs`` (the embedding end of the tie learns its rows)."""
+    def begin(self, xs: list[torch.Tensor], every: torch.Tensor | None = None) -> None:
+        """Start of an iteration on micro-batches ``xs`` (the embedding end of the tie learns its rows; ``every``:
+        every dp rank's token ids, where they were gathered already)."""
         if self.tie is not None:
-            self.tie.begin(xs)
+            self.tie.begin(xs, every)
 
     def progress(self) -> None:
         """Between actions: the tie's hand-off, the moment its dp reduction landed (never blocks)."""

@@ -134,8 +134,9 @@ class TieSide:
         return self.tokens_per_step is not None and 2 * self.tokens_per_step <= n_rows
 
     # ------------------------------------------------------------------ the embedding end's rows
-    def begin(self, xs: list[torch.Tensor]) -> None:
-        """Start of an iteration (embedding end): all-gather this replica's token ids over dp."""
+    def begin(self, xs: list[torch.Tensor], every: torch.Tensor | None = None) -> None:
+        """Start of an iteration (embedding end): all-gather this replica's token ids over dp (``every``: gathered
+        already, by the distributed optimizer's embedding copy, :meth:`.zero.ChunkShards.start_rows`)."""
         if self.head:
             return
         if self.like is not None and self.topo.tie_group is not None and self.early_recv is None:
@@ -149,8 +150,8 @@ class TieSide:
                 f"the pipeline got {tokens.numel() * self.dp} tokens in a step, more than the "
                 f"{self.tokens_per_step} of --train.global_batch x --train.seq_len; pass batches of that shape"
             )
-        if self.dp == 1:
-            self.tokens = tokens
+        if self.dp == 1 or every is not None:
+            self.tokens = tokens if every is None else every
             return
         self.tokens = [torch.empty_like(tokens) for _ in range(self.dp)]
         self.tok_work = collectives.all_gather(self.tokens, tokens, group=self.topo.dp_group, async_op=True)
@@ -340,7 +341,7 @@ class LocalTieSide:
     def set_tokens(self, tokens_per_step: int) -> None:
         """Nothing to size: no message crosses to another pipeline rank."""
 
-    def begin(self, xs: list[torch.Tensor]) -> None:
+    def begin(self, xs: list[torch.Tensor], every: torch.Tensor | None = None) -> None:
         """Nothing to gather: the whole dense sum is reduced."""
 
     def launch(self, g: torch.Tensor) -> None:

@@ -161,27 +161,26 @@ class FlatShard:
         self.unpack(full, self.params)
 
     @torch.no_grad()
-    def land_rows(self, ids: torch.Tensor) -> None:
-        """The rows ``ids`` of this bucket's one matrix (the embedding's copy of the tied weight), stepped, become the
-        chunk's on every dp rank: the rows every rank needs, with the elements each rank's slice holds, summed over
-        dp (each element is in one slice). The other rows stay as they were."""
-        weight = local_part(self.params[0])
-        width = weight.shape[1]
-        rows = self._every_ranks_rows(ids.reshape(-1))
+    def start_rows(self, rows: torch.Tensor):
+        """Start landing the rows ``rows`` (sorted, the same on every dp rank) of this bucket's one matrix (the
+        embedding's copy of the tied weight), stepped: the rows' elements each rank's slice holds, all-reduced over
+        dp (each element is in one slice). Returns what :meth:`land_rows` takes."""
+        width = local_part(self.params[0]).shape[1]
         elems = rows.unsqueeze(1) * width + torch.arange(width, device=rows.device)  # their flat positions
-        buf = torch.zeros(elems.shape, dtype=torch.float32, device=weight.device)
+        buf = torch.zeros(elems.shape, dtype=torch.float32, device=rows.device)
         for sg in self.segments:  # (one: the slice's part of the matrix, or none: padding only)
             mine = (elems >= sg.start) & (elems < sg.end)
             buf[mine] = sg.tensor[elems[mine] - sg.start].float()
-        collectives.all_reduce(buf, group=self.group)
-        weight[rows] = buf.to(weight.dtype)
+        return collectives.all_reduce(buf, group=self.group, async_op=True), rows, buf
 
-    def _every_ranks_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows any dp rank's ``ids`` name, sorted: every rank has as many ids (a step's batch), so one
-        all-gather of them (as the tie's embedding end gathers its step's tokens, :mod:`.tie`)."""
-        every = torch.empty(self.dp * ids.numel(), dtype=ids.dtype, device=ids.device)
-        collectives.all_gather_single(every, ids, group=self.group)
-        return every.unique()
+    @torch.no_grad()
+    def land_rows(self, started, wait) -> None:
+        """The rows :meth:`start_rows` started become the chunk's on every dp rank; the other rows stay as they
+        were. ``wait(work)`` bounds the wait."""
+        work, rows, buf = started
+        wait(work)
+        weight = local_part(self.params[0])
+        weight[rows] = buf.to(weight.dtype)
 
 
 class ScatterBucket(ReductionBucket):
@@ -261,6 +260,7 @@ class ChunkShards:
         self.tied_stepped = False  # the tied copy's slice stepped apart (step_tied) since the chunk's last step
         self.behind = False  # the lookup-only copy is behind its last step (rows not looked up, or all of it)
         self.rows_due = False  # ... and the rows of the next training forward have not landed yet
+        self.rows_started = None  # their landing in flight (start_rows)
         segments = [sg for b in self.buckets for sg in b.segments]
         device = next(chunk.parameters()).device
         decay = [sg.tensor for sg in segments if sg.decay]
@@ -321,6 +321,19 @@ class ChunkShards:
             self.pushed.append((b, x))
         self.tied_stepped = True
 
+    def start_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Where the lookup-only copy still owes the next training forward its rows: gather every dp rank's token
+        ids of the step (``ids``: this rank's; every rank has as many) and start landing their rows; returns every
+        rank's ids (the tie's embedding end needs them too), else None. Called when the iteration starts, so the
+        rows travel ahead of the all-gathers of the chunks that step before this one's forward."""
+        if not self.rows_due or self.rows_started is not None:
+            return None
+        b, ids = self.lookup_only, ids.reshape(-1)
+        every = torch.empty(b.dp * ids.numel(), dtype=ids.dtype, device=ids.device)
+        collectives.all_gather_single(every, ids, group=b.group)
+        self.rows_started = b.start_rows(every.unique())
+        return every
+
     def pending(self, ids: list[torch.Tensor] | None = None) -> bool:
         """Whether what reads the chunk's weights must first :meth:`land` (``ids``: its training forward, which
         needs only their rows of a lookup-only copy)."""
@@ -334,12 +347,14 @@ class ChunkShards:
         for b, x in pushed:
             b.land(x, wait)
         b = self.lookup_only
+        if self.rows_due and (ids is not None or self.rows_started is not None):
+            if self.rows_started is None:
+                self.start_rows(torch.cat([t.reshape(-1) for t in ids]))
+            b.land_rows(self.rows_started, wait)
+            self.rows_due, self.rows_started = False, None  # the other rows stay behind until a whole read
         if ids is None and self.behind:
             b.land(b.push(), wait)
-            self.behind = self.rows_due = False
-        elif ids is not None and self.rows_due:
-            b.land_rows(torch.cat([t.reshape(-1) for t in ids]))
-            self.rows_due = False  # the other rows stay behind until a whole read
+            self.behind = False
 
     # ------------------------------------------------------------------ checkpoint views
     def _bucket_view(self, b: FlatShard, module: nn.Module) -> list:

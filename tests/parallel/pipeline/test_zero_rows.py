@@ -17,7 +17,7 @@ def test_the_rows_looked_up_take_the_stepped_values_and_the_others_wait(gloo_gro
     shard = FlatShard([weight], dp=1, dp_rank=0, group=gloo_group, tp=1)
     (seg,) = shard.segments
     seg.tensor.copy_(torch.arange(24.0))  # as if stepped
-    shard.land_rows(torch.tensor([[4, 1], [1, 4]]))
+    shard.land_rows(shard.start_rows(torch.tensor([[4, 1], [1, 4]]).unique()), wait=lambda w: w.wait())
     rows = weight.detach().float()
     assert rows[1].tolist() == [4.0, 5.0, 6.0, 7.0] and rows[4].tolist() == [16.0, 17.0, 18.0, 19.0]
     assert rows[[0, 2, 3, 5]].abs().sum() == 0  # not looked up: behind until a whole all-gather

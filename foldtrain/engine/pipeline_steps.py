@@ -114,10 +114,10 @@ class ChunkOptimizers:
         self.lr_schedulers[s].step()
         self.optimizers[s].zero_grad(set_to_none=True)
 
-    def step_tied(self, s: int) -> bool:
+    def step_tied(self, s: int, queue, deadline: int) -> bool:
         if self.shards is None or self.shards[s].tied_slice is None or not self.step_ok:
             return False
-        self.shards[s].step_tied()
+        self.shards[s].step_tied(queue, deadline)
         return True
 
     def start_rows(self, s: int, ids: list[torch.Tensor]) -> torch.Tensor | None:

@@ -127,7 +127,8 @@ class DeadlineQueue:
     ) -> list[ReductionBucket]:
         """Queue a chunk's deferred reduction: ``grads`` in buckets of ``bucket_bytes`` all-reduced, or the
         ``buckets`` given (made with the same split: the distributed optimizer's reduce-scatters)."""
-        self.device = grads[0].device
+        if grads:
+            self.device = grads[0].device
         if buckets is None:
             buckets = [
                 ReductionBucket(segment, k, gs, deadline, dp)

@@ -72,9 +72,10 @@ class ChunkStepper(Protocol):
     def before_steps(self) -> None:
         """Once per iteration, before the first non-deferred step: overflow check, gradient norm, clip."""
 
-    def step_tied(self, s: int) -> bool:
-        """Step only chunk ``s``'s slice of the tied copy, whose gradient is final, and start its all-gather; False
-        (nothing done) where the copy is not sliced apart (the distributed optimizer with ``--optim.shard_tied``)."""
+    def step_tied(self, s: int, queue: DeadlineQueue, deadline: int) -> bool:
+        """Step only chunk ``s``'s slice of the tied copy, whose gradient is final, and queue its all-gather with
+        ``deadline`` in ``queue``'s deferred buckets; False (nothing done) where the copy is not sliced apart (the
+        distributed optimizer with ``--optim.shard_tied``)."""
 
     def start_rows(self, s: int, ids: list[torch.Tensor]) -> torch.Tensor | None:
         """When the iteration starts: where chunk ``s`` only looks its weight's rows up and its last step still owes
@@ -228,7 +229,6 @@ class Executor:
         every = self.stepper.start_rows(0, xs) if 0 in self.chunks else None
         for r in self.reducers.values():
             r.begin(xs, every)
-        self._step_ties_early(rules)
         for a, rule in rules.steps():
             self._between_actions()
             self._handlers[a.op](it, a, rule)
@@ -240,18 +240,6 @@ class Executor:
         if it.leftover():  # pragma: no cover - validated schedules consume everything they produce
             raise RuntimeError(f"pipeline rank {self.p}: schedule left unfinished work {it.leftover()[:4]}")
         return it.loss_sum
-
-    def _step_ties_early(self, rules: RankRules) -> None:
-        """``early_tie``: a deferred chunk's tied copy, exchanged with the other end, steps its slice now."""
-        if not self.policy.early_steps:
-            return
-        for s in sorted(rules.early_tie):
-            tie = self.reducers[s].tie
-            if tie is None or tie.state == "idle":  # nothing launched (the first iteration, after a flush)
-                continue
-            with self._span(f"OS tie c{s}", "optim", chunk=s, tie=True):
-                tie.wait()
-                self.stepper.step_tied(s)
 
     def _forward(self, it: Iteration, a: Action, rule: Rule) -> None:
         s, m = a.chunk, a.mb
@@ -409,8 +397,26 @@ class Executor:
         is small) would then put its deferred buckets on the node's link while another rank of the
         node still waits for its urgent reduction (chunk 0's, the step's critical path); measured on
         the 1 Gbit/s bench, fold + deferral V = 4, that cost 13% of the throughput."""
+        if self._rules is not None:
+            self._step_ties_early(self._rules[1])
         if self.queue is not None:
             self.queue.end_iteration()
+
+    def _step_ties_early(self, rules: RankRules) -> None:
+        """``early_tie``: a deferred chunk's tied copy, exchanged with the other end (every rank has finished the
+        iteration, so the other end has sent its part), steps its slice now; its all-gather joins the deferred
+        buckets in deadline order (the chunk's first forward of the next iteration)."""
+        if not self.policy.early_steps or self.queue is None:
+            return
+        n = len(rules.actions)
+        for s in sorted(rules.early_tie):
+            tie = self.reducers[s].tie
+            if tie is None or tie.state == "idle":  # nothing launched (after a flush)
+                continue
+            first = next(i for i, a in enumerate(rules.actions) if a.op is Op.FORWARD and a.chunk == s)
+            with self._span(f"OS tie c{s}", "optim", chunk=s, tie=True):
+                tie.wait()
+                self.stepper.step_tied(s, self.queue, first + n)
 
     def reset(self) -> None:
         """Drop every pending deferred reduction and step (before loading a checkpoint)."""

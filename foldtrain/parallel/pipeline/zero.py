@@ -208,6 +208,32 @@ class ScatterBucket(ReductionBucket):
         self.flat = self.work = self.packed = None
 
 
+class GatherBucket(ReductionBucket):
+    """The all-gather of a bucket's stepped slices as a deferred bucket of the deadline queue, which issues it in
+    deadline order among the reductions (the tied copy's, stepped apart: :meth:`ChunkShards.step_tied`)."""
+
+    def __init__(self, segment: int, shard: FlatShard, deadline: int):
+        super().__init__(segment, -1, [], deadline, shard.dp)
+        self.shard = shard
+        self.full = self.mine = None
+
+    def issue(self, group, clock) -> None:
+        sh = self.shard
+        self.mine = sh._slice([sg.tensor for sg in sh.segments], sh.dtype)  # alive until the collective is done
+        self.full = torch.empty(sh.dp * sh.length, dtype=sh.dtype, device=self.mine.device)
+        self.work = collectives.all_gather_single(self.full, self.mine, group=group, async_op=True)
+        self.t_issue = clock()
+
+    def started(self):
+        """What :meth:`FlatShard.land` takes: ``(work, buffer)``."""
+        if self.work is None:
+            raise RuntimeError(f"chunk {self.segment}: the tied copy's all-gather was never issued by the queue")
+        return self.work, self.full
+
+    def unpack(self) -> None:
+        """Nothing: the chunk's weights take the buffer when they are next read (:meth:`ChunkShards.land`)."""
+
+
 def looked_up_only(chunk: nn.Module, tied, topo) -> bool:
     """Whether the chunk reads ``tied`` only as an embedding table (its ``Embedding``'s ``wte``, no head using it),
     without tensor parallelism (whose vocabulary-sharded lookup reads rows by another rule)."""
@@ -236,7 +262,7 @@ class ChunkShards:
     def __init__(self, chunk: nn.Module, tied, topo, optim_cfg, head_copy=None, bucket_bytes: float | None = None):
         """``optim_cfg.shard_tied``: the tied weight's copy sliced over dp like the rest (the tie exchanges only its
         slice of the gradient, :attr:`tied_slice`; the stepped slices all-gathered), else stepped whole."""
-        self.tied = tied
+        self.tied, self.segment = tied, getattr(chunk, "segment", -1)
         params = [p for p in chunk.parameters() if p is not tied]
         if not params:
             own = []
@@ -306,10 +332,10 @@ class ChunkShards:
         self.tied_stepped = False
         self.behind = self.rows_due = self.lookup_only is not None
 
-    def step_tied(self) -> None:
+    def step_tied(self, queue, deadline: int) -> None:
         """Step only the tied copy's slice, its gradient final before the chunk's own (still in flight: their
-        segments have no gradient, which AdamW skips), and start its all-gather. The chunk's :meth:`step` then
-        steps the rest."""
+        segments have no gradient, which AdamW skips), and queue its all-gather in ``queue``'s deferred buckets
+        with ``deadline`` (a :class:`GatherBucket`). The chunk's :meth:`step` then steps the rest."""
         b = self.buckets[-1]
         if any(sg.tensor.grad is not None for o in self.own for sg in o.segments):
             raise RuntimeError("the tied copy stepped apart while the chunk's own gradients were there")
@@ -317,7 +343,12 @@ class ChunkShards:
         self.optimizer.step()
         for sg in b.segments:
             sg.tensor.grad = None
-        if b is not self.lookup_only and (x := b.push()) is not None:
+        if b is not self.lookup_only and b.dp > 1:
+            (gather,) = queue.submit_deferred(
+                self.segment, [], deadline, b.dp, [GatherBucket(self.segment, b, deadline)]
+            )
+            self.pushed.append((b, gather))
+        elif b is not self.lookup_only and (x := b.push()) is not None:
             self.pushed.append((b, x))
         self.tied_stepped = True
 
@@ -345,7 +376,7 @@ class ChunkShards:
         rows of a lookup-only copy; else (an evaluation, a checkpoint) the whole of it is all-gathered."""
         pushed, self.pushed = self.pushed, []
         for b, x in pushed:
-            b.land(x, wait)
+            b.land(x.started() if isinstance(x, GatherBucket) else x, wait)
         b = self.lookup_only
         if self.rows_due and (ids is not None or self.rows_started is not None):
             if self.rows_started is None:

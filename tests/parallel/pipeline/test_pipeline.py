@@ -118,9 +118,9 @@ def test_matches_single_process(suite, world, case):
     sliced = case.get("shard_tied") and dp > 1 and case["layout"][1] > 1
     copy = r["tied_elems"] // (2 if case["schedule"] == "zbv" else 1)  # zbv: both copies on rank 0
     assert r["tie_slice"] == (-(-copy // dp) if sliced else None), (r["tie_slice"], r["tied_elems"])
-    # ... and a deferred chunk's tied slice steps when the next iteration starts (rules.early_tie), once for each
-    # step after the first, on each dp rank of the head's end
-    apart = dp * (STEPS - 1) if sliced and case["defer"] and not case.get("clip") else 0
+    # ... and a deferred chunk's tied slice steps apart at the end of every iteration (rules.early_tie), on each dp
+    # rank of the head's end
+    apart = dp * STEPS if sliced and case["defer"] and not case.get("clip") else 0
     assert r["tied_steps_apart"] == apart, r["tied_steps_apart"]
     if case.get("vocab"):  # the tied embedding's dp reduction sent only the touched rows, not the dense gradient
         assert r["tie_rows"] is not None and 0 < r["tie_rows"] <= case["vocab"] // 2, r["tie_rows"]

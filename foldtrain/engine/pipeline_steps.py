@@ -25,6 +25,7 @@ import torch.distributed as dist
 from foldtrain import collectives
 from foldtrain.optim import WarmupCosine, adamw_state, build_optimizer
 from foldtrain.parallel.pipeline import fsdp
+from foldtrain.parallel.pipeline.deadlines import deferred_group
 from foldtrain.parallel.pipeline.p2p import local_part
 from foldtrain.parallel.pipeline.zero import ChunkShards
 from foldtrain.schedules.layout import distributed_optimizer
@@ -51,9 +52,12 @@ class ChunkOptimizers:
         self.fsdp = cfg.dp.strategy == "fsdp"  # the chunks are fully sharded: every norm sums local shards
         if distributed_optimizer(cfg):  # this dp rank's slices own AdamW (ZeRO-1)
             deferred_bytes = cfg.fold.bucket_mb * 2**20  # a deferred chunk's reduction: the deadline queue's buckets
+            # the embedding copy's rows (shard_tied) on a group of their own: made on every rank, in the same order
+            split = cfg.optim.shard_tied and topo.dp > 1 and topo.pp > 1
+            rows = deferred_group(topo, cfg.dp.timeout_s, "rows") if split else None
             self.shards = {
                 s: ChunkShards(
-                    c, tied.get(s), topo, cfg.optim, head_copy, deferred_bytes if s in self.deferred else None
+                    c, tied.get(s), topo, cfg.optim, head_copy, deferred_bytes if s in self.deferred else None, rows
                 )
                 for s, c in chunks.items()
             }

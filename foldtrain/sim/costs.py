@@ -85,15 +85,22 @@ def lookup_rows(s: Setup, seg: int) -> float:
     return min(float(s.vocab), s.dp * s.microbatches * s.micro_batch * s.seq)
 
 
-def gathered_bytes(s: Setup, seg: int) -> float:
+def gathered_bytes(s: Setup, seg: int, without_tied: bool = False) -> float:
     """Bytes the distributed optimizer's all-gather of segment ``seg`` moves after its step: its sliced weights, in
     their dtype; a lookup-only tied copy's rows instead of its whole (an all-reduce of fp32 rows: twice their
-    bytes, as a gather's)."""
+    bytes, as a gather's). ``without_tied``: the tied copy's slice stepped apart (:func:`tied_gathered_bytes`)."""
     n = segment_params(s, seg) - whole_params(s, seg)
     rows = lookup_rows(s, seg)
     if rows:
         n -= tied_params(s)
-    return n * s.weight_bytes + 2 * rows * s.d_model * 4
+    return n * s.weight_bytes + 2 * rows * s.d_model * 4 - (tied_gathered_bytes(s, seg) if without_tied else 0.0)
+
+
+def tied_gathered_bytes(s: Setup, seg: int) -> float:
+    """Bytes of the all-gather of segment ``seg``'s sliced tied copy alone (``--optim.shard_tied``, where the segment
+    reads all of its rows), 0 where none: what steps apart at an iteration's end (the rules' ``early_tie``)."""
+    sliced = s.dist_optim and s.shard_tied and s.pp > 1 and seg in (0, s.segments - 1)
+    return tied_params(s) * s.weight_bytes if sliced and not lookup_rows(s, seg) else 0.0
 
 
 def stepped_share(s: Setup, seg: int) -> float:

@@ -92,9 +92,14 @@ class Costs(Protocol):
         """What chunk ``c``'s ``LR`` waits for on the reduction stream before its reduction (FSDP's
         reduce-scatters), or ``None``."""
 
-    def gather(self, p: int, c: int) -> list[Phase] | None:
+    def gather(self, p: int, c: int, without_tied: bool = False) -> list[Phase] | None:
         """The all-gather of chunk ``c``'s weights its step starts (the distributed optimizer), on the rank's
-        reduction stream, which the chunk's next forward waits for; ``None``: none."""
+        reduction stream, which the chunk's next forward waits for; ``None``: none. ``without_tied``: its tied
+        copy's slice stepped apart (``early_tie``)."""
+
+    def tied_gather(self, p: int, c: int) -> list[Phase] | None:
+        """The all-gather of chunk ``c``'s tied copy where it steps apart (``early_tie``: ``--optim.shard_tied``'s
+        sliced copy, all of whose rows are read), or ``None``."""
 
     def before_steps(self) -> float | None:
         """Seconds of the ranks' meeting before the first optimizer step, or ``None``: no meeting."""
@@ -136,6 +141,7 @@ class RankState:
     events: list = field(default_factory=list)
     launches: list = field(default_factory=list)  # (iteration, "SA c1 m0" | "RA .." | "LR c3" | "tie c3" | "clip")
     stepped_early: set = field(default_factory=set)  # chunks whose WR stepped them this iteration
+    tied_apart: set = field(default_factory=set)  # chunks whose tied slice stepped at the last iteration's end
     step_start: float = 0.0
     debt: float = 0.0  # the executor's own host work for the actions since the last compute, not yet paid
     prepared: tuple = ()  # (iteration, pc) of the action whose waits (unshard, blocking reduce) are done
@@ -357,14 +363,14 @@ class Sim:
     def _compute(self, r: RankState, a: Action, rule: Rule) -> bool:
         if not self._wait_first(r, self.costs.unshard(r.p, a), f"AG {a.op.value} c{a.chunk} m{a.mb}", a.chunk):
             return False
-        if a.op is Op.FORWARD and (r.p, a.chunk) in self.gathers:  # the step's all-gather lands first
-            t_g = self.gathers[(r.p, a.chunk)]
+        for key in ((r.p, a.chunk), (r.p, a.chunk, "tied")) if a.op is Op.FORWARD else ():
+            if key not in self.gathers:  # the step's all-gathers land first
+                continue
+            t_g = self.gathers[key]
             if t_g is None:  # still on the stream: re-check when it is done
-                self.gather_waiters.setdefault((r.p, a.chunk), []).append(
-                    lambda t: self.at(self.now, lambda: self.step(r))
-                )
+                self.gather_waiters.setdefault(key, []).append(lambda t: self.at(self.now, lambda: self.step(r)))
                 return False
-            del self.gathers[(r.p, a.chunk)]
+            del self.gathers[key]
             if t_g > r.t:
                 self.ev(r, f"AG c{a.chunk}", "reduce_wait", r.t, t_g, chunk=a.chunk, gather=True)
                 self.resume(r, t_g)
@@ -543,10 +549,13 @@ class Sim:
     def _launch_gather(self, r: RankState, c: int, t: float) -> None:
         """The distributed optimizer's all-gather of chunk ``c``'s weights, queued on the reduction stream at
         the end of its step; its next forward waits for it."""
-        phases = self.costs.gather(r.p, c)
-        if not phases:
-            return
-        key = (r.p, c)
+        phases = self.costs.gather(r.p, c, without_tied=c in r.tied_apart)
+        r.tied_apart.discard(c)
+        if phases:
+            self.dp_stream[r.p].submit(t, list(phases), self._gathered((r.p, c)))
+
+    def _gathered(self, key: tuple) -> Callable:
+        """``done(start, end)`` of an all-gather the next forward of ``key``'s chunk waits for."""
         self.gathers[key] = None
 
         def done(start: float, end: float) -> None:
@@ -554,7 +563,23 @@ class Sim:
             for w in self.gather_waiters.pop(key, []):
                 w(end)
 
-        self.dp_stream[r.p].submit(t, list(phases), done)
+        return done
+
+    def _step_ties_early(self, r: RankState) -> None:
+        """``early_tie`` (the executor's ``end_iteration``): a deferred chunk's tied slice steps once every rank has
+        finished the iteration and its all-gather joins the deferred buckets, by the deadline of the chunk's first
+        forward of the next iteration. (The wait for the tie's last part, the other end's rows, is not modelled:
+        they are a few KB, sent at the other end's iteration end.)"""
+        if not self.policy.early_steps:
+            return
+        n = len(r.rules.actions)
+        for c in sorted(r.rules.early_tie):
+            phases = self.costs.tied_gather(r.p, c)
+            if not phases:
+                continue
+            first = next(i for i, a in enumerate(r.rules.actions) if a.op is Op.FORWARD and a.chunk == c)
+            self.pending[r.p].append((first + n, c, -1, list(phases), self._gathered((r.p, c, "tied"))))
+            r.tied_apart.add(c)
 
     def _end_iteration(self, r: RankState) -> None:
         """Pay the executor's remaining host work, wait for this rank's sends, end the step, meet in
@@ -582,6 +607,7 @@ class Sim:
         ends.append(r.t)
         if len(ends) == len(self.ranks):
             self.iter_end.append(max(ends))
+        self._step_ties_early(r)
         self.release_deferred(r.p, r.t)
         r.it += 1
         r.pc = 0

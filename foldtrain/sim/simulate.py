@@ -43,6 +43,7 @@ from .costs import (
     segment_params,
     segment_rank,
     stepped_share,
+    tied_gathered_bytes,
     tied_params,
 )
 from .dataparallel import simulate_dataparallel
@@ -386,13 +387,17 @@ class RunCosts:
             return 0.0  # the server steps (inside the reduction)
         return self.cm.optim(seg, stepped_share(s, seg), masters=not self.fsdp)
 
-    def gather(self, p: int, seg: int) -> list | None:
+    def gather(self, p: int, seg: int, without_tied: bool = False) -> list | None:
         """The distributed optimizer's all-gather of the chunk's sharded weights: n-1 steps, (n-1)/n of the
         bytes on the link (the tied copy stepped whole: not gathered; looked up only: its rows, ``gathered_bytes``)."""
         s = self.s
         if not s.dist_optim:
             return None
-        return self.all_gather(p, gathered_bytes(s, seg))
+        return self.all_gather(p, gathered_bytes(s, seg, without_tied))
+
+    def tied_gather(self, p: int, seg: int) -> list | None:
+        nbytes = tied_gathered_bytes(self.s, seg) if self.s.dp > 1 else 0.0
+        return self.all_gather(p, nbytes) if nbytes else None
 
     # -- barriers the action list does not show
     def before_steps(self):

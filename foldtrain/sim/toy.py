@@ -50,7 +50,10 @@ class UnitCosts:
     def blocking_reduce(self, p: int, c: int):
         return None
 
-    def gather(self, p: int, c: int):
+    def gather(self, p: int, c: int, without_tied: bool = False):
+        return None
+
+    def tied_gather(self, p: int, c: int):
         return None
 
     def before_steps(self):

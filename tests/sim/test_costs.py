@@ -324,6 +324,35 @@ def test_sliced_tied_state_reduce_scatters_the_heads_copy_and_sends_slices():
             assert whole.tie(0, 0) == sliced.tie(0, 0)
 
 
+def test_a_deferred_tied_copy_steps_apart_and_gathers_alone():
+    """rules.early_tie: fold with deferral defers the head's chunk on the last pipeline rank, whose sliced tied copy
+    (--optim.shard_tied) then steps at the iteration's end; the head segment's all-gather splits into the tied
+    copy's, queued among the deferred buckets, and the rest. The embedding's copy lands rows: nothing apart."""
+    from foldtrain.schedules import build_schedule, schedule_rules
+
+    def early(defer):
+        sched = build_schedule("fold", 2, 4, 4, "per-chunk", defer_reduce=defer, distributed_optimizer=True)
+        return [set(r.early_tie) for r in schedule_rules(sched)]
+
+    assert early(True) == [set(), {7}] and early(False) == [set(), set()]
+    base = ["--model.preset", "tiny", "--model.n_layer", "8", "--parallel.dp", "2", "--parallel.pp", "2"]
+    base += ["--parallel.virtual", "4"]
+    base += ["--train.global_batch", "8", "--train.seq_len", "32", "--parallel.schedule", "fold"]
+    base += ["--parallel.dp_sync", "per-chunk", "--fold.defer_reduce", "true", "--optim.grad_clip", "0"]
+    cfg = _cfg(*base, "--optim.distributed", "true", "--optim.shard_tied", "true")
+    c = from_dict(cluster_dict(node__gpus=2))
+    rc = RunCosts(resolve_setup(cfg), c)
+
+    def wire(phases):
+        return sum(ph[3] * ph[2] for ph in phases or [] if ph[0] == "flow")
+
+    tied = rc.s.vocab * rc.s.d_model * 4
+    assert wire(rc.tied_gather(1, 7)) == approx(tied / 2)  # a 2-rank all-gather: half of it crosses
+    assert wire(rc.gather(1, 7, without_tied=True)) + tied / 2 == approx(wire(rc.gather(1, 7)))
+    assert rc.tied_gather(0, 0) is None and rc.tied_gather(1, 5) is None
+    assert simulate(cfg, c).step_time > 0  # the end-of-iteration step apart runs in the event simulation
+
+
 def test_calibrate_fits_the_heads_cost_beyond_its_products():
     """Head times made from known per-logit and per-weight costs on top of the cost model's three products are
     fitted back exactly; a cluster with ``head_weight_gelems`` charges the last segment's forward for it."""

@@ -45,13 +45,14 @@ from foldtrain.parallel.flat import flatten, unflatten_into
 _GROUPS: dict = {}
 
 
-def deferred_group(topo, timeout_s: float | None):
-    """A second group over this rank's data-parallel replicas (created on every rank, same order)."""
+def deferred_group(topo, timeout_s: float | None, purpose: str = "deferred"):
+    """Another group over this rank's data-parallel replicas (created on every rank, same order), one per
+    ``purpose``: its collectives run beside the data-parallel group's, not in its order."""
     from datetime import timedelta
 
     from foldtrain.parallel.mesh import global_rank
 
-    key = (topo.dp, topo.pp, topo.tp, dist.get_world_size())
+    key = (purpose, topo.dp, topo.pp, topo.tp, dist.get_world_size())
     if key not in _GROUPS:
         kw = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
         mine = None

@@ -69,6 +69,7 @@ class FlatShard:
         self.whole = whole
         dp, dp_rank = (1, 0) if whole else (dp, dp_rank)
         self.params, self.dp, self.group = params, dp, group
+        self.rows_group = None  # where start_rows' collectives go (ChunkShards: beside the all-gathers)
         self.offsets = list(itertools.accumulate([0] + [local_part(p).numel() for p in params]))
         self.length = -(-self.offsets[-1] // dp)  # elements per rank (the bucket padded to dp slices)
         self.dtype = local_part(params[0]).dtype
@@ -171,7 +172,7 @@ class FlatShard:
         for sg in self.segments:  # (one: the slice's part of the matrix, or none: padding only)
             mine = (elems >= sg.start) & (elems < sg.end)
             buf[mine] = sg.tensor[elems[mine] - sg.start].float()
-        return collectives.all_reduce(buf, group=self.group, async_op=True), rows, buf
+        return collectives.all_reduce(buf, group=self.rows_group or self.group, async_op=True), rows, buf
 
     @torch.no_grad()
     def land_rows(self, started, wait) -> None:
@@ -259,9 +260,20 @@ class ChunkShards:
     AdamW of their segments. ``bucket_bytes``: a deferred chunk's reduction goes in buckets of this size
     (:class:`~foldtrain.parallel.pipeline.deadlines.DeadlineQueue`), else in one."""
 
-    def __init__(self, chunk: nn.Module, tied, topo, optim_cfg, head_copy=None, bucket_bytes: float | None = None):
+    def __init__(
+        self,
+        chunk: nn.Module,
+        tied,
+        topo,
+        optim_cfg,
+        head_copy=None,
+        bucket_bytes: float | None = None,
+        rows_group=None,
+    ):
         """``optim_cfg.shard_tied``: the tied weight's copy sliced over dp like the rest (the tie exchanges only its
-        slice of the gradient, :attr:`tied_slice`; the stepped slices all-gathered), else stepped whole."""
+        slice of the gradient, :attr:`tied_slice`; the stepped slices all-gathered), else stepped whole.
+        ``rows_group``: a second group over the dp ranks for the lookup-only copy's rows (:meth:`start_rows`), so
+        they do not queue behind the all-gathers of the chunks stepped before them."""
         self.tied, self.segment = tied, getattr(chunk, "segment", -1)
         params = [p for p in chunk.parameters() if p is not tied]
         if not params:
@@ -283,6 +295,8 @@ class ChunkShards:
         # step the next forward takes the rows its step's token ids name (lookup_rows), and a full all-gather waits
         # for whoever reads the whole weight (an evaluation, a checkpoint, a flush)
         self.lookup_only = self.buckets[-1] if not whole and looked_up_only(chunk, tied, topo) else None
+        if self.lookup_only is not None:
+            self.lookup_only.rows_group = rows_group
         self.tied_stepped = False  # the tied copy's slice stepped apart (step_tied) since the chunk's last step
         self.behind = False  # the lookup-only copy is behind its last step (rows not looked up, or all of it)
         self.rows_due = False  # ... and the rows of the next training forward have not landed yet
@@ -361,7 +375,7 @@ class ChunkShards:
             return None
         b, ids = self.lookup_only, ids.reshape(-1)
         every = torch.empty(b.dp * ids.numel(), dtype=ids.dtype, device=ids.device)
-        collectives.all_gather_single(every, ids, group=b.group)
+        collectives.all_gather_single(every, ids, group=b.rows_group or b.group)
         self.rows_started = b.start_rows(every.unique())
         return every
 

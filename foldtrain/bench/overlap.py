@@ -124,7 +124,10 @@ PROFILED_KEYS = (
 )
 
 
-def _same_config(a: RunResult, b: RunResult, keys: tuple[str, ...] = ("virtual", "dp_sync", "defer", "zero")) -> bool:
+CONFIG_KEYS = ("virtual", "dp_sync", "defer", "zero", "tied", "fsdp")  # what tells two runs of a schedule apart
+
+
+def _same_config(a: RunResult, b: RunResult, keys: tuple[str, ...] = CONFIG_KEYS) -> bool:
     return (a.impl, a.variant, a.network, a.precision) == (b.impl, b.variant, b.network, b.precision) and all(
         a.info.get(k) == b.info.get(k) for k in keys
     )
@@ -274,10 +277,7 @@ def bound_ratios(runs: list[RunResult]) -> list[Ratio]:
         if not net:
             continue
         same = [r for r in runs if not r.info.get("bound_of") and r.network == net]
-        run = next((r for r in same if _same_config(r, replace(b, network=net), BOUND_KEYS)), None)
+        run = next((r for r in same if _same_config(r, replace(b, network=net), CONFIG_KEYS)), None)
         v, why = _ratio(run, b, names=(_name(b), f"{_name(b)} at {b.network}"))
         out.append(Ratio(f"{_name(b)} [{net}] / the same at {b.network} (its limit) tokens/s", v, why))
     return out
-
-
-BOUND_KEYS = ("virtual", "dp_sync", "defer", "zero")

@@ -3,6 +3,7 @@ run planning; one launch through ``run_job`` with a fake (torch-free) script."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -665,8 +666,20 @@ def test_overlap_efficiency_from_the_runs():
         info={**info, "profiled_twin": True},
         metrics={"step_time_s": 0.9, "profiled_step_s": 0.8, "exposed_dp_comm_s": 0.3, "all_rank_idle_fraction": 0.2},
     )
-    runs = merge_profiled([base, fold, twin])
-    assert runs == [base, fold] and fold.metrics["all_rank_idle_fraction"] == 0.2 and fold.metrics["step_time_s"] == 0.7
+    # the same schedule with other options (+zero, +zero+tied) has twins of its own: none takes another's
+    dist, tied = (
+        dataclasses.replace(fold, metrics={"step_time_s": 0.75}, info={**info, **extra})
+        for extra in ({"zero": True}, {"zero": True, "tied": True})
+    )
+    dist_twin, tied_twin = (
+        dataclasses.replace(twin, metrics={"all_rank_idle_fraction": x}, info={**twin.info, **r.info})
+        for x, r in ((0.3, dist), (0.4, tied))
+    )
+    runs = merge_profiled([base, fold, dist, tied, tied_twin, dist_twin, twin])
+    assert runs == [base, fold, dist, tied] and fold.metrics["step_time_s"] == 0.7
+    idle = [r.metrics["all_rank_idle_fraction"] for r in (fold, dist, tied)]
+    assert idle == [0.2, 0.3, 0.4]
+    runs = [base, fold]
     (r,) = pipeline_overlap(runs)
     assert r.value == pytest.approx(0.75), r.line()  # compute = 0.8 - 0.3 s
     dp = RunResult(

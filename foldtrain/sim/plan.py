@@ -210,8 +210,8 @@ def estimate(s: Setup, c: Cluster) -> tuple[float, float]:
         g = sum(cm.grad_bytes(x) for x in rank_segments(s, 0))
         factor = 2 if s.strategy != "sharded-ps" and not s.dist_optim else 1 + s.weight_bytes / s.grad_bytes
         ring = factor * (s.dp - 1) / s.dp * g / bw + 2 * (s.dp - 1) * lat
-        if s.shard_tied and P > 1:  # the tied copy's all-gather, on top of the tie's full all-reduce (rank 0's
-            # embedding copy: the looked-up rows only, costs.lookup_rows)
+        if s.shard_tied and P > 1:  # the tied copy's landing after its step (rank 0's embedding copy: the
+            # looked-up rows only, costs.lookup_rows)
             rows = lookup_rows(s, 0)
             tied = 2 * rows * s.d_model * 4 if rows else tied_params(s) * s.weight_bytes
             ring += (s.dp - 1) / s.dp * tied / bw

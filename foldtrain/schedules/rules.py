@@ -24,17 +24,18 @@ they are computed here once and read by both the torch executor
   makes its copy final after its last forward, so with per-chunk sync it starts there, ahead of the
   body's backwards; otherwise (and always for segment 0) at the chunk's ``LR``, before the chunk's
   own reduction.
-* **early_tie** (the iteration's start): the deferred chunks holding a tied copy. The tie's exchange
-  needs nothing of the chunk's own reduction, so where the :class:`StepPolicy` lets chunks step early
-  and the distributed optimizer slices the tied copy (``--optim.shard_tied``), the exchange completes
-  when the next iteration starts and the copy's slice steps there, alone: the all-gather of the stepped
-  weight then runs during the forwards before the chunk's, not between its deferred ``OS`` and its
-  first forward.
+* **early_tie** (the iteration's end): the deferred chunks holding a tied copy, each with the deadline
+  of its first forward in the next iteration (counted past this one's actions, as a deferred ``WR``'s).
+  The tie's exchange needs nothing of the chunk's own reduction, so where the :class:`StepPolicy` lets
+  chunks step early and the distributed optimizer slices the tied copy (``--optim.shard_tied``), the
+  exchange completes once every rank has finished the iteration and the copy's slice steps there, alone;
+  the all-gather of the stepped weight joins the deferred reductions by that deadline instead of
+  following the chunk's deferred ``OS``, right before its first forward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .actions import Action, Op, Schedule
 
@@ -78,7 +79,7 @@ class RankRules:
     rules: tuple[Rule, ...]
     deferred: frozenset[int]  # chunks reduced across the iteration boundary
     deadline: dict[int, int]  # chunk -> its reduction's deadline
-    early_tie: frozenset[int] = frozenset()  # deferred chunks holding a tied copy (see the module docstring)
+    early_tie: dict[int, int] = field(default_factory=dict)  # deferred tied chunk -> its first forward's deadline
 
     def deadline_of(self, chunk: int) -> int:
         """The deadline of ``chunk``'s reduction (past every action when no ``WR`` needs it)."""
@@ -115,7 +116,8 @@ def rank_rules(sched: Schedule, p: int) -> RankRules:
                 launch_tie=tie_after.get(i),
             )
         )
-    return RankRules(actions, tuple(rules), deferred, deadline, frozenset(deferred & ties))
+    first_forward = {a.chunk: i + n for i, a in reversed(list(enumerate(actions))) if a.op is Op.FORWARD}
+    return RankRules(actions, tuple(rules), deferred, deadline, {c: first_forward[c] for c in deferred & ties})
 
 
 def _tie_launches(actions: tuple[Action, ...], ties: set[int], per_chunk: bool, last: int) -> dict[int, int]:

@@ -572,13 +572,11 @@ class Sim:
         they are a few KB, sent at the other end's iteration end.)"""
         if not self.policy.early_steps:
             return
-        n = len(r.rules.actions)
-        for c in sorted(r.rules.early_tie):
+        for c, deadline in sorted(r.rules.early_tie.items()):
             phases = self.costs.tied_gather(r.p, c)
             if not phases:
                 continue
-            first = next(i for i, a in enumerate(r.rules.actions) if a.op is Op.FORWARD and a.chunk == c)
-            self.pending[r.p].append((first + n, c, -1, list(phases), self._gathered((r.p, c, "tied"))))
+            self.pending[r.p].append((deadline, c, -1, list(phases), self._gathered((r.p, c, "tied"))))
             r.tied_apart.add(c)
 
     def _end_iteration(self, r: RankState) -> None:

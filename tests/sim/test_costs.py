@@ -328,13 +328,16 @@ def test_a_deferred_tied_copy_steps_apart_and_gathers_alone():
     """rules.early_tie: fold with deferral defers the head's chunk on the last pipeline rank, whose sliced tied copy
     (--optim.shard_tied) then steps at the iteration's end; the head segment's all-gather splits into the tied
     copy's, queued among the deferred buckets, and the rest. The embedding's copy lands rows: nothing apart."""
-    from foldtrain.schedules import build_schedule, schedule_rules
+    from foldtrain.schedules import Op, build_schedule, schedule_rules
 
     def early(defer):
         sched = build_schedule("fold", 2, 4, 4, "per-chunk", defer_reduce=defer, distributed_optimizer=True)
-        return [set(r.early_tie) for r in schedule_rules(sched)]
+        rules = schedule_rules(sched)
+        first = next(i for i, a in enumerate(rules[1].actions) if a.op is Op.FORWARD and a.chunk == 7)
+        return [r.early_tie for r in rules], first + len(rules[1].actions)
 
-    assert early(True) == [set(), {7}] and early(False) == [set(), set()]
+    (ties, deadline) = early(True)
+    assert ties == [{}, {7: deadline}] and early(False)[0] == [{}, {}]
     base = ["--model.preset", "tiny", "--model.n_layer", "8", "--parallel.dp", "2", "--parallel.pp", "2"]
     base += ["--parallel.virtual", "4"]
     base += ["--train.global_batch", "8", "--train.seq_len", "32", "--parallel.schedule", "fold"]

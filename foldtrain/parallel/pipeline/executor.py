@@ -408,15 +408,13 @@ class Executor:
         buckets in deadline order (the chunk's first forward of the next iteration)."""
         if not self.policy.early_steps or self.queue is None:
             return
-        n = len(rules.actions)
-        for s in sorted(rules.early_tie):
+        for s, deadline in sorted(rules.early_tie.items()):
             tie = self.reducers[s].tie
             if tie is None or tie.state == "idle":  # nothing launched (after a flush)
                 continue
-            first = next(i for i, a in enumerate(rules.actions) if a.op is Op.FORWARD and a.chunk == s)
             with self._span(f"OS tie c{s}", "optim", chunk=s, tie=True):
                 tie.wait()
-                self.stepper.step_tied(s, self.queue, first + n)
+                self.stepper.step_tied(s, self.queue, deadline)
 
     def reset(self) -> None:
         """Drop every pending deferred reduction and step (before loading a checkpoint)."""

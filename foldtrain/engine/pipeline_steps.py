@@ -118,11 +118,11 @@ class ChunkOptimizers:
         self.lr_schedulers[s].step()
         self.optimizers[s].zero_grad(set_to_none=True)
 
-    def step_tied(self, s: int, queue, deadline: int) -> bool:
-        if self.shards is None or self.shards[s].tied_slice is None or not self.step_ok:
-            return False
+    def steps_tied_apart(self, s: int) -> bool:
+        return self.shards is not None and self.shards[s].tied_slice is not None and self.step_ok
+
+    def step_tied(self, s: int, queue, deadline: int) -> None:
         self.shards[s].step_tied(queue, deadline)
-        return True
 
     def start_rows(self, s: int, ids: list[torch.Tensor]) -> torch.Tensor | None:
         if self.shards is None or s not in self.shards:

@@ -72,10 +72,13 @@ class ChunkStepper(Protocol):
     def before_steps(self) -> None:
         """Once per iteration, before the first non-deferred step: overflow check, gradient norm, clip."""
 
-    def step_tied(self, s: int, queue: DeadlineQueue, deadline: int) -> bool:
+    def steps_tied_apart(self, s: int) -> bool:
+        """Whether chunk ``s``'s copy of the tied weight can step apart from the chunk (the distributed optimizer
+        with ``--optim.shard_tied`` slices it, and nothing global comes before a step)."""
+
+    def step_tied(self, s: int, queue: DeadlineQueue, deadline: int) -> None:
         """Step only chunk ``s``'s slice of the tied copy, whose gradient is final, and queue its all-gather with
-        ``deadline`` in ``queue``'s deferred buckets; False (nothing done) where the copy is not sliced apart (the
-        distributed optimizer with ``--optim.shard_tied``)."""
+        ``deadline`` in ``queue``'s deferred buckets (where :meth:`steps_tied_apart`)."""
 
     def start_rows(self, s: int, ids: list[torch.Tensor]) -> torch.Tensor | None:
         """When the iteration starts: where chunk ``s`` only looks its weight's rows up and its last step still owes
@@ -410,9 +413,8 @@ class Executor:
             return
         for s, deadline in sorted(rules.early_tie.items()):
             tie = self.reducers[s].tie
-            if tie is None or tie.state == "idle":  # nothing launched (after a flush)
-                continue
-            with self._span(f"OS tie c{s}", "optim", chunk=s, tie=True):
+            # (no trace span: the iteration's window is closed, and the next has not opened)
+            if self.stepper.steps_tied_apart(s) and tie is not None and tie.state != "idle":  # (idle: after a flush)
                 tie.wait()
                 self.stepper.step_tied(s, self.queue, deadline)
 

@@ -39,3 +39,9 @@ def exchange_rows(
         return collectives.all_to_all_single(recv, rows, group=group, async_op=True), recv, False
     out = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device) if into is None else into
     return collectives.reduce_scatter_single(out, rows.reshape(-1), group=group, async_op=True), out, True
+
+
+def summed_row(buf: torch.Tensor, summed: bool) -> torch.Tensor:
+    """This rank's row of a finished :func:`exchange_rows`, in fp32: the buffer itself where the backend summed it,
+    else the W rows the all-to-all delivered, summed here."""
+    return buf.float() if summed else buf.float().sum(0)

@@ -76,11 +76,17 @@ def whole_params(s: Setup, seg: int) -> float:
     return 0.0
 
 
+def sliced_tied_copy(s: Setup, seg: int) -> bool:
+    """Whether segment ``seg`` holds a copy of the tied weight that the distributed optimizer slices over dp
+    (``--optim.shard_tied``, where the pipeline splits the tie)."""
+    return s.dist_optim and s.shard_tied and s.pp > 1 and seg in (0, s.segments - 1)
+
+
 def lookup_rows(s: Setup, seg: int) -> float:
     """Rows of the tied weight the embedding's copy takes after a step, where ``--optim.shard_tied`` slices it and
     nothing else in the segment reads it (the first segment, without tensor parallelism): those the step's token
     ids name over every dp rank, at most the vocabulary (``ChunkShards.land``); 0 where it is all-gathered whole."""
-    if not (s.dist_optim and s.shard_tied and s.pp > 1 and s.tp == 1 and seg == 0):
+    if not (sliced_tied_copy(s, seg) and s.tp == 1 and seg == 0):
         return 0.0
     return min(float(s.vocab), s.dp * s.microbatches * s.micro_batch * s.seq)
 
@@ -99,8 +105,7 @@ def gathered_bytes(s: Setup, seg: int, without_tied: bool = False) -> float:
 def tied_gathered_bytes(s: Setup, seg: int) -> float:
     """Bytes of the all-gather of segment ``seg``'s sliced tied copy alone (``--optim.shard_tied``, where the segment
     reads all of its rows), 0 where none: what steps apart at an iteration's end (the rules' ``early_tie``)."""
-    sliced = s.dist_optim and s.shard_tied and s.pp > 1 and seg in (0, s.segments - 1)
-    return tied_params(s) * s.weight_bytes if sliced and not lookup_rows(s, seg) else 0.0
+    return tied_params(s) * s.weight_bytes if sliced_tied_copy(s, seg) and not lookup_rows(s, seg) else 0.0
 
 
 def stepped_share(s: Setup, seg: int) -> float:

@@ -34,7 +34,7 @@ import torch
 from foldtrain.parallel.dp.buckets import OrderedLauncher
 from foldtrain.parallel.dp.comm import CommStats, nbytes
 from foldtrain.parallel.dp.shard_layout import Part, ShardLayout
-from foldtrain.parallel.scatter import exchange_rows, recv_elems
+from foldtrain.parallel.scatter import exchange_rows, recv_elems, summed_row
 
 MAX_IN_FLIGHT = 2  # reduce-scatter slices in flight: one on the wire while the next is queued behind it
 
@@ -202,7 +202,7 @@ class ReduceScatterPipeline:
         if self.grad_shard is None:
             n = self.layout.n_decay + self.layout.n_plain
             self.grad_shard = torch.zeros(n, dtype=torch.float32, device=sl.recv.device)
-        g = sl.recv.float() if sl.summed else sl.recv.float().sum(0)
+        g = summed_row(sl.recv, sl.summed)
         self.grad_shard[sl.offset : sl.offset + sl.q] += g.div_(self.world)
         self._track(-sl.cost)
         if sl.view:

@@ -47,8 +47,8 @@ from __future__ import annotations
 import torch
 
 from foldtrain import collectives
-from foldtrain.parallel.flat import flatten
-from foldtrain.parallel.scatter import exchange_rows, uses_all_to_all
+from foldtrain.parallel.pipeline.zero import reduce_scatter_mean
+from foldtrain.parallel.scatter import summed_row
 
 
 class Slices:
@@ -58,7 +58,7 @@ class Slices:
     def __init__(self, topo, length: int):
         self.dp, self.group, self.length = topo.dp, topo.dp_group, length
         self.lo = topo.dp_rank * length
-        self.inflight = None  # the reduce-scatter's (padded input, buffer, summed)
+        self.inflight = None  # the reduce-scatter's (buffer, summed, packed input)
 
     def of(self, g: torch.Tensor) -> torch.Tensor:
         """The slice of ``g``, a view (the last rank's is shorter by the padding)."""
@@ -73,16 +73,14 @@ class Slices:
 
     def scatter(self, g: torch.Tensor):
         """Start the reduce-scatter of ``g`` averaged over dp; returns its work (:meth:`take` once done)."""
-        packed = flatten([g], g.dtype, size=self.dp * self.length).div_(self.dp)
-        work, buf, summed = exchange_rows(packed.view(self.dp, self.length), uses_all_to_all("auto"), group=self.group)
-        self.inflight = (packed, buf, summed)
+        work, *self.inflight = reduce_scatter_mean([g], self.dp, self.length, self.group)
         return work
 
     def take(self, g: torch.Tensor) -> torch.Tensor:
         """The reduce-scatter landed: the summed slice (in ``g``'s dtype) becomes ``g``'s; returned padded."""
-        _packed, buf, summed = self.inflight
+        buf, summed, _packed = self.inflight
         self.inflight = None
-        mine = (buf if summed else buf.float().sum(0)).to(g.dtype)
+        mine = summed_row(buf, summed).to(g.dtype)
         part = self.of(g)
         part.copy_(mine[: part.numel()])
         return mine

@@ -31,7 +31,16 @@ from foldtrain import collectives
 from foldtrain.parallel.flat import flatten
 from foldtrain.parallel.pipeline.deadlines import ReductionBucket, split_buckets
 from foldtrain.parallel.pipeline.p2p import local_part
-from foldtrain.parallel.scatter import exchange_rows, uses_all_to_all
+from foldtrain.parallel.scatter import exchange_rows, summed_row, uses_all_to_all
+
+
+def reduce_scatter_mean(tensors: list[torch.Tensor], world: int, width: int, group=None) -> tuple:
+    """Start the reduce-scatter of ``tensors`` laid end to end, zero-padded to ``world`` rows of ``width`` and averaged
+    over the ranks: :func:`~foldtrain.parallel.scatter.exchange_rows`' (work, buffer, summed) and the packed input, to
+    keep alive until the work is done (``summed_row`` then gives this rank's row)."""
+    packed = flatten(tensors, tensors[0].dtype, size=world * width).div_(world)
+    work, buf, summed = exchange_rows(packed.view(world, width), uses_all_to_all("auto"), group=group)
+    return work, buf, summed, packed
 
 
 def _replicated(p) -> bool:
@@ -133,13 +142,14 @@ class FlatShard:
             work.wait()
         return full
 
-    def gather_async(self, tensors: list[torch.Tensor], dtype: torch.dtype):
-        """:meth:`gather` started: ``(work or None, the buffer it fills)``."""
+    def gather_async(self, tensors: list[torch.Tensor], dtype: torch.dtype, group=None):
+        """:meth:`gather` started (over ``group``, the bucket's dp group by default): ``(work or None, the buffer it
+        fills)``."""
         mine = self._slice(tensors, dtype)
         if self.dp == 1:
             return None, mine
         full = torch.empty(self.dp * self.length, dtype=dtype, device=mine.device)
-        return collectives.all_gather_single(full, mine, group=self.group, async_op=True), full
+        return collectives.all_gather_single(full, mine, group=group or self.group, async_op=True), full
 
     @torch.no_grad()
     def unpack(self, full: torch.Tensor, into: list) -> None:
@@ -147,12 +157,13 @@ class FlatShard:
         for i, t in enumerate(into):
             _flat(t).copy_(full[self.offsets[i] : self.offsets[i + 1]])
 
-    def push(self):
-        """Start the all-gather of the stepped slices; returns what :meth:`land` takes, or None where the
-        chunk's weights are already the stepped ones (views into them, not split over dp)."""
+    def push(self, group=None):
+        """Start the all-gather of the stepped slices (over ``group``, by default the bucket's); returns what
+        :meth:`land` takes, or None where the chunk's weights are already the stepped ones (views into them, not
+        split over dp)."""
         if self.dp == 1 and not self.owns_copies:
             return None
-        return self.gather_async([sg.tensor for sg in self.segments], self.dtype)
+        return self.gather_async([sg.tensor for sg in self.segments], self.dtype, group)
 
     def land(self, pushed, wait) -> None:
         """The gathered slices become the chunk's weights (in their dtype); ``wait(work)`` bounds the wait."""
@@ -192,20 +203,16 @@ class ScatterBucket(ReductionBucket):
         self.shard = shard
 
     def issue(self, group, clock) -> None:
-        sh = self.shard
-        packed = flatten(self.grads, self.grads[0].dtype, size=sh.dp * sh.length).div_(self.dp)
+        sh = self.shard  # (its dp is the bucket's: the chunk's slices are never whole)
+        self.work, self.flat, self.summed, self.packed = reduce_scatter_mean(self.grads, sh.dp, sh.length, group)
         for p in sh.params:  # packed: the chunk's gradients are no longer needed
             p.grad = None
         self.grads = []
-        self.work, self.flat, self.summed = exchange_rows(
-            packed.view(sh.dp, sh.length), uses_all_to_all("auto"), group=group
-        )
-        self.packed = packed  # alive until the collective is done
         self.t_issue = clock()
 
     def unpack(self) -> None:
         # all-to-all: the dp pieces of this rank's slice, summed here (in fp32, as the segments keep them)
-        self.shard.receive(self.flat if self.summed else self.flat.float().sum(0))
+        self.shard.receive(summed_row(self.flat, self.summed))
         self.flat = self.work = self.packed = None
 
 
@@ -216,13 +223,10 @@ class GatherBucket(ReductionBucket):
     def __init__(self, segment: int, shard: FlatShard, deadline: int):
         super().__init__(segment, -1, [], deadline, shard.dp)
         self.shard = shard
-        self.full = self.mine = None
+        self.full = None
 
     def issue(self, group, clock) -> None:
-        sh = self.shard
-        self.mine = sh._slice([sg.tensor for sg in sh.segments], sh.dtype)  # alive until the collective is done
-        self.full = torch.empty(sh.dp * sh.length, dtype=sh.dtype, device=self.mine.device)
-        self.work = collectives.all_gather_single(self.full, self.mine, group=group, async_op=True)
+        self.work, self.full = self.shard.push(group)
         self.t_issue = clock()
 
     def started(self):

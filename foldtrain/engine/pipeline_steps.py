@@ -127,7 +127,7 @@ class ChunkOptimizers:
     def start_rows(self, s: int, ids: list[torch.Tensor]) -> torch.Tensor | None:
         if self.shards is None or s not in self.shards:
             return None
-        return self.shards[s].start_rows(torch.cat([t.reshape(-1) for t in ids]))
+        return self.shards[s].start_rows(ids)
 
     def weights_ready(self, s: int, ids: list[torch.Tensor] | None = None) -> None:
         if self.shards is not None and self.shards[s].pending(ids):

@@ -370,14 +370,14 @@ class ChunkShards:
             self.pushed.append((b, x))
         self.tied_stepped = True
 
-    def start_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+    def start_rows(self, ids: list[torch.Tensor]) -> torch.Tensor | None:
         """Where the lookup-only copy still owes the next training forward its rows: gather every dp rank's token
-        ids of the step (``ids``: this rank's; every rank has as many) and start landing their rows; returns every
-        rank's ids (the tie's embedding end needs them too), else None. Called when the iteration starts, so the
-        rows travel ahead of the all-gathers of the chunks that step before this one's forward."""
+        ids of the step (``ids``: this rank's micro-batches; every rank has as many) and start landing their rows;
+        returns every rank's ids (the tie's embedding end needs them too), else None. Called when the iteration
+        starts, so the rows travel ahead of the all-gathers of the chunks that step before this one's forward."""
         if not self.rows_due or self.rows_started is not None:
             return None
-        b, ids = self.lookup_only, ids.reshape(-1)
+        b, ids = self.lookup_only, torch.cat([t.reshape(-1) for t in ids])
         every = torch.empty(b.dp * ids.numel(), dtype=ids.dtype, device=ids.device)
         collectives.all_gather_single(every, ids, group=b.rows_group or b.group)
         self.rows_started = b.start_rows(every.unique())
@@ -398,7 +398,7 @@ class ChunkShards:
         b = self.lookup_only
         if self.rows_due and (ids is not None or self.rows_started is not None):
             if self.rows_started is None:
-                self.start_rows(torch.cat([t.reshape(-1) for t in ids]))
+                self.start_rows(ids)
             b.land_rows(self.rows_started, wait)
             self.rows_due, self.rows_started = False, None  # the other rows stay behind until a whole read
         if ids is None and self.behind:

@@ -176,6 +176,8 @@ class PipelineEngine:
             r.shards = stepper.shards[s] if stepper.shards else None
             if r.shards is not None and r.tie is not None and r.shards.tied_slice is not None:
                 r.tie.share_slices(r.shards.tied_slice)  # the tied copy sliced too: only its slice exchanged
+                if policy.early_steps:  # nothing global before a step: the head's slice may step ahead of the rows
+                    r.tie.step_ahead(r.shards)
         if lay.tp > 1:
             from foldtrain.parallel.tensor import tp_loss as loss_fn
         else:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from foldtrain.schedules import chunks_of_rank, placement_of, stage_rank, step_policy
+from foldtrain.schedules import chunks_of_rank, head_tie_at_forward, placement_of, stage_rank, step_policy
 
 from . import ops
 from .cluster import KIND_BANDWIDTH, Cluster
@@ -111,14 +111,16 @@ def tied_gathered_bytes(s: Setup, seg: int) -> float:
 
 def steps_ahead(s: Setup, seg: int) -> bool:
     """Whether segment ``seg``'s tied copy steps ahead of the embedding's rows (``tie.TieSide.step_ahead``): the
-    head's sliced copy on another rank than the embedding's, with early steps (no clipping, no loss scaler, tp 1)
-    and a sparse exchange (the global batch's tokens at most half the vocabulary), over dp > 1."""
+    head's sliced copy on another rank than the embedding's, with early steps (no clipping, no loss scaler, tp 1),
+    per-chunk sync (the copy final at its last forward) and a sparse exchange (the global batch's tokens at most
+    half the vocabulary), over dp > 1."""
     last = s.segments - 1
     return (
         seg == last
         and sliced_tied_copy(s, seg)
         and s.dp > 1
         and step_policy(s.clip, s.fp16_scaler, s.tp).early_steps
+        and head_tie_at_forward(s.dp_sync)
         and segment_rank(s, 0) != segment_rank(s, last)
         and 2 * s.tokens_per_step <= s.vocab
     )

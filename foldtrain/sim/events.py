@@ -181,7 +181,8 @@ class Sim:
         self.defer_stream = [Stream(self, after=lambda p=p: self.pump(p), active=act(p)) for p in range(P)]
         self.pending: list[list] = [[] for _ in range(P)]  # (deadline, chunk, bucket, phases, done), in launch order
         self.tie_stream = [Stream(self, active=act(p)) for p in range(P)]
-        self.rows_stream = [Stream(self, active=act(p)) for p in range(P)]  # the tied copy's rows' group
+        # the tied copy's rows' group: the head's all-gather where it steps ahead, urgent (deferred buckets wait)
+        self.rows_stream = [Stream(self, after=lambda p=p: self.pump(p), active=act(p)) for p in range(P)]
         self.arrived: dict[tuple, float] = {}  # (iteration, message key) -> arrival time
         self.recv_waiters: dict[tuple, Callable[[float], None]] = {}
         self.red_done: dict[tuple, float] = {}  # (p, chunk, iteration, "dp"|"tie") -> completion
@@ -718,7 +719,7 @@ class Sim:
             return
         if not self.policy.hold_deferred:
             self.release_deferred(p, self.now, sort=False)
-        elif not self.dp_stream[p].busy and not self.defer_stream[p].busy:
+        elif not any(st[p].busy for st in (self.dp_stream, self.defer_stream, self.rows_stream)):
             job = q.pop(0)
             self.defer_stream[p].submit(self.now, job[3], job[4])
 

@@ -361,6 +361,9 @@ def test_a_deferred_tied_copy_steps_apart_and_gathers_alone():
         assert simulate(cfg, c).step_time > 0  # the step apart (at the end, or ahead) runs in the event simulation
     clipped = _cfg(*base[:-2], "--optim.grad_clip", "1", "--optim.distributed", "true", "--optim.shard_tied", "true")
     assert not steps_ahead(resolve_setup(clipped), 7)  # a clipped step needs every gradient first
+    flushed = [a if a != "per-chunk" else "after-flush" for a in base[:-4]]  # the head's copy final at its LR only
+    flushed = _cfg(*flushed, "--optim.grad_clip", "0", "--optim.distributed", "true", "--optim.shard_tied", "true")
+    assert not steps_ahead(resolve_setup(flushed), 7)
 
 
 def test_calibrate_fits_the_heads_cost_beyond_its_products():

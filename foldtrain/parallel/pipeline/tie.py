@@ -118,6 +118,7 @@ class TieSide:
         self.last_rows: int | None = None  # rows the embedding's last dp reduction sent (None: dense)
         self.slices: Slices | None = None  # --optim.shard_tied: only this dp rank's slice is exchanged
         self.ahead = None  # head end: the distributed optimizer's shards stepping the slice ahead (step_ahead)
+        self.track = None  # (work) -> None: the deadline queue's, for that all-gather (urgent: deferred buckets wait)
 
     def share_slices(self, length: int) -> None:
         """``--optim.shard_tied``: the optimizer steps only elements ``[r * length, (r + 1) * length)`` of the flat
@@ -224,7 +225,9 @@ class TieSide:
             self.works += [collectives.irecv(b, src=peer, group=group) for b in recv]
             self.bufs = recv + [sent]  # (the sent tensor alive until the send is done)
             if self.ahead is not None:  # all but the rows of the step's tokens final: step them, gather them now
-                self.ahead.step_tied_ahead(self._union_rows(n_rows))
+                work = self.ahead.step_tied_ahead(self._union_rows(n_rows))
+                if work is not None and self.track is not None:
+                    self.track(work)
         else:  # receive the head's dense copy, then send the rows (or the dense copy)
             (work, dense), self.early_recv = self.early_recv, None  # posted by begin
             self.works = [work]

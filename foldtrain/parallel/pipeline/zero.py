@@ -418,19 +418,22 @@ class ChunkShards:
             sg.tensor.grad = g
         return b
 
-    def step_tied_ahead(self, rows: torch.Tensor) -> None:
+    def step_tied_ahead(self, rows: torch.Tensor):
         """The head's copy, where its slice of the gradient is final but for ``rows`` (the embedding's, which add
         to those rows at the very end of the backward): the slice steps now, ``rows``' elements' state kept from
         before (:class:`HeldRows`), and its all-gather starts at once, on the rows' group (beside the reductions,
         in the same order on every dp rank: only these collectives go there), while the backward still computes.
         :meth:`step_tied_rows` steps the rows again once they are final, from the kept state, and lands them over
-        what the all-gather brings; the chunk's :meth:`step` steps the rest of the chunk."""
+        what the all-gather brings; the chunk's :meth:`step` steps the rest of the chunk. Returns the all-gather's
+        work (None: nothing to gather)."""
         b = self.buckets[-1]
         held = HeldRows(b, rows, self.optimizer)
         self._step_tied_slice()
         self.held, self.tied_stepped = held, True
-        if (x := b.push(b.rows_group)) is not None:
-            self.pushed.append((b, x))
+        if (x := b.push(b.rows_group)) is None:
+            return None
+        self.pushed.append((b, x))
+        return x[0]
 
     def step_tied_rows(self, final: torch.Tensor) -> None:
         """The rows :meth:`step_tied_ahead` held, their gradient now final (``final``: this rank's slice of the

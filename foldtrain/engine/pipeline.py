@@ -52,7 +52,7 @@ from foldtrain.parallel.pipeline.reducer import ChunkReducer
 from foldtrain.parallel.pipeline.stage import apply_activation_checkpointing, build_chunks, materialize
 from foldtrain.parallel.pipeline.tie import LocalTie
 from foldtrain.profile import StepProfiler, Timeline
-from foldtrain.schedules import channels_of, head_tie_at_forward, step_policy
+from foldtrain.schedules import channels_of, step_policy
 from foldtrain.schedules.layout import validate_layout
 
 
@@ -176,10 +176,6 @@ class PipelineEngine:
             r.shards = stepper.shards[s] if stepper.shards else None
             if r.shards is not None and r.tie is not None and r.shards.tied_slice is not None:
                 r.tie.share_slices(r.shards.tied_slice)  # the tied copy sliced too: only its slice exchanged
-                # nothing global before a step, and the head's copy final at its last forward, long before the
-                # embedding's: the head's slice steps ahead of the embedding's rows
-                if policy.early_steps and head_tie_at_forward(self.pipeline_schedule.dp_sync):
-                    r.tie.step_ahead(r.shards)
         if lay.tp > 1:
             from foldtrain.parallel.tensor import tp_loss as loss_fn
         else:

@@ -33,16 +33,7 @@ from .generators import (
     insert_reductions,
     placement_of,
 )
-from .rules import (
-    RankRules,
-    Rule,
-    StepPolicy,
-    head_tie_at_forward,
-    rank_rules,
-    schedule_rules,
-    step_policy,
-    tie_segments,
-)
+from .rules import RankRules, Rule, StepPolicy, rank_rules, schedule_rules, step_policy, tie_segments
 from .validate import ScheduleError, activations_peak, channels_of, validate_schedule
 
 __all__ = [
@@ -68,7 +59,6 @@ __all__ = [
     "channels_of",
     "chunks_of_rank",
     "format_schedule",
-    "head_tie_at_forward",
     "insert_comms",
     "insert_reductions",
     "local_chunk",

@@ -90,12 +90,6 @@ class RankRules:
         return zip(self.actions, self.rules)
 
 
-def head_tie_at_forward(dp_sync: str) -> bool:
-    """Whether the head's tied copy is final, and its reduction launched, right after the last segment's last
-    forward (the fused head computes its gradient there): with per-chunk sync; after the flush, at its ``LR``."""
-    return dp_sync == "per-chunk"
-
-
 def tie_segments(sched: Schedule) -> tuple[int, ...]:
     """The segments holding the tied embedding's two copies when the pipeline splits the tie."""
     return (0, sched.segments - 1) if sched.pp > 1 else ()
@@ -108,7 +102,7 @@ def rank_rules(sched: Schedule, p: int) -> RankRules:
     deferred = frozenset(sched.deferred_chunks(p))
     deadline = {a.chunk: i + (n if a.chunk in deferred else 0) for i, a in enumerate(actions) if a.op is Op.WAIT_REDUCE}
     ties = set(tie_segments(sched)) & {a.chunk for a in actions}
-    tie_after = _tie_launches(actions, ties, head_tie_at_forward(sched.dp_sync), sched.segments - 1)
+    tie_after = _tie_launches(actions, ties, sched.dp_sync == "per-chunk", sched.segments - 1)
     first_step = next((i for i, a in enumerate(actions) if a.op is Op.OPTIM_STEP and a.chunk not in deferred), None)
     rules = []
     for i, a in enumerate(actions):
@@ -126,11 +120,11 @@ def rank_rules(sched: Schedule, p: int) -> RankRules:
     return RankRules(actions, tuple(rules), deferred, deadline, {c: first_forward[c] for c in deferred & ties})
 
 
-def _tie_launches(actions: tuple[Action, ...], ties: set[int], at_forward: bool, last: int) -> dict[int, int]:
+def _tie_launches(actions: tuple[Action, ...], ties: set[int], per_chunk: bool, last: int) -> dict[int, int]:
     """Action index -> the tied segment whose reduction starts right after it."""
     out = {}
     for s in ties:
-        if at_forward and s == last:
+        if per_chunk and s == last:
             i = max((i for i, a in enumerate(actions) if a.op is Op.FORWARD and a.chunk == s), default=None)
         else:
             i = next((i for i, a in enumerate(actions) if a.op is Op.LAUNCH_REDUCE and a.chunk == s), None)

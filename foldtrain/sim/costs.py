@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from foldtrain.schedules import chunks_of_rank, head_tie_at_forward, placement_of, stage_rank, step_policy
+from foldtrain.schedules import chunks_of_rank, placement_of, stage_rank
 
 from . import ops
 from .cluster import KIND_BANDWIDTH, Cluster
@@ -104,26 +104,8 @@ def gathered_bytes(s: Setup, seg: int, without_tied: bool = False) -> float:
 
 def tied_gathered_bytes(s: Setup, seg: int) -> float:
     """Bytes of the all-gather of segment ``seg``'s sliced tied copy alone (``--optim.shard_tied``, where the segment
-    reads all of its rows), 0 where none: what steps apart, at an iteration's end (the rules' ``early_tie``) or
-    ahead of the embedding's rows (:func:`steps_ahead`)."""
+    reads all of its rows), 0 where none: what steps apart at an iteration's end (the rules' ``early_tie``)."""
     return tied_params(s) * s.weight_bytes if sliced_tied_copy(s, seg) and not lookup_rows(s, seg) else 0.0
-
-
-def steps_ahead(s: Setup, seg: int) -> bool:
-    """Whether segment ``seg``'s tied copy steps ahead of the embedding's rows (``tie.TieSide.step_ahead``): the
-    head's sliced copy on another rank than the embedding's, with early steps (no clipping, no loss scaler, tp 1),
-    per-chunk sync (the copy final at its last forward) and a sparse exchange (the global batch's tokens at most
-    half the vocabulary), over dp > 1."""
-    last = s.segments - 1
-    return (
-        seg == last
-        and sliced_tied_copy(s, seg)
-        and s.dp > 1
-        and step_policy(s.clip, s.fp16_scaler, s.tp).early_steps
-        and head_tie_at_forward(s.dp_sync)
-        and segment_rank(s, 0) != segment_rank(s, last)
-        and 2 * s.tokens_per_step <= s.vocab
-    )
 
 
 def stepped_share(s: Setup, seg: int) -> float:

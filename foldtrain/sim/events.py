@@ -97,10 +97,9 @@ class Costs(Protocol):
         reduction stream, which the chunk's next forward waits for; ``None``: none. ``without_tied``: its tied
         copy's slice stepped apart (``early_tie``)."""
 
-    def tied_gather(self, p: int, c: int, ahead: bool = False) -> list[Phase] | None:
-        """The all-gather of chunk ``c``'s tied copy where it steps apart (``--optim.shard_tied``'s sliced copy, all
-        of whose rows are read): at the iteration's end (``early_tie``), or, ``ahead``, where it steps ahead of the
-        embedding's rows (the head's end, once its dp part is done); else ``None``."""
+    def tied_gather(self, p: int, c: int) -> list[Phase] | None:
+        """The all-gather of chunk ``c``'s tied copy where it steps apart (``early_tie``: ``--optim.shard_tied``'s
+        sliced copy, all of whose rows are read), or ``None``."""
 
     def before_steps(self) -> float | None:
         """Seconds of the ranks' meeting before the first optimizer step, or ``None``: no meeting."""
@@ -142,7 +141,7 @@ class RankState:
     events: list = field(default_factory=list)
     launches: list = field(default_factory=list)  # (iteration, "SA c1 m0" | "RA .." | "LR c3" | "tie c3" | "clip")
     stepped_early: set = field(default_factory=set)  # chunks whose WR stepped them this iteration
-    tied_apart: set = field(default_factory=set)  # chunks whose tied slice stepped apart since their last step
+    tied_apart: set = field(default_factory=set)  # chunks whose tied slice stepped at the last iteration's end
     step_start: float = 0.0
     debt: float = 0.0  # the executor's own host work for the actions since the last compute, not yet paid
     prepared: tuple = ()  # (iteration, pc) of the action whose waits (unshard, blocking reduce) are done
@@ -181,8 +180,6 @@ class Sim:
         self.defer_stream = [Stream(self, after=lambda p=p: self.pump(p), active=act(p)) for p in range(P)]
         self.pending: list[list] = [[] for _ in range(P)]  # (deadline, chunk, bucket, phases, done), in launch order
         self.tie_stream = [Stream(self, active=act(p)) for p in range(P)]
-        # the tied copy's rows' group: the head's all-gather where it steps ahead, urgent (deferred buckets wait)
-        self.rows_stream = [Stream(self, after=lambda p=p: self.pump(p), active=act(p)) for p in range(P)]
         self.arrived: dict[tuple, float] = {}  # (iteration, message key) -> arrival time
         self.recv_waiters: dict[tuple, Callable[[float], None]] = {}
         self.red_done: dict[tuple, float] = {}  # (p, chunk, iteration, "dp"|"tie") -> completion
@@ -719,7 +716,7 @@ class Sim:
             return
         if not self.policy.hold_deferred:
             self.release_deferred(p, self.now, sort=False)
-        elif not any(st[p].busy for st in (self.dp_stream, self.defer_stream, self.rows_stream)):
+        elif not self.dp_stream[p].busy and not self.defer_stream[p].busy:
             job = q.pop(0)
             self.defer_stream[p].submit(self.now, job[3], job[4])
 
@@ -740,18 +737,6 @@ class Sim:
         send = self.costs.tie(p, ch)["send"]
         self.tie_stream[p].submit(t, list(send), lambda s, t2, side=side: self._tie_arrived(it, 1 - side, t2))
         self._tie_arrived(it, side, None)
-        if side == 1:
-            self._step_tied_ahead(self.ranks[p], ch, t)
-
-    def _step_tied_ahead(self, r: RankState, c: int, t: float) -> None:
-        """``TieSide.step_ahead``: the head's tied slice steps once its dp part is done (the embedding's rows add to
-        few rows, stepped after them) and its all-gather goes at once on the rows' group, which the chunk's next
-        forward waits for. (Not modelled: the step's own time, a part of the chunk's, and the rows' all-reduce after
-        the exchange, a few KB to a few hundred.)"""
-        phases = self.costs.tied_gather(r.p, c, ahead=True)
-        if phases:
-            self.rows_stream[r.p].submit(t, list(phases), self._gathered((r.p, c, "tied")))
-            r.tied_apart.add(c)
 
     def _tie_arrived(self, it: int, side: int, t: float | None) -> None:
         if t is not None:

@@ -43,7 +43,6 @@ from .costs import (
     segment_params,
     segment_rank,
     stepped_share,
-    steps_ahead,
     tied_gathered_bytes,
     tied_params,
 )
@@ -396,8 +395,8 @@ class RunCosts:
             return None
         return self.all_gather(p, gathered_bytes(s, seg, without_tied))
 
-    def tied_gather(self, p: int, seg: int, ahead: bool = False) -> list | None:
-        nbytes = tied_gathered_bytes(self.s, seg) if self.s.dp > 1 and steps_ahead(self.s, seg) == ahead else 0.0
+    def tied_gather(self, p: int, seg: int) -> list | None:
+        nbytes = tied_gathered_bytes(self.s, seg) if self.s.dp > 1 else 0.0
         return self.all_gather(p, nbytes) if nbytes else None
 
     # -- barriers the action list does not show

@@ -53,7 +53,7 @@ class UnitCosts:
     def gather(self, p: int, c: int, without_tied: bool = False):
         return None
 
-    def tied_gather(self, p: int, c: int, ahead: bool = False):
+    def tied_gather(self, p: int, c: int):
         return None
 
     def before_steps(self):

@@ -9,7 +9,7 @@ import pytest
 from foldtrain.config import build_config
 from foldtrain.model.presets import PRESETS, analytic_param_count
 from foldtrain.sim.cluster import from_dict
-from foldtrain.sim.costs import CostModel, model_params, steps_ahead
+from foldtrain.sim.costs import CostModel, model_params
 from foldtrain.sim.setup import resolve_setup
 from foldtrain.sim.simulate import RunCosts, simulate
 
@@ -326,10 +326,8 @@ def test_sliced_tied_state_reduce_scatters_the_heads_copy_and_sends_slices():
 
 def test_a_deferred_tied_copy_steps_apart_and_gathers_alone():
     """rules.early_tie: fold with deferral defers the head's chunk on the last pipeline rank, whose sliced tied copy
-    (--optim.shard_tied) then steps at the iteration's end where the tie's exchange is dense (a global batch of more
-    than half the vocabulary's tokens), else ahead of the embedding's rows (costs.steps_ahead, tie.TieSide.step_ahead);
-    the head segment's all-gather splits into the tied copy's and the rest. The embedding's copy lands rows: nothing
-    apart."""
+    (--optim.shard_tied) then steps at the iteration's end; the head segment's all-gather splits into the tied
+    copy's, queued among the deferred buckets, and the rest. The embedding's copy lands rows: nothing apart."""
     from foldtrain.schedules import Op, build_schedule, schedule_rules
 
     def early(defer):
@@ -344,26 +342,18 @@ def test_a_deferred_tied_copy_steps_apart_and_gathers_alone():
     base += ["--parallel.virtual", "4"]
     base += ["--train.global_batch", "8", "--train.seq_len", "32", "--parallel.schedule", "fold"]
     base += ["--parallel.dp_sync", "per-chunk", "--fold.defer_reduce", "true", "--optim.grad_clip", "0"]
+    cfg = _cfg(*base, "--optim.distributed", "true", "--optim.shard_tied", "true")
     c = from_dict(cluster_dict(node__gpus=2))
+    rc = RunCosts(resolve_setup(cfg), c)
 
     def wire(phases):
         return sum(ph[3] * ph[2] for ph in phases or [] if ph[0] == "flow")
 
-    for vocab, ahead in ((400, False), (8192, True)):  # 256 tokens a step: dense over 400 rows, sparse over 8,192
-        cfg = _cfg(*base, "--model.vocab_size", str(vocab), "--optim.distributed", "true", "--optim.shard_tied", "true")
-        rc = RunCosts(resolve_setup(cfg), c)
-        assert steps_ahead(rc.s, 7) is ahead and not steps_ahead(rc.s, 0)
-        tied = rc.s.vocab * rc.s.d_model * 4
-        assert wire(rc.tied_gather(1, 7, ahead=ahead)) == approx(tied / 2)  # a 2-rank all-gather: half of it crosses
-        assert rc.tied_gather(1, 7, ahead=not ahead) is None
-        assert wire(rc.gather(1, 7, without_tied=True)) + tied / 2 == approx(wire(rc.gather(1, 7)))
-        assert rc.tied_gather(0, 0) is None and rc.tied_gather(1, 5) is None
-        assert simulate(cfg, c).step_time > 0  # the step apart (at the end, or ahead) runs in the event simulation
-    clipped = _cfg(*base[:-2], "--optim.grad_clip", "1", "--optim.distributed", "true", "--optim.shard_tied", "true")
-    assert not steps_ahead(resolve_setup(clipped), 7)  # a clipped step needs every gradient first
-    flushed = [a if a != "per-chunk" else "after-flush" for a in base[:-4]]  # the head's copy final at its LR only
-    flushed = _cfg(*flushed, "--optim.grad_clip", "0", "--optim.distributed", "true", "--optim.shard_tied", "true")
-    assert not steps_ahead(resolve_setup(flushed), 7)
+    tied = rc.s.vocab * rc.s.d_model * 4
+    assert wire(rc.tied_gather(1, 7)) == approx(tied / 2)  # a 2-rank all-gather: half of it crosses
+    assert wire(rc.gather(1, 7, without_tied=True)) + tied / 2 == approx(wire(rc.gather(1, 7)))
+    assert rc.tied_gather(0, 0) is None and rc.tied_gather(1, 5) is None
+    assert simulate(cfg, c).step_time > 0  # the end-of-iteration step apart runs in the event simulation
 
 
 def test_calibrate_fits_the_heads_cost_beyond_its_products():

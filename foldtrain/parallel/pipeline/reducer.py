@@ -58,8 +58,6 @@ class ChunkReducer:
             self.tie = local_tie.end(head=segment != 0)
         else:
             self.tie = TieSide(segment != 0, topo, self._wait, _row_offset(tied), local_part(tied).detach())
-            if queue is not None:  # the head's all-gather where it steps ahead: as urgent as its dp reduction
-                self.tie.track = lambda work: queue.track_urgent(segment, work, 0)
         self.pending = False  # launched, not yet waited
         # --optim.distributed: the chunk's ChunkShards; its own gradients are then reduce-scattered into them
         self.shards = None

@@ -117,25 +117,12 @@ class TieSide:
         self.state = "idle"  # idle -> launched -> handed -> idle
         self.last_rows: int | None = None  # rows the embedding's last dp reduction sent (None: dense)
         self.slices: Slices | None = None  # --optim.shard_tied: only this dp rank's slice is exchanged
-        self.ahead = None  # head end: the distributed optimizer's shards stepping the slice ahead (step_ahead)
-        self.track = None  # (work) -> None: the deadline queue's, for that all-gather (urgent: deferred buckets wait)
 
     def share_slices(self, length: int) -> None:
         """``--optim.shard_tied``: the optimizer steps only elements ``[r * length, (r + 1) * length)`` of the flat
         copy on dp rank ``r`` (the copy padded to ``dp`` slices), so only those of the sum are exchanged."""
         if self.dp > 1:
             self.slices = Slices(self.topo, length)
-
-    def step_ahead(self, shards) -> bool:
-        """Head end of a sliced copy (:meth:`share_slices`) whose exchange is sparse: the embedding's gradient adds
-        only to the rows of the step's token ids, so the rest of this rank's slice is final as soon as the head's
-        reduce-scatter lands. Then ``shards.step_tied_ahead(rows)`` steps the slice and starts its all-gather while
-        the backward still computes, and ``shards.step_tied_rows(slice)`` steps ``rows`` once the embedding's rows
-        are added (:class:`~.zero.ChunkShards`). Returns whether it applies (else nothing changes)."""
-        if not (self.head and self.slices is not None and self.like is not None and self.sparse(self.like.shape[0])):
-            return False
-        self.ahead = shards
-        return True
 
     def set_tokens(self, tokens_per_step: int) -> None:
         """``T``, the tokens of one global batch (both ends: it fixes the exchange's message sizes)."""
@@ -146,12 +133,11 @@ class TieSide:
 
     # ------------------------------------------------------------------ the embedding end's rows
     def begin(self, xs: list[torch.Tensor], every: torch.Tensor | None = None) -> None:
-        """Start of an iteration (the embedding end, and the head end where it steps ahead): all-gather this
-        replica's token ids over dp (``every``: gathered already, by the distributed optimizer's embedding copy,
-        :meth:`.zero.ChunkShards.start_rows`)."""
-        if self.head and self.ahead is None:
+        """Start of an iteration (embedding end): all-gather this replica's token ids over dp (``every``: gathered
+        already, by the distributed optimizer's embedding copy, :meth:`.zero.ChunkShards.start_rows`)."""
+        if self.head:
             return
-        if not self.head and self.like is not None and self.topo.tie_group is not None and self.early_recv is None:
+        if self.like is not None and self.topo.tie_group is not None and self.early_recv is None:
             # gloo delivers a send only into a posted receive: posted now, the head's dense copy crosses
             # while this rank still computes, not after its own rows have landed
             buf = torch.empty_like(self.like) if self.slices is None else self.like.new_empty(self.slices.length)
@@ -224,10 +210,6 @@ class TieSide:
             recv = [idx, vals] if self.sparse(n_rows) else [torch.empty_like(sent)]
             self.works += [collectives.irecv(b, src=peer, group=group) for b in recv]
             self.bufs = recv + [sent]  # (the sent tensor alive until the send is done)
-            if self.ahead is not None:  # all but the rows of the step's tokens final: step them, gather them now
-                work = self.ahead.step_tied_ahead(self._union_rows(n_rows))
-                if work is not None and self.track is not None:
-                    self.track(work)
         else:  # receive the head's dense copy, then send the rows (or the dense copy)
             (work, dense), self.early_recv = self.early_recv, None  # posted by begin
             self.works = [work]
@@ -270,8 +252,6 @@ class TieSide:
                 idx, vals = self.bufs[:2]
                 n = int(idx[0].item())
                 g.index_add_(0, idx[1 : n + 1], vals[:n])
-                if self.ahead is not None:
-                    self.ahead.step_tied_rows(self.slices.of(g))
             else:
                 self._covered(g).add_(self._received(g))
         elif self.rows is None:
@@ -355,10 +335,6 @@ class LocalTieSide:
         """``--optim.shard_tied``: the sum reduce-scattered, not all-reduced (both copies step the same slice)."""
         if self.tie.dp > 1:
             self.tie.slices = Slices(self.tie.topo, length)
-
-    def step_ahead(self, shards) -> bool:
-        """Nothing steps ahead: the sum is reduced once both copies are final."""
-        return False
 
     def set_tokens(self, tokens_per_step: int) -> None:
         """Nothing to size: no message crosses to another pipeline rank."""

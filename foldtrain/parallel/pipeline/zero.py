@@ -172,22 +172,13 @@ class FlatShard:
             wait(work)
         self.unpack(full, self.params)
 
-    def _row_elems(self, rows: torch.Tensor) -> torch.Tensor:
-        """The flat positions of ``rows``' elements in this bucket's one matrix (the tied weight's copy), (n, width)."""
-        width = local_part(self.params[0]).shape[1]
-        return rows.unsqueeze(1) * width + torch.arange(width, device=rows.device)
-
-    def row_positions(self, rows: torch.Tensor) -> list[tuple[Segment, torch.Tensor]]:
-        """Where ``rows``' elements are in this rank's slice: each segment with their positions in its tensor."""
-        elems = self._row_elems(rows).reshape(-1)
-        return [(sg, elems[(elems >= sg.start) & (elems < sg.end)] - sg.start) for sg in self.segments]
-
     @torch.no_grad()
     def start_rows(self, rows: torch.Tensor):
-        """Start landing the rows ``rows`` (sorted, the same on every dp rank) of this bucket's one matrix (a copy
-        of the tied weight), stepped: the rows' elements each rank's slice holds, all-reduced over dp (each element
-        is in one slice). Returns what :meth:`land_rows` takes."""
-        elems = self._row_elems(rows)
+        """Start landing the rows ``rows`` (sorted, the same on every dp rank) of this bucket's one matrix (the
+        embedding's copy of the tied weight), stepped: the rows' elements each rank's slice holds, all-reduced over
+        dp (each element is in one slice). Returns what :meth:`land_rows` takes."""
+        width = local_part(self.params[0]).shape[1]
+        elems = rows.unsqueeze(1) * width + torch.arange(width, device=rows.device)  # their flat positions
         buf = torch.zeros(elems.shape, dtype=torch.float32, device=rows.device)
         for sg in self.segments:  # (one: the slice's part of the matrix, or none: padding only)
             mine = (elems >= sg.start) & (elems < sg.end)
@@ -202,48 +193,6 @@ class FlatShard:
         wait(work)
         weight = local_part(self.params[0])
         weight[rows] = buf.to(weight.dtype)
-
-
-class RowsOf:
-    """What lands a bucket's rows started by :meth:`FlatShard.start_rows` (an entry of ``ChunkShards.pushed``, after
-    the bucket's all-gather, whose stale rows it overwrites)."""
-
-    def __init__(self, shard: FlatShard):
-        self.shard = shard
-
-    def land(self, started, wait) -> None:
-        self.shard.land_rows(started, wait)
-
-
-class HeldRows:
-    """Rows of a tied slice that step after the rest (:meth:`ChunkShards.step_tied_ahead`): their elements' weights
-    and moments as they were before the slice's step (which steps them too, on a partial gradient), stepped again
-    from there once their gradient is final (:meth:`step`), over what the slice's step left. AdamW is elementwise,
-    so the two steps are the one."""
-
-    def __init__(self, shard: FlatShard, rows: torch.Tensor, optimizer: torch.optim.Optimizer):
-        self.rows, self.optimizer = rows, optimizer
-        self.where = [(sg, pos) for sg, pos in shard.row_positions(rows) if pos.numel()]
-        self.kept = [tuple(t[pos].clone() for t in self._state(sg)) for sg, pos in self.where]
-
-    def _state(self, sg: Segment) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        st = ensure_state(self.optimizer, sg.tensor)
-        return sg.tensor, st["exp_avg"], st["exp_avg_sq"]
-
-    @torch.no_grad()
-    def step(self, final: torch.Tensor) -> None:
-        """``final``: this rank's slice of the bucket's gradient, now complete. The held elements take one AdamW
-        step from their kept state, with the hyperparameters and the step count of the slice's step."""
-        for (sg, pos), (w, m, v) in zip(self.where, self.kept):
-            st = self.optimizer.state[sg.tensor]
-            group = next(g for g in self.optimizer.param_groups if any(t is sg.tensor for t in g["params"]))
-            w.grad = final[sg.at + pos].to(torch.float32)
-            one = torch.optim.AdamW([w])
-            one.param_groups[0].update({k: val for k, val in group.items() if k != "params"})
-            one.state[w].update(step=st["step"] - 1, exp_avg=m, exp_avg_sq=v)  # (the slice's step counted it)
-            one.step()
-            for t, new in zip(self._state(sg), (w, m, v)):
-                t[pos] = new
 
 
 class ScatterBucket(ReductionBucket):
@@ -327,9 +276,8 @@ class ChunkShards:
     ):
         """``optim_cfg.shard_tied``: the tied weight's copy sliced over dp like the rest (the tie exchanges only its
         slice of the gradient, :attr:`tied_slice`; the stepped slices all-gathered), else stepped whole.
-        ``rows_group``: a second group over the dp ranks for a sliced tied copy's rows (:meth:`start_rows`) and its
-        all-gather when it steps ahead (:meth:`step_tied_ahead`), so they do not queue behind the chunks' own
-        reductions and all-gathers."""
+        ``rows_group``: a second group over the dp ranks for the lookup-only copy's rows (:meth:`start_rows`), so
+        they do not queue behind the all-gathers of the chunks stepped before them."""
         self.tied, self.segment = tied, getattr(chunk, "segment", -1)
         params = [p for p in chunk.parameters() if p is not tied]
         if not params:
@@ -351,10 +299,9 @@ class ChunkShards:
         # step the next forward takes the rows its step's token ids name (lookup_rows), and a full all-gather waits
         # for whoever reads the whole weight (an evaluation, a checkpoint, a flush)
         self.lookup_only = self.buckets[-1] if not whole and looked_up_only(chunk, tied, topo) else None
-        if not whole and tied is not None:  # (the head's copy: its all-gather when it steps ahead)
-            self.buckets[-1].rows_group = rows_group
+        if self.lookup_only is not None:
+            self.lookup_only.rows_group = rows_group
         self.tied_stepped = False  # the tied copy's slice stepped apart (step_tied) since the chunk's last step
-        self.held: HeldRows | None = None  # its rows still to step (step_tied_ahead -> step_tied_rows)
         self.behind = False  # the lookup-only copy is behind its last step (rows not looked up, or all of it)
         self.rows_due = False  # ... and the rows of the next training forward have not landed yet
         self.rows_started = None  # their landing in flight (start_rows)
@@ -403,55 +350,17 @@ class ChunkShards:
         self.tied_stepped = False
         self.behind = self.rows_due = self.lookup_only is not None
 
-    def _step_tied_slice(self) -> FlatShard:
-        """AdamW steps the tied copy's slice alone (the chunk's own segments' gradients, if any, set aside: AdamW
-        skips a tensor without one); returns its bucket."""
-        b = self.buckets[-1]
-        b.pull()
-        aside = [(sg, sg.tensor.grad) for o in self.own for sg in o.segments if sg.tensor.grad is not None]
-        for sg, _ in aside:
-            sg.tensor.grad = None
-        self.optimizer.step()
-        for sg in b.segments:
-            sg.tensor.grad = None
-        for sg, g in aside:
-            sg.tensor.grad = g
-        return b
-
-    def step_tied_ahead(self, rows: torch.Tensor):
-        """The head's copy, where its slice of the gradient is final but for ``rows`` (the embedding's, which add
-        to those rows at the very end of the backward): the slice steps now, ``rows``' elements' state kept from
-        before (:class:`HeldRows`), and its all-gather starts at once, on the rows' group (beside the reductions,
-        in the same order on every dp rank: only these collectives go there), while the backward still computes.
-        :meth:`step_tied_rows` steps the rows again once they are final, from the kept state, and lands them over
-        what the all-gather brings; the chunk's :meth:`step` steps the rest of the chunk. Returns the all-gather's
-        work (None: nothing to gather)."""
-        b = self.buckets[-1]
-        held = HeldRows(b, rows, self.optimizer)
-        self._step_tied_slice()
-        self.held, self.tied_stepped = held, True
-        if (x := b.push(b.rows_group)) is None:
-            return None
-        self.pushed.append((b, x))
-        return x[0]
-
-    def step_tied_rows(self, final: torch.Tensor) -> None:
-        """The rows :meth:`step_tied_ahead` held, their gradient now final (``final``: this rank's slice of the
-        copy's), step and land on every dp rank after the all-gather (an all-reduce of their elements)."""
-        b, held, self.held = self.buckets[-1], self.held, None
-        held.step(final)
-        self.pushed.append((RowsOf(b), b.start_rows(held.rows)))
-
     def step_tied(self, queue, deadline: int) -> None:
         """Step only the tied copy's slice, its gradient final before the chunk's own (still in flight: their
         segments have no gradient, which AdamW skips), and queue its all-gather in ``queue``'s deferred buckets
-        with ``deadline`` (a :class:`GatherBucket`). The chunk's :meth:`step` then steps the rest. Nothing where
-        the slice stepped ahead already (:meth:`step_tied_ahead`)."""
-        if self.tied_stepped:
-            return
+        with ``deadline`` (a :class:`GatherBucket`). The chunk's :meth:`step` then steps the rest."""
+        b = self.buckets[-1]
         if any(sg.tensor.grad is not None for o in self.own for sg in o.segments):
             raise RuntimeError("the tied copy stepped apart while the chunk's own gradients were there")
-        b = self._step_tied_slice()
+        b.pull()
+        self.optimizer.step()
+        for sg in b.segments:
+            sg.tensor.grad = None
         if b is not self.lookup_only and b.dp > 1:
             (gather,) = queue.submit_deferred(
                 self.segment, [], deadline, b.dp, [GatherBucket(self.segment, b, deadline)]
@@ -484,7 +393,7 @@ class ChunkShards:
         the token ids of the step's micro-batches, when the reader is its training forward, which needs only those
         rows of a lookup-only copy; else (an evaluation, a checkpoint) the whole of it is all-gathered."""
         pushed, self.pushed = self.pushed, []
-        for b, x in pushed:  # (in order: a tied copy's all-gather, then the rows that step after it)
+        for b, x in pushed:
             b.land(x.started() if isinstance(x, GatherBucket) else x, wait)
         b = self.lookup_only
         if self.rows_due and (ids is not None or self.rows_started is not None):

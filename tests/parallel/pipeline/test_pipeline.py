@@ -118,18 +118,10 @@ def test_matches_single_process(suite, world, case):
     sliced = case.get("shard_tied") and dp > 1 and case["layout"][1] > 1
     copy = r["tied_elems"] // (2 if case["schedule"] == "zbv" else 1)  # zbv: both copies on rank 0
     assert r["tie_slice"] == (-(-copy // dp) if sliced else None), (r["tie_slice"], r["tied_elems"])
-    # ... and with early steps (no clipping, tp 1) the head's slice steps apart on each dp rank of its end, every
-    # step: ahead of the embedding's rows where the exchange is sparse (a vocabulary given), else, where the chunk is
-    # deferred, at the iteration's end (rules.early_tie)
-    clip = case.get("clip", 0.0 if case["defer"] else case.get("grad_clip", 1.0))  # (tests/equivalence.py's)
-    early = sliced and not clip and case["layout"][2] == 1
-    ahead = (
-        dp * STEPS
-        if early and case.get("vocab") and case["dp_sync"] == "per-chunk" and case["schedule"] != "zbv"
-        else 0
-    )
-    apart = dp * STEPS if early and case["defer"] and not ahead else 0
-    assert (r["tied_steps_ahead"], r["tied_steps_apart"]) == (ahead, apart), r
+    # ... and a deferred chunk's tied slice steps apart at the end of every iteration (rules.early_tie), on each dp
+    # rank of the head's end
+    apart = dp * STEPS if sliced and case["defer"] and not case.get("clip") else 0
+    assert r["tied_steps_apart"] == apart, r["tied_steps_apart"]
     if case.get("vocab"):  # the tied embedding's dp reduction sent only the touched rows, not the dense gradient
         assert r["tie_rows"] is not None and 0 < r["tie_rows"] <= case["vocab"] // 2, r["tie_rows"]
     elif case["layout"][0] > 1 and case["layout"][1] > 1:  # 64 tokens of a 64-word vocabulary: dense

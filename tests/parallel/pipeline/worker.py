@@ -155,25 +155,20 @@ def counting_reduce_scatters():
 
 @contextlib.contextmanager
 def counting_tied_steps():
-    """Count the tied copy's slices stepped apart at an iteration's end (``ChunkShards.step_tied``, where it had not
-    stepped ahead) and ahead of the embedding's rows (``ChunkShards.step_tied_ahead``): ``[apart, ahead]``."""
+    """Count the tied copy's slices stepped apart at an iteration's start (``ChunkShards.step_tied``)."""
     from foldtrain.parallel.pipeline.zero import ChunkShards
 
-    calls, apart, ahead = [0, 0], ChunkShards.step_tied, ChunkShards.step_tied_ahead
+    calls, real = [0], ChunkShards.step_tied
 
-    def counted_apart(self, *args):
-        calls[0] += not self.tied_stepped
-        return apart(self, *args)
+    def counted(self, *args):
+        calls[0] += 1
+        return real(self, *args)
 
-    def counted_ahead(self, *args):
-        calls[1] += 1
-        return ahead(self, *args)
-
-    ChunkShards.step_tied, ChunkShards.step_tied_ahead = counted_apart, counted_ahead
+    ChunkShards.step_tied = counted
     try:
         yield calls
     finally:
-        ChunkShards.step_tied, ChunkShards.step_tied_ahead = apart, ahead
+        ChunkShards.step_tied = real
 
 
 def fsdp_groups(engine) -> int:
@@ -187,7 +182,7 @@ def _equivalence_case(case: dict) -> dict | None:
     cfg = make_cfg(case)
     with counting_reduce_scatters() as reduce_scatters, counting_tied_steps() as tied_steps:
         engine, losses, norms = run_engine(cfg, range(STEPS))
-    tied_steps = torch.tensor([float(n) for n in tied_steps])
+    tied_steps = torch.tensor([float(tied_steps[0])])
     dist.all_reduce(tied_steps)  # (the head's end is on the last pipeline rank)
     fsdp = {"reduce_scatters": reduce_scatters[0], "fsdp_groups": fsdp_groups(engine)} if case.get("fsdp") else {}
     ev = engine.eval_loss(val_data(cfg.model.vocab_size))
@@ -200,8 +195,7 @@ def _equivalence_case(case: dict) -> dict | None:
         **compare(cfg, losses, full, ev, norms),
         "tie_rows": tie.last_rows if tie else None,
         "tie_slice": tie.slices.length if tie and tie.slices else None,  # --optim.shard_tied: elements exchanged
-        "tied_steps_apart": int(tied_steps[0].item()),
-        "tied_steps_ahead": int(tied_steps[1].item()),
+        "tied_steps_apart": int(tied_steps.item()),
         "tie_equal": tie_equal,
         **optimizer_share(engine),
         **fsdp,

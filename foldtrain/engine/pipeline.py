@@ -172,10 +172,6 @@ class PipelineEngine:
             self.pipeline_schedule.deferred_chunks(topo.pp_rank),
             p2p.wait_collective,
         )
-        if queue is not None and queue.group is not None and stepper.shards:  # the steps' all-gathers go first
-            queue.hold_after_end = True
-            for s, z in stepper.shards.items():
-                z.track = lambda work, s=s: queue.track_urgent(s, work, 0, "AG c{}")
         for s, r in reducers.items():  # the distributed optimizer: chunks reduce-scatter into their slices
             r.shards = stepper.shards[s] if stepper.shards else None
             if r.shards is not None and r.tie is not None and r.shards.tied_slice is not None:

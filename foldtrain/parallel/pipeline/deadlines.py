@@ -118,9 +118,6 @@ class DeadlineQueue:
         self.issued = 0  # deferred buckets issued since the last agreement
         self.order = 0  # issue counter (for the trace)
         self.window = True  # one deferred bucket in flight, none while an urgent one is
-        # the distributed optimizer: the steps' all-gathers are urgent in the forward phase, so the deferred buckets
-        # left at the iteration's end stay in the window (by deadline) instead of all going at once
-        self.hold_after_end = False
 
     def clock(self) -> float:
         return self.tl.clock()
@@ -153,12 +150,11 @@ class DeadlineQueue:
         self.urgent.append(b)
         return b
 
-    def track_urgent(self, segment: int, work, deadline: int, label: str = "AR c{} tie") -> None:
+    def track_urgent(self, segment: int, work, deadline: int) -> None:
         """A collective issued elsewhere that is just as urgent (the tied embedding's dp reduction,
-        :mod:`.tie`; the distributed optimizer's all-gathers): deferred buckets wait while it is in flight, and the
-        trace shows it as ``label`` (``AR cX tie``)."""
+        :mod:`.tie`): deferred buckets wait while it is in flight, and the trace shows it as ``AR cX tie``."""
         b = ReductionBucket(segment, -1, [], deadline, 1)
-        b.work, b.t_issue, b.order, b.label = work, self.clock(), self.order, label.format(segment)
+        b.work, b.t_issue, b.order = work, self.clock(), self.order
         self.order += 1
         self.urgent.append(b)
 
@@ -208,13 +204,9 @@ class DeadlineQueue:
         self.queued.sort(key=lambda b: (b.deadline, b.segment, b.index))
         for b in self.queued:
             b.by_deadline = True
-        self.issued = 0
-        if self.hold_after_end:
-            self.pump()
-            return
-        for b in self.queued:
             self._issue(b)
         self.queued = []
+        self.issued = 0
 
     def hold_back(self, on: bool) -> None:
         """``False``: issue deferred buckets as soon as they are submitted (with clipping, every
@@ -228,7 +220,7 @@ class DeadlineQueue:
         """The bucket's flight, issue -> first seen complete, in the --profile trace."""
         end = b.t_done if b.t_done is not None else self.clock()
         self.tl.record(
-            getattr(b, "label", None) or f"AR c{b.segment} " + (f"b{b.index}" if b.index >= 0 else "tie"),
+            f"AR c{b.segment} " + (f"b{b.index}" if b.index >= 0 else "tie"),
             "reduce",
             b.t_issue,
             max(end, b.t_issue),

@@ -302,7 +302,6 @@ class ChunkShards:
         if self.lookup_only is not None:
             self.lookup_only.rows_group = rows_group
         self.tied_stepped = False  # the tied copy's slice stepped apart (step_tied) since the chunk's last step
-        self.track = None  # (work) -> None: the deadline queue's, for the step's all-gathers (urgent)
         self.behind = False  # the lookup-only copy is behind its last step (rows not looked up, or all of it)
         self.rows_due = False  # ... and the rows of the next training forward have not landed yet
         self.rows_started = None  # their landing in flight (start_rows)
@@ -347,11 +346,7 @@ class ChunkShards:
         lookup-only copy's rows wait for the next forward's ids)."""
         self.optimizer.step()  # (a tied slice stepped apart has no gradient now: AdamW skips it)
         done = (self.lookup_only, self.buckets[-1] if self.tied_stepped else None)
-        pushed = [(b, x) for b in self.buckets if b not in done and (x := b.push()) is not None]
-        for _, (work, _full) in pushed if self.track is not None else ():
-            if work is not None:
-                self.track(work)
-        self.pushed += pushed
+        self.pushed += [(b, x) for b in self.buckets if b not in done and (x := b.push()) is not None]
         self.tied_stepped = False
         self.behind = self.rows_due = self.lookup_only is not None
 

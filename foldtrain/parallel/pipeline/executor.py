@@ -168,7 +168,6 @@ class Executor:
         self.rank_of = rank_of or (lambda s: stage_rank(s, self.pp))
         self.awaiting_step: set[int] = set()  # chunks whose reduction was launched, not yet stepped
         self._rules: tuple[Schedule, RankRules] | None = None
-        self._release_due = False  # end_iteration ran: the next run releases the held deferred buckets
         self._splits: dict = {}  # segment -> its split backward (zero-bubble schedules)
         self._ties = [r for r in reducers.values() if r.tie is not None]
         self._handlers = {
@@ -233,9 +232,6 @@ class Executor:
         every = self.stepper.start_rows(0, xs) if 0 in self.chunks else None
         for r in self.reducers.values():
             r.begin(xs, every)
-        if self._release_due:  # (the last iteration's end: every rank calls it here, before any action)
-            self._release_due = False
-            self.queue.end_iteration()
         for a, rule in rules.steps():
             self._between_actions()
             self._handlers[a.op](it, a, rule)
@@ -397,11 +393,8 @@ class Executor:
 
     # ------------------------------------------------------------------ between iterations
     def end_iteration(self) -> None:
-        """After every rank finished the iteration (the engine calls it after the loss all-reduce): the tied
-        slices that step apart step (``early_tie``), and the deferred buckets still held back are due for release
-        (:meth:`DeadlineQueue.end_iteration`), which the next :meth:`run` does once the embedding's rows and token
-        ids have started, so they do not queue behind those buckets on the link (measured: 4-15 ms at the
-        embedding's end before its first action when they did).
+        """After every rank finished the iteration (the engine calls it after the loss all-reduce):
+        the deferred buckets still held back are issued (:meth:`DeadlineQueue.end_iteration`).
 
         Not at the end of :meth:`run`: a rank that finishes early (the head's, whose last reduction
         is small) would then put its deferred buckets on the node's link while another rank of the
@@ -409,7 +402,8 @@ class Executor:
         the 1 Gbit/s bench, fold + deferral V = 4, that cost 13% of the throughput."""
         if self._rules is not None:
             self._step_ties_early(self._rules[1])
-        self._release_due = self.queue is not None
+        if self.queue is not None:
+            self.queue.end_iteration()
 
     def _step_ties_early(self, rules: RankRules) -> None:
         """``early_tie``: a deferred chunk's tied copy, exchanged with the other end (every rank has finished the

@@ -19,8 +19,10 @@ CPU_SIZES = tuple(1024 * 4**k for k in range(5))  # 1 KB .. 256 KB
 CUDA_BUDGET = 1 << 30  # bytes per size and kind: iterations = budget / size, 5 to 50
 CPU_BUDGET = 1 << 20
 PING_PONGS = 20
-OVERLAP_PRODUCTS = 20  # matrix products timed alone, then beside the all-reduces
+OVERLAP_PRODUCTS = 20  # matrix products timed alone, then beside the all-reduces: at least this many ...
+OVERLAP_MIN_S = 0.1  # ... and as many more as take this long alone (one CPU time slice moved 10 ms by ±50%)
 OVERLAP_TRIES = 4  # the all-reduces doubled until they outlast the products
+OVERLAP_PAIRS = 5  # (beside, alone) timings alternated, their ratios' median kept
 
 
 def bus_bw(kind: str, nbytes: float, seconds: float, n: int) -> float:
@@ -197,11 +199,23 @@ def _compute_done(device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def _beside(reduce, count: int, products, device) -> tuple[float, bool]:
+    """The products' time with ``count`` all-reduces queued just before them; whether they outlasted it."""
+    _align(None, device)
+    works = [reduce() for _ in range(count)]
+    beside = products()
+    outlasted = not all(w.is_completed() for w in works)
+    _finish(works, device)
+    return beside, outlasted
+
+
 def compute_beside_collectives(device, n: int, nbytes: int, dtype) -> float | None:
-    """How much longer :data:`OVERLAP_PRODUCTS` ``(n x n) @ (n x n)`` products take while all-reduces of
-    ``nbytes`` over every rank run beside them than alone, less 1 (``device.overlap_slowdown``); the ranks'
-    mean, on every rank; None without a process group. The all-reduces are queued just before the products
-    and must still be running when the products end (else twice as many, up to :data:`OVERLAP_TRIES` times)."""
+    """How much longer ``(n x n) @ (n x n)`` products (:data:`OVERLAP_PRODUCTS`, or :data:`OVERLAP_MIN_S`' worth)
+    take on the slowest rank while all-reduces of ``nbytes`` over every rank run beside them than alone, less 1
+    (``device.overlap_slowdown``), on every rank; None without a process group. The all-reduces are queued just
+    before the products and must still be running when they end (else twice as many, up to
+    :data:`OVERLAP_TRIES` times); the ratio is the median of :data:`OVERLAP_PAIRS` pairs, beside and alone
+    alternated."""
     import torch
     import torch.distributed as dist
 
@@ -213,14 +227,19 @@ def compute_beside_collectives(device, n: int, nbytes: int, dtype) -> float | No
     a = torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty_like(a)
 
+    reps = OVERLAP_PRODUCTS
+
     def products() -> float:
         t0 = time.perf_counter()
-        for _ in range(OVERLAP_PRODUCTS):
+        for _ in range(reps):
             torch.mm(a, a, out=out)
         _compute_done(device)
         return time.perf_counter() - t0
 
-    products()
+    reps = max(reps, math.ceil(reps * OVERLAP_MIN_S / products()))
+    agreed = torch.tensor([reps], dtype=torch.float64, device=device)
+    collectives.all_reduce(agreed, op=dist.ReduceOp.MAX)  # the ranks time alike
+    reps = int(agreed.item())
     _align(None, device)
     alone = min(products() for _ in range(3))
     reduce = _collective("all_reduce", nbytes, None, world, me, device)
@@ -230,15 +249,18 @@ def compute_beside_collectives(device, n: int, nbytes: int, dtype) -> float | No
     collectives.all_reduce(need, op=dist.ReduceOp.MAX)
     count = int(need.item())
     for _ in range(OVERLAP_TRIES):
-        _align(None, device)
-        works = [reduce() for _ in range(count)]
-        beside = products()
-        outlasted = torch.tensor([0.0 if all(w.is_completed() for w in works) else 1.0], device=device)
-        _finish(works, device)
+        outlasted = torch.tensor([float(_beside(reduce, count, products, device)[1])], device=device)
         collectives.all_reduce(outlasted, op=dist.ReduceOp.MIN)
         if outlasted.item() or count > 1e5:
             break
         count *= 2
-    ratio = torch.tensor([beside / alone - 1.0], dtype=torch.float64, device=device)
-    collectives.all_reduce(ratio)
-    return max(0.0, ratio.item() / world)
+    # the slowest rank's times, alternated pairs, their ratios' median: a rank's own time moved by ±50% with the
+    # other ranks' scheduling on 2 shared cores (read 0 once), the group's work as a whole much less
+    pairs = []
+    for _ in range(OVERLAP_PAIRS):
+        beside = _beside(reduce, count, products, device)[0]
+        _align(None, device)
+        times = torch.tensor([beside, products()], dtype=torch.float64, device=device)
+        collectives.all_reduce(times, op=dist.ReduceOp.MAX)
+        pairs.append(times[0].item() / times[1].item() - 1.0)
+    return max(0.0, sorted(pairs)[len(pairs) // 2])

@@ -220,8 +220,9 @@ def all_notes(src: str, opts, scale, k, links: dict, device) -> dict[str, str]:
     notes["device.overlap_slowdown"] = (
         f"not measured ({alone}): from preset {preset}"
         if links.get("overlap") is None
-        else f"{src}: {nccl.OVERLAP_PRODUCTS} ({n} x {n}) products in {dtype} beside {backend} all-reduces of "
-        f"{_size(nbytes)} over every rank / the same alone, less 1, the ranks' mean"
+        else f"{src}: ({n} x {n}) products in {dtype} (at least {nccl.OVERLAP_PRODUCTS} and "
+        f"{nccl.OVERLAP_MIN_S:g} s) beside {backend} all-reduces of {_size(nbytes)} over every rank / the same alone, "
+        f"less 1, the slowest rank's: the median of {nccl.OVERLAP_PAIRS} alternated pairs"
     )
     notes.update(link_notes(src, "intra", links["intra"], intra_why, preset, backend))
     notes.update(link_notes(src, "inter", links["inter"], inter_why, preset, backend))

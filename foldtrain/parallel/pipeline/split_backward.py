@@ -5,11 +5,13 @@ The zero-bubble schedules (:mod:`foldtrain.schedules.generators`) run a micro-ba
 would otherwise idle. The activations and the graph live until the ``W``. Two ways, one result:
 
 * :class:`LinearSplit` (a chunk of plain tensors): what the ZB paper's Megatron implementation defers,
-  the linear layers' weight-gradient products. A forward hook keeps each ``nn.Linear``'s input and
-  puts a hook on its output; the ``I`` is ONE autograd call for the segment input's gradient and every
-  other parameter's (biases, norms: small), which skips the products only a linear weight's gradient
-  needs, while the output hooks keep the gradient reaching each linear's output; the ``W`` multiplies
-  them out, ``dW = dy^T x`` in the product's own dtype (autocast's bf16 / fp16 too), as autograd would.
+  the linear layers' weight-gradient products. A forward hook keeps each ``nn.Linear``'s input and the
+  gradient edge of its output (the graph node, not the output tensor); the ``I`` is ONE autograd call
+  for the segment input's gradient, every other parameter's (biases, norms: small) and those edges'
+  gradients, each linear output's ``dy``, captured by the autograd engine itself. It skips the products
+  only a linear weight's gradient needs; the ``W`` multiplies them out, ``dW = dy^T x``, accumulated into
+  ``.grad`` by the product itself where the dtypes allow (one kernel, no temporary), else in the
+  product's own dtype (autocast's bf16 / fp16) as autograd would.
 * :class:`GraphSplit` (any chunk: DTensor weights under tensor parallelism, recomputed activations):
   torch pipelining's own ``stage_backward_input`` / ``stage_backward_weight``, which find, per group of
   weights, the graph nodes where their branches join the input's path, keep the gradients flowing into
@@ -26,13 +28,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
 
 
 @dataclass
 class WeightWork:
     """What an ``I`` leaves for its ``W``."""
 
-    linears: list = field(default_factory=list)  # LinearSplit: [module, input, output's gradient]
+    linears: list = field(default_factory=list)  # LinearSplit: (module, input, output's gradient)
     param_groups: list | None = None  # GraphSplit: torch pipelining's saved gradients per group of weights
     outputs: list | None = None  # segment 0: the outputs and their gradients for the whole backward
     grads: list | None = None
@@ -60,12 +63,10 @@ class LinearSplit:
             m.register_forward_hook(self._note)
 
     def _note(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-        """Keep the linear layer's input; a hook on its output keeps the output's gradient when the I computes
-        it (the output itself is not held)."""
-        if self.recording is not None and torch.is_grad_enabled() and out.requires_grad:
-            note = [module, args[0], None]
-            out.register_hook(lambda g: note.__setitem__(2, g))
-            self.recording.append(note)
+        """Keep the linear layer's input and its output's gradient edge, which the ``I`` asks autograd for
+        (a Python hook on the output instead costs a call per linear layer and micro-batch)."""
+        if self.recording is not None and out.requires_grad:
+            self.recording.append((module, args[0], get_gradient_edge(out)))
 
     def forward(self, run, *args):
         """``run(*args)`` with every linear layer's input and output noted; returns (output, notes)."""
@@ -76,21 +77,27 @@ class LinearSplit:
             self.recording = None
 
     def backward_input(self, outputs, grads, inp: torch.Tensor, notes: list) -> WeightWork:
-        wanted = [inp, *(p for p in self.others if p.requires_grad)]
+        others = [p for p in self.others if p.requires_grad]
+        wanted = [inp, *others, *(edge for _m, _x, edge in notes)]
         got = torch.autograd.grad(outputs, wanted, grads, allow_unused=True)
         inp.grad = got[0]
-        for p, g in zip(wanted[1:], got[1:]):
+        for p, g in zip(others, got[1 : 1 + len(others)]):
             accumulate(p, g)
-        return WeightWork(linears=notes)
+        dys = got[1 + len(others) :]
+        return WeightWork(linears=[(m, x, dy) for (m, x, _edge), dy in zip(notes, dys)])
 
     @staticmethod
     def backward_weight(work: WeightWork) -> None:
         for module, x, dy in work.linears:
             if dy is None:  # the output did not reach the loss
                 continue
-            dy2 = dy.reshape(-1, dy.shape[-1])
-            dw = dy2.t() @ x.reshape(-1, x.shape[-1]).to(dy2.dtype)
-            accumulate(module.weight, dw.to(module.weight.dtype))
+            dy_t = dy.reshape(-1, dy.shape[-1]).t()
+            x2 = x.reshape(-1, x.shape[-1])
+            w = module.weight
+            if w.grad is not None and dy_t.dtype == x2.dtype == w.grad.dtype:
+                w.grad.addmm_(dy_t, x2)
+            else:
+                accumulate(w, (dy_t @ x2.to(dy_t.dtype)).to(w.dtype))
 
 
 class GraphSplit:

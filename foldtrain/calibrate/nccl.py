@@ -263,4 +263,4 @@ def compute_beside_collectives(device, n: int, nbytes: int, dtype) -> float | No
         times = torch.tensor([beside, products()], dtype=torch.float64, device=device)
         collectives.all_reduce(times, op=dist.ReduceOp.MAX)
         pairs.append(times[0].item() / times[1].item() - 1.0)
-    return max(0.0, sorted(pairs)[len(pairs) // 2])
+    return max(0.0, statistics.median(pairs))

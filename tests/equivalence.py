@@ -139,6 +139,7 @@ def make_cfg(c: dict, steps: int = STEPS, out: str = "", **over):
         "ac": c.get("ac", "none"),
         "dp.timeout_s": 60,
         "dp.strategy": "fsdp" if c.get("fsdp") else "none",
+        "dp.compression": c.get("wire", "none"),
         "dp.reshard_after_forward": c.get("reshard", True),
         "train.device": "cpu",
     }

@@ -160,6 +160,7 @@ def validate_world(cfg: Config, world_size: int) -> None:
             f"--dp.strategy {d.strategy} without a --parallel layout; use --dp.strategy sharded-ps or fsdp "
             f"(the optimizer sharded), or --dp.strategy none with --parallel.dp {world_size}"
         )
+    check_compression(cfg)
     if d.strategy == "dataparallel":
         check_dataparallel(cfg, world_size)
         return
@@ -175,6 +176,27 @@ def validate_world(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"--train.global_batch {t.global_batch} is not divisible by data-parallel workers x micro-batch "
             f"({workers} x {micro}); pick a global batch that is a multiple of {workers * micro}"
+        )
+
+
+def check_compression(cfg: Config) -> None:
+    """``--dp.compression`` casts the buffers of foldtrain's own all-reduces: the ``allreduce`` strategy's buckets
+    and the 3D engine's per-chunk reductions. Every other path reduces its gradients in their own dtype."""
+    from foldtrain.schedules.layout import uses_3d_engine
+
+    d = cfg.dp
+    if d.compression == "none":
+        return
+    if uses_3d_engine(cfg) and d.strategy == "none" and cfg.optim.distributed:
+        raise ConfigError(
+            f"--dp.compression {d.compression} casts the 3D engine's all-reduces, but --optim.distributed "
+            "reduce-scatters the gradients in their own dtype; drop one of the two"
+        )
+    if d.strategy != "allreduce" and not (uses_3d_engine(cfg) and d.strategy == "none"):
+        raise ConfigError(
+            f"--dp.compression {d.compression} applies to --dp.strategy allreduce and to the 3D engine's "
+            f"reductions (--dp.strategy none with a --parallel layout), not to --dp.strategy {d.strategy}; "
+            "drop --dp.compression or change the strategy"
         )
 
 

@@ -51,6 +51,7 @@ from foldtrain.parallel.pipeline.p2p import P2P
 from foldtrain.parallel.pipeline.reducer import ChunkReducer
 from foldtrain.parallel.pipeline.stage import apply_activation_checkpointing, build_chunks, materialize
 from foldtrain.parallel.pipeline.tie import LocalTie
+from foldtrain.parallel.wire import wire_dtype
 from foldtrain.profile import StepProfiler, Timeline
 from foldtrain.schedules import channels_of, step_policy
 from foldtrain.schedules.layout import validate_layout
@@ -68,6 +69,7 @@ class PipelineEngine:
         self.layout = lay = validate_layout(cfg, world)
         self.micro_batch = lay.micro_batch
         self.precision = Precision(cfg.precision, device)
+        self.wire = wire_dtype(cfg.dp.compression, self.precision.param_dtype)  # the chunks' gradients on the link
         self.pipeline_schedule = sched = lay.schedule
         kinds = channels_of(sched) == "per-kind"
         self.topo = topo = get_topology(lay.dp, lay.pp, lay.tp, device.type, cfg.dp.timeout_s, kinds)
@@ -136,13 +138,13 @@ class PipelineEngine:
         """Each local chunk's data-parallel reduction: the engine's own all-reduce, or FSDP's reduce-scatter."""
         topo, timeout = self.topo, self.cfg.dp.timeout_s
         reducers = {}
-        local_tie = LocalTie(topo, p2p.wait_collective) if len(self.tied) == 2 else None  # both ends here (zbv)
+        local_tie = LocalTie(topo, p2p.wait_collective, self.wire) if len(self.tied) == 2 else None  # zbv: both ends
         for s, c in self.chunks.items():
             if self.fsdp:
                 reducers[s] = fsdp.FSDPChunkReducer(s, c, self.tied.get(s), topo, p2p.wait_collective)
                 continue
             reducers[s] = ChunkReducer(
-                s, list(c.parameters()), self.tied.get(s), topo, timeout, p2p.cpu_timeout, queue, local_tie
+                s, list(c.parameters()), self.tied.get(s), topo, timeout, p2p.cpu_timeout, queue, local_tie, self.wire
             )
             if reducers[s].tie is not None:  # the tie's exchange: message sizes from the tokens of a global batch
                 reducers[s].tie.set_tokens(self.cfg.train.global_batch * self.cfg.train.seq_len)
@@ -155,7 +157,7 @@ class PipelineEngine:
         queue = None
         if lay.dp > 1 and not self.fsdp:  # deadline-ordered reductions: a second dp group when any chunk is deferred
             defer = cfg.fold.defer_reduce and lay.virtual > 1
-            queue = DeadlineQueue(topo, self.timeline, cfg.fold.bucket_mb * 2**20, timeout, defer)
+            queue = DeadlineQueue(topo, self.timeline, cfg.fold.bucket_mb * 2**20, timeout, defer, self.wire)
             queue.hold_back(policy.hold_deferred)
         p2p = P2P(
             topo, timeout, self.device, pump=queue.pump if queue is not None and queue.group is not None else None

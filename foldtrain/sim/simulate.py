@@ -369,7 +369,7 @@ class RunCosts:
         sent = union if seg == 0 and 2 * union <= rows else rows
         nbytes = sent * cols * s.grad_bytes
         reduce = dense if seg != 0 else self.ring  # the embedding's rows (or dense copy) are all-reduced
-        phases: list = reduce(p, nbytes) if n > 1 else []  # (3D: no wire compression)
+        phases: list = reduce(p, nbytes) if n > 1 else []
         if sliced and sent == rows:  # the dense message is this rank's slice
             nbytes /= n
         key, weight, lat = self.pl.p2p_link(p, other)

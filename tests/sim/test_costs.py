@@ -245,13 +245,16 @@ def test_loss_buffers_count_the_losss_vocabulary_sized_tensors():
         from_dict(d, "c.toml")
 
 
-def test_a_nodes_nic_carries_the_bytes_the_3d_engine_sends():
+@pytest.mark.parametrize("wire,factor", [("none", 1.0), ("bf16", 0.5)])
+def test_a_nodes_nic_carries_the_bytes_the_3d_engine_sends(wire, factor):
     """2 nodes x 2 ranks, pipeline inside a node, data parallel across: the chunks' reductions leave out the
     tied embedding; its head copy crosses the NIC dense, its embedding copy as only the rows of the batch's
     tokens; what the two ends send each other stays inside the node (the head its dense copy, the embedding its
-    rows and their indices)."""
+    rows and their indices). ``--dp.compression bf16`` halves every data-parallel byte, not the tie's sends."""
     cfg = build_config(
         [
+            "--dp.compression",
+            wire,
             "--model.preset",
             "tiny",
             "--model.n_layer",
@@ -285,21 +288,21 @@ def test_a_nodes_nic_carries_the_bytes_the_3d_engine_sends():
             assert flow[1] == ("nic", 0)
             tie = rc.tie(p, seg)
             expect = rc.cm.grad_bytes(seg) - (tied if tie is not None else 0)
-            assert flow[3] * flow[2] == approx(expect)  # a 2-rank ring: each rank sends its gradient once
+            assert flow[3] * flow[2] == approx(expect * factor)  # a 2-rank ring: each rank sends its gradient once
             node0 += flow[3] * flow[2]
             if tie is None:
                 continue
             dp = [ph for ph in tie["dp"] if ph[0] == "flow"]
             assert all(f[1] == ("nic", 0) and f[2] == 1.0 for f in dp)
             sent = [f[3] for f in dp]
-            assert sent == (approx([union * s.d_model * 4]) if seg == 0 else approx([tied]))
+            assert sent == (approx([union * s.d_model * 4 * factor]) if seg == 0 else approx([tied * factor]))
             node0 += sum(sent)
             (send,) = [ph for ph in tie["send"] if ph[0] == "flow"]
             expect = union * (s.d_model * 4 + 8) if seg == 0 else tied
             assert send[1] == ("tie", p) and send[3] == approx(expect)  # inside the node
     chunks = sum(rc.cm.grad_bytes(seg) for seg in range(4)) - 2 * tied
-    assert node0 == approx(chunks + tied + union * s.d_model * 4)
-    assert node0 / 1e6 == approx(34.2, abs=0.1)  # a 4-rank ring of both dense copies would send 38.1
+    assert node0 == approx((chunks + tied + union * s.d_model * 4) * factor)
+    assert node0 / 1e6 == approx(34.2 * factor, abs=0.1)  # a 4-rank ring of both dense copies would send 38.1
 
 
 def test_sliced_tied_state_reduce_scatters_the_heads_copy_and_sends_slices():

@@ -40,8 +40,7 @@ from foldtrain.parallel.dp.base import DataParallelStrategy
 from foldtrain.parallel.dp.buckets import OrderedLauncher, timed_plan
 from foldtrain.parallel.dp.comm import nbytes
 from foldtrain.parallel.flat import flatten, unflatten_into
-
-WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+from foldtrain.parallel.wire import WIRE_DTYPES
 
 
 class AllreduceStrategy(DataParallelStrategy):

@@ -68,14 +68,17 @@ def deferred_group(topo, timeout_s: float | None, purpose: str = "deferred"):
 class ReductionBucket:
     """A piece of one chunk's gradients: packed, averaged over dp, all-reduced asynchronously."""
 
-    def __init__(self, segment: int, index: int, grads: list[torch.Tensor], deadline: int, dp: int):
+    def __init__(
+        self, segment: int, index: int, grads: list[torch.Tensor], deadline: int, dp: int, wire: torch.dtype | None = None
+    ):
         self.segment, self.index, self.grads, self.deadline, self.dp = segment, index, grads, deadline, dp
+        self.wire = wire  # --dp.compression: the dtype the packed gradients travel in (None: their own)
         self.work = self.flat = None
         self.t_issue = self.t_done = None
         self.order, self.by_deadline = -1, False  # issue counter on this rank; issued by the end-of-iteration sort
 
     def issue(self, group, clock) -> None:
-        self.flat = flatten(self.grads, self.grads[0].dtype).div_(self.dp)
+        self.flat = flatten(self.grads, self.wire or self.grads[0].dtype).div_(self.dp)
         self.work = collectives.all_reduce(self.flat, group=group, async_op=True)
         self.t_issue = clock()
 
@@ -106,7 +109,9 @@ def split_buckets(grads: list[torch.Tensor], cap_bytes: float) -> list[list[torc
 class DeadlineQueue:
     """One rank's deferred buckets and in-flight urgent reductions (see the module docstring)."""
 
-    def __init__(self, topo, timeline, bucket_bytes: float, timeout_s: float | None, defer: bool):
+    def __init__(
+        self, topo, timeline, bucket_bytes: float, timeout_s: float | None, defer: bool, wire: torch.dtype | None = None
+    ):
         self.group = deferred_group(topo, timeout_s) if defer else None
         self.dp_group = topo.dp_group
         self.device = None
@@ -118,6 +123,7 @@ class DeadlineQueue:
         self.issued = 0  # deferred buckets issued since the last agreement
         self.order = 0  # issue counter (for the trace)
         self.window = True  # one deferred bucket in flight, none while an urgent one is
+        self.wire = wire  # --dp.compression: the dtype the buckets travel in (None: the gradients' own)
 
     def clock(self) -> float:
         return self.tl.clock()
@@ -132,7 +138,7 @@ class DeadlineQueue:
             self.device = grads[0].device
         if buckets is None:
             buckets = [
-                ReductionBucket(segment, k, gs, deadline, dp)
+                ReductionBucket(segment, k, gs, deadline, dp, self.wire)
                 for k, gs in enumerate(split_buckets(grads, self.bucket_bytes))
             ]
         self.queued += buckets
@@ -143,7 +149,7 @@ class DeadlineQueue:
         self, segment: int, grads: list[torch.Tensor], deadline: int, dp: int, group, bucket=None
     ) -> ReductionBucket:
         """Issue a chunk's urgent reduction at once: ``grads`` all-reduced as one buffer, or ``bucket``."""
-        b = bucket or ReductionBucket(segment, 0, grads, deadline, dp)
+        b = bucket or ReductionBucket(segment, 0, grads, deadline, dp, self.wire)
         b.issue(group, self.clock)
         b.order = self.order
         self.order += 1

@@ -41,6 +41,7 @@ class ChunkReducer:
         cpu_timeout: bool,
         queue: DeadlineQueue | None = None,  # dp > 1: the rank's deadline-ordered reductions
         local_tie: LocalTie | None = None,  # both ends of the tie on this rank (the V placement)
+        wire: torch.dtype | None = None,  # --dp.compression: the dtype gradients cross the link in
     ):
         self.segment = segment
         self.params = [p for p in params if p is not tied]
@@ -50,6 +51,7 @@ class ChunkReducer:
         self.timeout_s = timeout_s
         self.cpu_timeout = cpu_timeout
         self.queue = queue
+        self.wire = wire
         self.buckets: list[ReductionBucket] = []
         self.deferred = False
         if tied is None:
@@ -57,7 +59,7 @@ class ChunkReducer:
         elif local_tie is not None:
             self.tie = local_tie.end(head=segment != 0)
         else:
-            self.tie = TieSide(segment != 0, topo, self._wait, _row_offset(tied), local_part(tied).detach())
+            self.tie = TieSide(segment != 0, topo, self._wait, _row_offset(tied), local_part(tied).detach(), wire)
         self.pending = False  # launched, not yet waited
         # --optim.distributed: the chunk's ChunkShards; its own gradients are then reduce-scattered into them
         self.shards = None
@@ -126,7 +128,7 @@ class ChunkReducer:
                     self.queue.launch_urgent(self.segment, grads, deadline, self.dp, self.topo.dp_group, one)
                 ]
             else:
-                b = ReductionBucket(self.segment, 0, grads, deadline, self.dp)
+                b = ReductionBucket(self.segment, 0, grads, deadline, self.dp, self.wire)
                 b.issue(self.topo.dp_group, lambda: 0.0)
                 self.buckets = [b]
         self.pending = True

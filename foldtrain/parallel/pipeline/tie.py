@@ -49,6 +49,7 @@ import torch
 from foldtrain import collectives
 from foldtrain.parallel.pipeline.zero import reduce_scatter_mean
 from foldtrain.parallel.scatter import summed_row
+from foldtrain.parallel.wire import mean_all_reduce
 
 
 class Slices:
@@ -97,8 +98,17 @@ class TieSide:
     (``sparse``), else as its dense copy. The dp reduction always sends only the union's ``n`` rows
     when ``n`` is at most half of them: every replica knows the same ``n``."""
 
-    def __init__(self, head: bool, topo, wait, row_offset: int = 0, like: torch.Tensor | None = None):
+    def __init__(
+        self,
+        head: bool,
+        topo,
+        wait,
+        row_offset: int = 0,
+        like: torch.Tensor | None = None,
+        wire: torch.dtype | None = None,  # --dp.compression: the dtype of the dp reduction on the link
+    ):
         self.head = head
+        self.wire = wire
         self.topo = topo
         self.dp = topo.dp
         self.wait_fn = wait  # (work, what, p2p=False) -> None, bounded by --dp.timeout_s
@@ -174,17 +184,17 @@ class TieSide:
             if self.slices is not None:  # only this rank's slice of the sum is stepped: a reduce-scatter
                 self.dp_work = self.slices.scatter(g)
             elif self.dp > 1:
-                self.dp_work = collectives.all_reduce(g.div_(self.dp), group=group, async_op=True)
+                self.dp_work = mean_all_reduce(g, self.dp, group, self.wire)
             return
         rows = self._union_rows(g.shape[0])
         if 2 * rows.numel() <= g.shape[0]:
-            self.rows, self.packed, self.last_rows = rows, g.index_select(0, rows).div_(self.dp), rows.numel()
+            self.rows, self.packed, self.last_rows = rows, g.index_select(0, rows), rows.numel()
             payload = self.packed
         else:  # most rows touched: the dense gradient is no more bytes
             self.rows, self.packed, self.last_rows = None, None, None
-            payload = g.div_(self.dp)
+            payload = g
         if self.dp > 1:
-            self.dp_work = collectives.all_reduce(payload, group=group, async_op=True)
+            self.dp_work = mean_all_reduce(payload, self.dp, group, self.wire)
 
     def progress(self) -> None:
         """Hand over as soon as this end's dp reduction landed (polled after every action; never blocks)."""
@@ -280,8 +290,9 @@ class LocalTie:
     the two stay equal. The dense sum is as many bytes as :class:`TieSide`'s head alone sends. :meth:`end` gives
     each chunk's reducer its side, with :class:`TieSide`'s methods."""
 
-    def __init__(self, topo, wait):
+    def __init__(self, topo, wait, wire: torch.dtype | None = None):
         self.topo, self.dp_group, self.dp = topo, topo.dp_group, topo.dp
+        self.wire = wire  # --dp.compression
         self.wait_fn = wait
         self.sides = {head: LocalTieSide(self, head) for head in (False, True)}
         self.slices: Slices | None = None  # --optim.shard_tied: the sum reduce-scattered, each copy takes the slice
@@ -298,7 +309,7 @@ class LocalTie:
         if self.slices is not None:
             emb.dp_work = self.slices.scatter(emb.grad)
         elif self.dp > 1:
-            emb.dp_work = collectives.all_reduce(emb.grad.div_(self.dp), group=self.dp_group, async_op=True)
+            emb.dp_work = mean_all_reduce(emb.grad, self.dp, self.dp_group, self.wire)
 
     def finish(self) -> None:
         """Once the embedding end launched: wait for the sum's reduction; the head's copy takes it."""

@@ -190,6 +190,10 @@ def equivalence_cases(world: int) -> list[dict]:
             _one((2, 2, 1, 2), "zbv", "per-chunk", "zb-zero", zero=True),
             _one((2, 2, 1, 2), "zbv", "per-chunk", "zb-zero-tied", zero=True, shard_tied=True),
             _one((1, 2, 2, 2), "zbv", "per-chunk", "zb", n_layer=4, m=2),
+            # --dp.compression: deferred and urgent buckets, the tie's sparse rows and dense head in bf16; the V
+            # placement's summed tie in fp16
+            _one((2, 2, 1, 2), "fold-zb", "per-chunk", "wire-bf16", defer=True, wire="bf16", vocab=300),
+            _one((2, 2, 1, 2), "zbv", "per-chunk", "wire-fp16", wire="fp16"),
             *FSDP_DP_PP,
         ]
     if world == 8:  # 8 processes on few cores: 2 micro-batches; the last case pads a 63-word vocabulary to 64

@@ -154,6 +154,27 @@ def counting_reduce_scatters():
 
 
 @contextlib.contextmanager
+def all_reduced_dtypes():
+    """The elements foldtrain's all-reduces carried, by dtype, leaving out tensors of under 64 elements (the
+    step's loss, norms and agreements): what ``--dp.compression`` must have cast."""
+    from foldtrain import collectives
+
+    seen: dict[str, int] = {}
+    real = collectives.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        if tensor.numel() >= 64:
+            seen[str(tensor.dtype)] = seen.get(str(tensor.dtype), 0) + tensor.numel()
+        return real(tensor, *args, **kwargs)
+
+    collectives.all_reduce = counted
+    try:
+        yield seen
+    finally:
+        collectives.all_reduce = real
+
+
+@contextlib.contextmanager
 def counting_tied_steps():
     """Count the tied copy's slices stepped apart at an iteration's start (``ChunkShards.step_tied``)."""
     from foldtrain.parallel.pipeline.zero import ChunkShards
@@ -181,7 +202,8 @@ def fsdp_groups(engine) -> int:
 def _equivalence_case(case: dict) -> dict | None:
     cfg = make_cfg(case)
     with counting_reduce_scatters() as reduce_scatters, counting_tied_steps() as tied_steps:
-        engine, losses, norms = run_engine(cfg, range(STEPS))
+        with all_reduced_dtypes() as reduced:
+            engine, losses, norms = run_engine(cfg, range(STEPS))
     tied_steps = torch.tensor([float(tied_steps[0])])
     dist.all_reduce(tied_steps)  # (the head's end is on the last pipeline rank)
     fsdp = {"reduce_scatters": reduce_scatters[0], "fsdp_groups": fsdp_groups(engine)} if case.get("fsdp") else {}
@@ -197,6 +219,7 @@ def _equivalence_case(case: dict) -> dict | None:
         "tie_slice": tie.slices.length if tie and tie.slices else None,  # --optim.shard_tied: elements exchanged
         "tied_steps_apart": int(tied_steps.item()),
         "tie_equal": tie_equal,
+        "all_reduced": reduced,  # elements by dtype
         **optimizer_share(engine),
         **fsdp,
     }

@@ -1,0 +1,50 @@
+"""``--dp.compression fp16|bf16``: gradients cross the data-parallel link in a half dtype.
+
+A reduction's buffer is cast to the wire dtype, summed there and cast back, as torch DDP's
+``bf16_compress_hook`` and Horovod's ``Compression.fp16`` do: half the bytes, one rounding of each
+replica's gradient and of the sum per step. Only fp32 gradients are compressed; in the master
+precisions they are half already.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from foldtrain import collectives
+
+WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def wire_dtype(compression: str, grad_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype fp32 gradients travel in under ``--dp.compression`` (None: their own)."""
+    return WIRE_DTYPES[compression] if grad_dtype == torch.float32 else None
+
+
+class CastBack:
+    """An asynchronous all-reduce of a half copy of ``tensor``: the sum lands in ``tensor`` when waited on.
+
+    It answers ``is_completed`` and ``wait`` as the collective's own work does, so every bounded wait and
+    progress poll takes it unchanged."""
+
+    def __init__(self, work, sent: torch.Tensor, tensor: torch.Tensor):
+        self.work, self.sent, self.tensor = work, sent, tensor
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self, *timeout) -> bool:
+        self.work.wait(*timeout)
+        if self.sent is not None:
+            self.tensor.copy_(self.sent)
+            self.sent = None
+        return True
+
+
+def mean_all_reduce(tensor: torch.Tensor, dp: int, group, wire: torch.dtype | None):
+    """Start averaging ``tensor`` over the ``dp`` ranks of ``group`` in place (async); ``wire``: the dtype
+    it travels in (None: its own). Returns the work to wait on, after which ``tensor`` holds the mean."""
+    tensor.div_(dp)
+    if wire is None:
+        return collectives.all_reduce(tensor, group=group, async_op=True)
+    sent = tensor.to(wire)
+    return CastBack(collectives.all_reduce(sent, group=group, async_op=True), sent, tensor)

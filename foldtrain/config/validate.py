@@ -180,7 +180,7 @@ def validate_world(cfg: Config, world_size: int) -> None:
 
 
 def check_compression(cfg: Config) -> None:
-    """``--dp.compression`` casts the buffers of foldtrain's own all-reduces: the ``allreduce`` strategy's buckets
+    """``--dp.compression`` casts the buffers of the all-reduces: the ``allreduce`` and ``ddp`` strategies' buckets
     and the 3D engine's per-chunk reductions. Every other path reduces its gradients in their own dtype."""
     from foldtrain.schedules.layout import uses_3d_engine
 
@@ -192,9 +192,9 @@ def check_compression(cfg: Config) -> None:
             f"--dp.compression {d.compression} casts the 3D engine's all-reduces, but --optim.distributed "
             "reduce-scatters the gradients in their own dtype; drop one of the two"
         )
-    if d.strategy != "allreduce" and not (uses_3d_engine(cfg) and d.strategy == "none"):
+    if d.strategy not in ("allreduce", "ddp") and not (uses_3d_engine(cfg) and d.strategy == "none"):
         raise ConfigError(
-            f"--dp.compression {d.compression} applies to --dp.strategy allreduce and to the 3D engine's "
+            f"--dp.compression {d.compression} applies to --dp.strategy allreduce and ddp and to the 3D engine's "
             f"reductions (--dp.strategy none with a --parallel layout), not to --dp.strategy {d.strategy}; "
             "drop --dp.compression or change the strategy"
         )

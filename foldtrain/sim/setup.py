@@ -60,7 +60,7 @@ class Setup:
     staleness: int
     bucket_bytes: float
     fusion_bytes: float
-    wire_factor: float  # --dp.compression (allreduce, the 3D engine's all-reduces): wire bytes per gradient byte
+    wire_factor: float  # --dp.compression (allreduce, ddp, the 3D engine): wire bytes per gradient byte
     fp16_scaler: bool
     clip: bool
     first_bytes: float = 2**20  # allreduce / sharded-ps: the first bucket's size
@@ -222,7 +222,7 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         budget_bytes=d.shard_budget_mb * 2**20,
         fold_bucket_bytes=cfg.fold.bucket_mb * 2**20,
         cycle_s=d.cycle_ms * 1e-3,
-        wire_factor=0.5 if strat in ("allreduce", "allreduce-3d") and compressed else 1.0,
+        wire_factor=0.5 if strat in ("allreduce", "ddp", "allreduce-3d") and compressed else 1.0,
         fp16_scaler=cfg.precision.startswith("fp16"),
         clip=cfg.optim.grad_clip > 0,
         dropout=m.dropout > 0,

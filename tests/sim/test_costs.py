@@ -654,3 +654,15 @@ def test_zbv_places_both_tie_ends_on_rank_0_and_the_turn_on_the_last_rank(cluste
     assert v.memory[0]["params"] - v.memory[1]["params"] == approx(2 * tied, rel=0.05)
     assert loop.memory[0]["params"] - loop.memory[1]["params"] == approx(0, abs=0.05 * tied)
     assert 0.5 < v.step_time / loop.step_time < 1.5
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "ddp"])
+def test_compression_halves_a_data_parallel_strategys_link_bytes(cluster, strategy):
+    """``--dp.compression bf16`` puts half of every gradient byte on the link (``ring``'s flow), as the strategy
+    does with its buckets; the rest of the reduction (its steps, the sum in memory) stays."""
+    base = ["--dp.strategy", strategy, "--parallel.dp", "4", "--train.global_batch", "4"]
+    flows = []
+    for wire in ("none", "bf16"):
+        rc = RunCosts(resolve_setup(_cfg(*base, "--dp.compression", wire)), cluster)
+        flows.append([ph[3] for ph in rc.ring(0, 1e6) if ph[0] == "flow"])
+    assert flows[1] == approx([f / 2 for f in flows[0]]) and flows[0][0] > 0

@@ -6,7 +6,8 @@ all-reduce is our own comm hook (the same arithmetic as DDP's default: divide by
 sum) so its bytes are counted. The wait that is not hidden behind backward is measured from
 the moment the last bucket is launched (backward compute is done then) to the end of backward,
 where DDP blocks on the outstanding buckets. ``self.model`` stays the unwrapped module, so
-checkpoints carry the plain parameter names.
+checkpoints carry the plain parameter names. ``--dp.compression fp16|bf16`` sends each bucket in that dtype
+and copies the sum back into it, as torch's ``bf16_compress_hook`` does.
 """
 
 import time  # no `from __future__ import annotations`: DDP checks the comm hook's return annotation object
@@ -16,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from foldtrain import collectives
 from foldtrain.parallel.dp.base import DataParallelStrategy
+from foldtrain.parallel.wire import wire_dtype
 
 
 class DDPStrategy(DataParallelStrategy):
@@ -25,14 +27,16 @@ class DDPStrategy(DataParallelStrategy):
         self.ddp = DistributedDataParallel(self.model, device_ids=ids, bucket_cap_mb=cfg.dp.bucket_mb)
         self.ddp.register_comm_hook(None, self._allreduce_bucket)
         self._last_launch: float | None = None
+        self.wire = wire_dtype(cfg.dp.compression, next(self.model.parameters()).dtype)
 
     def _allreduce_bucket(self, _state, bucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
-        self.comm.count_all_reduce(buf)
+        sent = buf.div_(self.world) if self.wire is None else buf.div_(self.world).to(self.wire)
+        self.comm.count_all_reduce(sent)
         self.comm.phase = "DDP gradient all-reduce"
         self._last_launch = time.perf_counter()
-        buf.div_(self.world)
-        return collectives.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0])
+        fut = collectives.all_reduce(sent, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0] if self.wire is None else buf.copy_(f.value()[0]))
 
     def forward(self, x):
         return self.ddp(x)

@@ -69,7 +69,13 @@ class ReductionBucket:
     """A piece of one chunk's gradients: packed, averaged over dp, all-reduced asynchronously."""
 
     def __init__(
-        self, segment: int, index: int, grads: list[torch.Tensor], deadline: int, dp: int, wire: torch.dtype | None = None
+        self,
+        segment: int,
+        index: int,
+        grads: list[torch.Tensor],
+        deadline: int,
+        dp: int,
+        wire: torch.dtype | None = None,
     ):
         self.segment, self.index, self.grads, self.deadline, self.dp = segment, index, grads, deadline, dp
         self.wire = wire  # --dp.compression: the dtype the packed gradients travel in (None: their own)

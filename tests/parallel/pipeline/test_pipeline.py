@@ -50,9 +50,10 @@ PARAM_TOL = {"fp32": FP32_TOL, "half": 1e-2}
 MASTER_TOL = {"bf16-master": (4e-3, 0.5), "fp16-master": (1e-3, 5e-2)}  # (loss, eval, norm), parameters
 # --dp.compression: each replica's gradient and their mean rounded to the wire dtype once per step, all else fp32.
 # Losses, evaluation and norms agree to the wire dtype's precision (its ulp: bf16 2^-8, fp16 2^-11; observed
-# 2.4e-5 and 4.8e-5); the parameters, as with the master precisions, not: Adam divides each element by its own running RMS, so the rounding of a near-zero bias
-# gradient (fp16: into its subnormals) becomes an update of the learning rate's size (observed 12% and 9% of a
-# bias's norm). That the reductions really travelled in the wire dtype is asserted from the bytes themselves.
+# 2.4e-5 and 4.8e-5); the parameters, as with the master precisions, do not: Adam divides each element by its own
+# running RMS, so the rounding of a near-zero bias gradient (fp16: into its subnormals) becomes an update of the
+# learning rate's size (observed 12% and 9% of a bias's norm). That the reductions really travelled in the wire
+# dtype is asserted from the dtypes the all-reduces carried.
 WIRE_TOL = {"bf16": (3.9e-3, 0.3), "fp16": (4.9e-4, 0.3)}  # (loss, eval, norm), parameters
 WIRE_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", None: "torch.float32"}
 

@@ -58,10 +58,12 @@ def rank_memory(
         out["params"] = out["grads"] = n * 4 / workers
         out["masters"] = 0.0
         buf = 0.0
-    elif s.strategy in ("allreduce-3d", "ddp") and s.dp > 1:
-        buf = n * s.grad_bytes
+    elif s.strategy == "ddp" and s.dp > 1:
+        buf = n * s.grad_bytes  # DDP's buckets: views of the gradients' dtype (a compressed copy is transient)
+    elif s.strategy == "allreduce-3d" and s.dp > 1:
+        buf = n * s.grad_bytes * s.wire_factor  # the packed buffers, in the wire dtype with --dp.compression
     elif s.strategy == "allreduce":
-        buf = min(s.fusion_bytes, n * s.grad_bytes)
+        buf = min(s.fusion_bytes, n * s.grad_bytes) * s.wire_factor
     elif s.strategy == "ps":
         buf = (
             n

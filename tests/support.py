@@ -5,6 +5,7 @@ batches, the single-process reference run) is in ``tests.equivalence``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -57,3 +58,24 @@ class SyntheticSampler:
         per = global_batch // world
         seq = self.global_batch(step, global_batch)[rank * per : (rank + 1) * per]
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+@contextlib.contextmanager
+def all_reduced_dtypes():
+    """The elements foldtrain's all-reduces carried, by dtype, leaving out tensors of under 64 elements (the
+    step's loss, norms and agreements): what ``--dp.compression`` must have cast."""
+    from foldtrain import collectives
+
+    seen: dict[str, int] = {}
+    real = collectives.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        if tensor.numel() >= 64:
+            seen[str(tensor.dtype)] = seen.get(str(tensor.dtype), 0) + tensor.numel()
+        return real(tensor, *args, **kwargs)
+
+    collectives.all_reduce = counted
+    try:
+        yield seen
+    finally:
+        collectives.all_reduce = real

@@ -81,7 +81,7 @@ def test_world_checks():
     validate(build_config(["--parallel.dp", "2", "--optim.distributed", "true", "--train.global_batch", "4"]), 2)
     with pytest.raises(ConfigError, match="--optim.shard_tied slices .* add --optim.distributed true"):
         validate(build_config(["--parallel.dp", "2", "--optim.shard_tied", "true", "--train.global_batch", "4"]), 2)
-    # --dp.compression casts the all-reduces of the allreduce and ddp strategies and the 3D engine's only
+    # --dp.compression casts the reductions of the allreduce, ddp and fsdp strategies and the 3D engine's only
     three_d = ["--parallel.dp", "2", "--train.global_batch", "4", "--dp.compression", "bf16"]
     validate(build_config(three_d), 2)
     validate(build_config(["--dp.strategy", "allreduce", "--dp.compression", "fp16", "--train.global_batch", "4"]), 2)
@@ -91,6 +91,9 @@ def test_world_checks():
         )
     with pytest.raises(ConfigError, match="--optim.distributed reduce-scatters .* drop one of the two"):
         validate(build_config([*three_d, "--optim.distributed", "true"]), 2)
+    validate(build_config(["--dp.strategy", "fsdp", "--dp.compression", "bf16", "--train.global_batch", "4"]), 2)
+    with pytest.raises(ConfigError, match="not to --dp.strategy fsdp with a --parallel layout"):
+        validate(build_config([*three_d, "--dp.strategy", "fsdp", "--parallel.pp", "2", "--parallel.dp", "1"]), 2)
     # --dp.shard_vocab splits the rows as Shard(0) does, ceil-sized pieces first: 6 rows over 4 ranks are 2, 2, 2, 0
     tiny_vocab = ["--dp.strategy", "fsdp", "--train.global_batch", "4", "--model.vocab_size"]
     validate(build_config([*tiny_vocab, "7"]), world_size=4)

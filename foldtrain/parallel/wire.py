@@ -1,5 +1,5 @@
 """``--dp.compression fp16|bf16``: gradients cross the data-parallel link in a half dtype (the ``allreduce`` and
-``ddp`` strategies' buckets, the 3D engine's reductions).
+``ddp`` strategies' buckets, the 3D engine's reductions; ``fsdp`` takes it as its policy's ``reduce_dtype``).
 
 A reduction's buffer is cast to the wire dtype, summed there and cast back, as torch DDP's
 ``bf16_compress_hook`` and Horovod's ``Compression.fp16`` do: half the bytes, one rounding of each

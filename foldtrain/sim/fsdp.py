@@ -186,8 +186,8 @@ def phases(s: Setup, c: Cluster) -> Phases:
     return Phases(
         ag_root=collective(s, c, root * wb, "ag"),
         ag_block=collective(s, c, block * wb, "ag"),
-        rs_root=collective(s, c, root * REDUCE_BYTES, "rs"),
-        rs_block=collective(s, c, block * REDUCE_BYTES, "rs"),
+        rs_root=collective(s, c, root * REDUCE_BYTES * s.wire_factor, "rs"),  # (--dp.compression: half)
+        rs_block=collective(s, c, block * REDUCE_BYTES * s.wire_factor, "rs"),
         embed_f=cm.t_embed_f / rate,
         block_f=cm.t_block_f / rate,
         head=cm.t_head / rate,

@@ -60,7 +60,7 @@ class Setup:
     staleness: int
     bucket_bytes: float
     fusion_bytes: float
-    wire_factor: float  # --dp.compression (allreduce, ddp, the 3D engine): wire bytes per gradient byte
+    wire_factor: float  # --dp.compression (allreduce, ddp, fsdp, the 3D engine): wire bytes per gradient byte
     fp16_scaler: bool
     clip: bool
     first_bytes: float = 2**20  # allreduce / sharded-ps: the first bucket's size
@@ -187,6 +187,7 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         V, layers = 1, (len(chunk_layers(m.n_layer, 1)[0]),)
         mode, strat = "dp", strategy if p.dp > 1 else "none"
     compressed = d.compression in ("fp16", "bf16") and gb == 4
+    fsdp_wire = strat == "fsdp" and d.compression != "none"  # the policy's reduce_dtype: fp32 reduce-scatters halved
     return Setup(
         mode=mode,
         strategy=strat,
@@ -222,7 +223,7 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         budget_bytes=d.shard_budget_mb * 2**20,
         fold_bucket_bytes=cfg.fold.bucket_mb * 2**20,
         cycle_s=d.cycle_ms * 1e-3,
-        wire_factor=0.5 if strat in ("allreduce", "ddp", "allreduce-3d") and compressed else 1.0,
+        wire_factor=0.5 if (strat in ("allreduce", "ddp", "allreduce-3d") and compressed) or fsdp_wire else 1.0,
         fp16_scaler=cfg.precision.startswith("fp16"),
         clip=cfg.optim.grad_clip > 0,
         dropout=m.dropout > 0,

@@ -58,6 +58,8 @@ def test_collectives_cost_their_bytes_over_the_bus_bandwidth():
     half = phases(setup(4, 8, 8, "--precision", "bf16-master"), c)  # MixedPrecisionPolicy: bf16 gathered, fp32 reduced
     assert half.ag_block == pytest.approx(3 / 4 * block * 2 / 10e9 + 3 * 10e-6)
     assert (half.rs_block, half.rs_root) == (pytest.approx(ph.rs_block), pytest.approx(ph.rs_root))
+    wire = phases(setup(4, 8, 8, "--dp.compression", "bf16"), c)  # the policy's reduce_dtype: bf16 reduce-scatters
+    assert wire.rs_block == pytest.approx(3 / 4 * block * 2 / 10e9 + 3 * 10e-6) and wire.ag_block == ph.ag_block
     own = from_dict(cluster_dict(intra__all_gather_busbw_gbs=20, intra__reduce_scatter_busbw_gbs=5))
     assert phases(s, own).ag_block == pytest.approx(3 / 4 * block * 4 / 20e9 + 3 * 10e-6)
     assert phases(s, own).rs_block == pytest.approx(3 / 4 * block * 4 / 5e9 + 3 * 10e-6)

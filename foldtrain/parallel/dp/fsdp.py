@@ -17,6 +17,7 @@ strategy does; the master modes (``bf16-master``, ``fp16-master``) are FSDP's ow
 (``MixedPrecisionPolicy``: half-precision weights gathered for compute, gradients reduced in fp32),
 its sharded fp32 parameters being the masters. fp16 scales the loss; the loss scaler's verdict and
 the gradient norm are computed over the local shards and made global with one all-reduce each.
+``--dp.compression fp16|bf16`` is the policy's ``reduce_dtype``: the reduce-scatters in that dtype.
 
 Checkpoints: ``get_model_state_dict`` / ``get_optimizer_state_dict`` hold the sharded DTensors under
 the plain model's names, so ``torch.distributed.checkpoint`` reshards them from and to any other
@@ -33,6 +34,7 @@ import torch.nn as nn
 from foldtrain.parallel.dp.base import DataParallelStrategy
 from foldtrain.parallel.dp.vocab_shard import shard_vocab
 from foldtrain.parallel.fsdp_gloo import fit_fsdp_to_gloo
+from foldtrain.parallel.wire import WIRE_DTYPES
 
 
 class FSDPStrategy(DataParallelStrategy):
@@ -46,7 +48,8 @@ class FSDPStrategy(DataParallelStrategy):
 
         self.mesh = init_device_mesh(self.device.type, (self.world,))
         param_dtype, reduce_dtype = self.precision.fsdp_dtypes
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        wire = WIRE_DTYPES[cfg.dp.compression]  # --dp.compression: the reduce-scatters in that dtype
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=wire or reduce_dtype)
         opts = dict(mesh=self.mesh, reshard_after_forward=cfg.dp.reshard_after_forward, mp_policy=policy)
         ignored = {shard_vocab(self.model, self.mesh, param_dtype)} if cfg.dp.shard_vocab else None
         self.vocab_head = self.model.head.lm_head if ignored else None

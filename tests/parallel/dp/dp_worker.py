@@ -30,7 +30,7 @@ from foldtrain.distributed import DistEnv
 from foldtrain.engine import build_engine
 from foldtrain.errors import FoldtrainError
 from foldtrain.model import GPT, GPTShape
-from tests.support import SyntheticSampler
+from tests.support import SyntheticSampler, all_reduced_dtypes
 
 HEADS, D_MODEL = 2, 32
 MODEL = [
@@ -131,7 +131,9 @@ def run_case(case: dict, env: DistEnv, tmp: Path | None = None) -> dict:
     cfg, engine = make_engine(case["args"], env)
     sampler = SyntheticSampler(cfg.model.vocab_size, cfg.train.seq_len, case.get("toy", False))
     ckpt = CheckpointManager(tmp / "ckpt", keep=5) if tmp is not None and case.get("ckpt_at") else None
-    out = train(engine, cfg, sampler, 0, case["steps"], env.rank, case, ckpt)
+    with all_reduced_dtypes() as reduced:
+        out = train(engine, cfg, sampler, 0, case["steps"], env.rank, case, ckpt)
+    out["all_reduced"] = reduced  # elements by dtype
     engine.flush()  # sharded-ps: the last step's all-gathers land at the next forward, or here
     out["replica"] = params_of(engine.model)
     out["params"] = params_of(engine.eval_model())  # collective for sharded / server layouts

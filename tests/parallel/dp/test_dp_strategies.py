@@ -79,6 +79,7 @@ def spec(world: int) -> list[dict]:
         for wire in ("fp16", "bf16"):
             cases.append(s(f"wire/{wire}", ["--dp.strategy", "allreduce", "--dp.compression", wire], 4))
         cases.append(s("wire/ddp-bf16", ["--dp.strategy", "ddp", "--dp.compression", "bf16"], 4))
+        cases.append(s("wire/fsdp-bf16", ["--dp.strategy", "fsdp", "--dp.compression", "bf16"], 4))
         for prec in HALF:
             for name, args in strategies(2).items():
                 cases.append(s(f"{prec}/{name}", [*args, "--precision", prec], 3, **half_extras(prec)))
@@ -397,19 +398,25 @@ def test_fsdp_keeps_a_shard_of_the_parameters_and_of_adamw_state(world, request)
 
 
 def test_wire_compression_close_to_fp32(world2):
-    """fp16 / bf16 on the wire (the allreduce strategy's and DDP's buckets): the gradients lose precision once per
-    step; losses stay close and half the bytes cross."""
-    for name, strategy, tol in (
-        ("wire/fp16", "allreduce", 1e-4),
-        ("wire/bf16", "allreduce", 1e-3),
-        ("wire/ddp-bf16", "ddp", 1e-3),
+    """fp16 / bf16 on the wire (the allreduce strategy's and DDP's buckets, FSDP's reduce-scatters): the gradients
+    lose precision once per step; losses stay close and the gradients' reductions carried the wire dtype (allreduce
+    and DDP: only it, half of fp32's bytes; FSDP: its reduce-scatters, beside the vocabulary-sharded head's fp32
+    activations)."""
+    for name, strategy, tol, wire in (
+        ("wire/fp16", "allreduce", 1e-4, "torch.float16"),
+        ("wire/bf16", "allreduce", 1e-3, "torch.bfloat16"),
+        ("wire/ddp-bf16", "ddp", 1e-3, "torch.bfloat16"),
+        ("wire/fsdp-bf16", "fsdp", 1e-3, "torch.bfloat16"),
     ):
-        got = world2[0][name]
+        got, fp32 = world2[0][name], world2[0][f"fp32/{strategy}"]
         ref = reference((), 4)
         assert max(scalar_rel(a, b) for a, b in zip(got["losses"], ref["losses"])) < tol
         assert got["losses"] != ref["losses"]  # rounded: not bit for bit the fp32 run
-        full = world2[0][f"fp32/{strategy}"]["stats"][-1]["comm_bytes_sent"]
-        assert got["stats"][-1]["comm_bytes_sent"] < 0.6 * full
+        per_step = fp32["all_reduced"]["torch.float32"] / len(fp32["losses"])  # elements the fp32 run reduced
+        assert got["all_reduced"].get(wire, 0) / len(got["losses"]) > 0.9 * per_step, got["all_reduced"]
+        if strategy != "fsdp":
+            assert set(got["all_reduced"]) == {wire}, got["all_reduced"]
+            assert got["stats"][-1]["comm_bytes_sent"] < 0.6 * fp32["stats"][-1]["comm_bytes_sent"]
 
 
 def test_dedicated_servers_compute_nothing(world4):

@@ -49,6 +49,7 @@ from tests.parallel.pipeline.cases import (  # noqa: E402
     STEPS,
     equivalence_cases,
 )
+from tests.support import all_reduced_dtypes  # noqa: E402
 
 PROFILE_STEPS = 3  # steps (the timelines of all of them are kept)
 
@@ -151,27 +152,6 @@ def counting_reduce_scatters():
     finally:
         for key in owners:
             setattr(*key, real[key])
-
-
-@contextlib.contextmanager
-def all_reduced_dtypes():
-    """The elements foldtrain's all-reduces carried, by dtype, leaving out tensors of under 64 elements (the
-    step's loss, norms and agreements): what ``--dp.compression`` must have cast."""
-    from foldtrain import collectives
-
-    seen: dict[str, int] = {}
-    real = collectives.all_reduce
-
-    def counted(tensor, *args, **kwargs):
-        if tensor.numel() >= 64:
-            seen[str(tensor.dtype)] = seen.get(str(tensor.dtype), 0) + tensor.numel()
-        return real(tensor, *args, **kwargs)
-
-    collectives.all_reduce = counted
-    try:
-        yield seen
-    finally:
-        collectives.all_reduce = real
 
 
 @contextlib.contextmanager

@@ -92,8 +92,7 @@ def test_world_checks():
     with pytest.raises(ConfigError, match="--optim.distributed reduce-scatters .* drop one of the two"):
         validate(build_config([*three_d, "--optim.distributed", "true"]), 2)
     validate(build_config(["--dp.strategy", "fsdp", "--dp.compression", "bf16", "--train.global_batch", "4"]), 2)
-    with pytest.raises(ConfigError, match="not to --dp.strategy fsdp with a --parallel layout"):
-        validate(build_config([*three_d, "--dp.strategy", "fsdp", "--parallel.pp", "2", "--parallel.dp", "1"]), 2)
+    validate(build_config([*three_d, "--dp.strategy", "fsdp"]), 2)
     # --dp.shard_vocab splits the rows as Shard(0) does, ceil-sized pieces first: 6 rows over 4 ranks are 2, 2, 2, 0
     tiny_vocab = ["--dp.strategy", "fsdp", "--train.global_batch", "4", "--model.vocab_size"]
     validate(build_config([*tiny_vocab, "7"]), world_size=4)

@@ -180,9 +180,9 @@ def validate_world(cfg: Config, world_size: int) -> None:
 
 
 def check_compression(cfg: Config) -> None:
-    """``--dp.compression`` casts the gradients' reductions: the ``allreduce`` and ``ddp`` strategies' buckets, the
-    ``fsdp`` strategy's reduce-scatters (its policy's ``reduce_dtype``) and the 3D engine's per-chunk all-reduces.
-    Every other path reduces its gradients in their own dtype."""
+    """``--dp.compression`` casts the gradients' reductions: the ``allreduce`` and ``ddp`` strategies' buckets,
+    ``fsdp``'s reduce-scatters (its policy's ``reduce_dtype``, with or without a layout) and the 3D engine's
+    per-chunk all-reduces. Every other path reduces its gradients in their own dtype."""
     from foldtrain.schedules.layout import uses_3d_engine
 
     d = cfg.dp
@@ -194,13 +194,11 @@ def check_compression(cfg: Config) -> None:
             f"--dp.compression {d.compression} casts the 3D engine's all-reduces, but --optim.distributed "
             "reduce-scatters the gradients in their own dtype; drop one of the two"
         )
-    takes = d.strategy in ("allreduce", "ddp") or (d.strategy == "fsdp" and not three_d)
-    if not (takes or (three_d and d.strategy == "none")):
-        where = f"--dp.strategy {d.strategy}" + (" with a --parallel layout" if three_d else "")
+    if d.strategy not in ("allreduce", "ddp", "fsdp") and not (three_d and d.strategy == "none"):
         raise ConfigError(
-            f"--dp.compression {d.compression} applies to --dp.strategy allreduce, ddp and fsdp (without a "
-            f"--parallel layout) and to the 3D engine's all-reduces (--dp.strategy none with a --parallel layout), "
-            f"not to {where}; drop --dp.compression or change the strategy"
+            f"--dp.compression {d.compression} applies to --dp.strategy allreduce, ddp and fsdp and to the 3D "
+            f"engine's all-reduces (--dp.strategy none with a --parallel layout), not to --dp.strategy {d.strategy}; "
+            "drop --dp.compression or change the strategy"
         )
 
 

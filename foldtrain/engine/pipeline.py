@@ -51,7 +51,7 @@ from foldtrain.parallel.pipeline.p2p import P2P
 from foldtrain.parallel.pipeline.reducer import ChunkReducer
 from foldtrain.parallel.pipeline.stage import apply_activation_checkpointing, build_chunks, materialize
 from foldtrain.parallel.pipeline.tie import LocalTie
-from foldtrain.parallel.wire import wire_dtype
+from foldtrain.parallel.wire import WIRE_DTYPES, wire_dtype
 from foldtrain.profile import StepProfiler, Timeline
 from foldtrain.schedules import channels_of, step_policy
 from foldtrain.schedules.layout import validate_layout
@@ -131,7 +131,8 @@ class PipelineEngine:
                 apply_activation_checkpointing(c)
         if self.fsdp:
             for c in chunks:
-                fsdp.shard_chunk(c, self.topo.dp_mesh, self.cfg.dp.reshard_after_forward, self.precision)
+                wire = WIRE_DTYPES[self.cfg.dp.compression]  # the policy's reduce_dtype (FSDP2's own compression)
+                fsdp.shard_chunk(c, self.topo.dp_mesh, self.cfg.dp.reshard_after_forward, self.precision, wire)
         return {c.segment: c for c in chunks}
 
     def _build_reducers(self, queue, p2p) -> dict:

@@ -187,7 +187,7 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         V, layers = 1, (len(chunk_layers(m.n_layer, 1)[0]),)
         mode, strat = "dp", strategy if p.dp > 1 else "none"
     compressed = d.compression in ("fp16", "bf16") and gb == 4
-    fsdp_wire = strat == "fsdp" and d.compression != "none"  # the policy's reduce_dtype: fp32 reduce-scatters halved
+    fsdp_wire = strat in ("fsdp", "fsdp-3d") and d.compression != "none"  # reduce_dtype: fp32 reduce-scatters halved
     return Setup(
         mode=mode,
         strategy=strat,

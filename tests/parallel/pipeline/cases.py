@@ -87,6 +87,7 @@ FSDP_DP_PP = [
     # single process's fp16 gradients: its norms differ by about 1.4e-3)
     _one((2, 2, 1, 1), "1f1b", "after-flush", "fsdp-fp16m32", precision="fp16-master", masters_in_fp32=True, **FSDP),
     _one((2, 2, 1, 2), "fold", "per-chunk", "fsdp-ac", ac="full", **FSDP),
+    _one((2, 2, 1, 2), "fold", "per-chunk", "fsdp-wire", wire="bf16", **FSDP),  # bf16 reduce-scatters
     # no pipeline: FSDP over tensor-parallel DTensors (torchtitan's 2D), the tied embedding one parameter
     _one((2, 1, 2, 1), "gpipe", "per-chunk", "fsdp-2d", n_layer=2, m=2, **FSDP),
 ]

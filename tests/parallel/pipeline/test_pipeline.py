@@ -116,6 +116,10 @@ def test_matches_single_process(suite, world, case):
     # the gradients' all-reduces carried the wire dtype of --dp.compression, and fp32 without it
     if dp > 1 and precision == "fp32" and not (case.get("zero") or case.get("fsdp")):
         assert set(r["all_reduced"]) == {WIRE_DTYPE[case.get("wire")]}, r["all_reduced"]
+    if case.get("fsdp") and case.get("wire"):  # FSDP's reduce-scatters (on gloo: in-place all-reduces) in bf16; in
+        # fp32 only the tied copy's shard summed between the pipeline's two ends (inside the replica)
+        assert r["all_reduced"].get(WIRE_DTYPE[case["wire"]], 0) > r["param_elems"] * STEPS, r["all_reduced"]
+        assert r["all_reduced"].get("torch.float32", 0) <= r["tied_elems"] * STEPS, r["all_reduced"]
     # FSDP: every parameter is sharded over dp (on top of tp): rank 0 holds about 1/dp of its chunks' elements
     # outside tensor parallelism's shards, and AdamW steps only those; the micro-batches' gradients accumulate
     # unsharded and each FSDP group reduce-scatters once per step, not once per micro-batch

@@ -1,6 +1,7 @@
 import pytest
 
 from foldtrain.config import Config, build_config, load_toml, to_toml, validate
+from foldtrain.config.validate import check_compression
 from foldtrain.errors import ConfigError
 
 
@@ -93,6 +94,9 @@ def test_world_checks():
         validate(build_config([*three_d, "--optim.distributed", "true"]), 2)
     validate(build_config(["--dp.strategy", "fsdp", "--dp.compression", "bf16", "--train.global_batch", "4"]), 2)
     validate(build_config([*three_d, "--dp.strategy", "fsdp"]), 2)
+    with pytest.raises(ConfigError, match="Horovod compresses to fp16 only"):
+        check_compression(build_config(["--dp.strategy", "horovod", "--dp.compression", "bf16"]))
+    check_compression(build_config(["--dp.strategy", "horovod", "--dp.compression", "fp16"]))
     # --dp.shard_vocab splits the rows as Shard(0) does, ceil-sized pieces first: 6 rows over 4 ranks are 2, 2, 2, 0
     tiny_vocab = ["--dp.strategy", "fsdp", "--train.global_batch", "4", "--model.vocab_size"]
     validate(build_config([*tiny_vocab, "7"]), world_size=4)

@@ -181,8 +181,8 @@ def validate_world(cfg: Config, world_size: int) -> None:
 
 def check_compression(cfg: Config) -> None:
     """``--dp.compression`` casts the gradients' reductions: the ``allreduce`` and ``ddp`` strategies' buckets,
-    ``fsdp``'s reduce-scatters (its policy's ``reduce_dtype``, with or without a layout) and the 3D engine's
-    per-chunk all-reduces. Every other path reduces its gradients in their own dtype."""
+    ``fsdp``'s reduce-scatters (its policy's ``reduce_dtype``, with or without a layout), Horovod's (fp16 only)
+    and the 3D engine's per-chunk all-reduces. Every other path reduces its gradients in their own dtype."""
     from foldtrain.schedules.layout import uses_3d_engine
 
     d = cfg.dp
@@ -194,9 +194,14 @@ def check_compression(cfg: Config) -> None:
             f"--dp.compression {d.compression} casts the 3D engine's all-reduces, but --optim.distributed "
             "reduce-scatters the gradients in their own dtype; drop one of the two"
         )
-    if d.strategy not in ("allreduce", "ddp", "fsdp") and not (three_d and d.strategy == "none"):
+    if d.strategy == "horovod" and d.compression != "fp16":
         raise ConfigError(
-            f"--dp.compression {d.compression} applies to --dp.strategy allreduce, ddp and fsdp and to the 3D "
+            f"--dp.compression {d.compression}: Horovod compresses to fp16 only (hvd.Compression.fp16); "
+            "use --dp.compression fp16, or --dp.strategy allreduce for bf16"
+        )
+    if d.strategy not in ("allreduce", "ddp", "fsdp", "horovod") and not (three_d and d.strategy == "none"):
+        raise ConfigError(
+            f"--dp.compression {d.compression} applies to --dp.strategy allreduce, ddp, fsdp and horovod and to the 3D "
             f"engine's all-reduces (--dp.strategy none with a --parallel layout), not to --dp.strategy {d.strategy}; "
             "drop --dp.compression or change the strategy"
         )

@@ -54,7 +54,11 @@ class HorovodStrategy(Strategy):
             micro_batch = cfg.train.micro_batch
             passes = math.ceil(rows / (micro_batch or rows))
             state.optimizer = hvd.DistributedOptimizer(
-                self.optimizer, named_parameters=self.named_params, backward_passes_per_step=passes
+                self.optimizer,
+                named_parameters=self.named_params,
+                backward_passes_per_step=passes,
+                # --dp.compression fp16: Horovod's own (validated: it has no bf16 compressor)
+                compression=hvd.Compression.fp16 if cfg.dp.compression == "fp16" else hvd.Compression.none,
             )
             _torch_zero_grad_signature(state.optimizer)
             # DistributedOptimizer is a new optimizer over the same parameter groups: the schedule must step

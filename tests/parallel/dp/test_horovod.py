@@ -67,6 +67,7 @@ CASES = [
         "clip/horovod", [*HVD, "--train.micro_batch", "2", "--optim.grad_clip", "0.05"], 6
     ),  # 6 rows per rank: 3 micro-batches
     s("bf16-master/horovod", [*HVD, "--precision", "bf16-master"], 3, ckpt_at=2),
+    s("wire/horovod-fp16", [*HVD, "--dp.compression", "fp16"], 4),  # hvd.Compression.fp16
 ]
 
 
@@ -120,6 +121,16 @@ def test_bf16_master_matches_single_process(results):
     for res in results:
         got = res[case["name"]]
         assert max(rel(a, b) for a, b in zip(got["losses"], ref["losses"])) < HALF_TOL
+
+
+def test_fp16_compression_stays_close(results):
+    """``--dp.compression fp16``: Horovod's fp16 compressor rounds each gradient once per step; the losses stay
+    within fp16's precision of the single process's, and differ from the uncompressed run's."""
+    case = next(c for c in CASES if c["name"] == "wire/horovod-fp16")
+    ref = reference_of(case)
+    got, plain = results[0][case["name"]], results[0]["fp32/horovod"]
+    assert max(rel(a, b) for a, b in zip(got["losses"], ref["losses"])) < 1e-4
+    assert got["losses"] != plain["losses"][: len(got["losses"])]
 
 
 def test_checkpoint_round_trip_continues_identically(results):

@@ -51,7 +51,7 @@ from foldtrain.parallel.pipeline.p2p import P2P
 from foldtrain.parallel.pipeline.reducer import ChunkReducer
 from foldtrain.parallel.pipeline.stage import apply_activation_checkpointing, build_chunks, materialize
 from foldtrain.parallel.pipeline.tie import LocalTie
-from foldtrain.parallel.wire import WIRE_DTYPES, wire_dtype
+from foldtrain.parallel.wire import wire_dtype
 from foldtrain.profile import StepProfiler, Timeline
 from foldtrain.schedules import channels_of, step_policy
 from foldtrain.schedules.layout import validate_layout
@@ -130,9 +130,9 @@ class PipelineEngine:
             for c in chunks:
                 apply_activation_checkpointing(c)
         if self.fsdp:
+            d = self.cfg.dp
             for c in chunks:
-                wire = WIRE_DTYPES[self.cfg.dp.compression]  # the policy's reduce_dtype (FSDP2's own compression)
-                fsdp.shard_chunk(c, self.topo.dp_mesh, self.cfg.dp.reshard_after_forward, self.precision, wire)
+                fsdp.shard_chunk(c, self.topo.dp_mesh, d.reshard_after_forward, self.precision, d.compression)
         return {c.segment: c for c in chunks}
 
     def _build_reducers(self, queue, p2p) -> dict:

@@ -21,6 +21,12 @@ def wire_dtype(compression: str, grad_dtype: torch.dtype) -> torch.dtype | None:
     return WIRE_DTYPES[compression] if grad_dtype == torch.float32 else None
 
 
+def fsdp_reduce_dtype(compression: str, precision_reduce: torch.dtype | None) -> torch.dtype | None:
+    """FSDP2's ``MixedPrecisionPolicy.reduce_dtype``: the wire dtype under ``--dp.compression`` (in every precision:
+    the master modes' fp32 reduce-scatters too), else the precision's own (``Precision.fsdp_dtypes``)."""
+    return WIRE_DTYPES[compression] or precision_reduce
+
+
 class CastBack:
     """An asynchronous all-reduce of a half copy of ``tensor``: the sum lands in ``tensor`` when waited on.
 

@@ -34,7 +34,7 @@ import torch.nn as nn
 from foldtrain.parallel.dp.base import DataParallelStrategy
 from foldtrain.parallel.dp.vocab_shard import shard_vocab
 from foldtrain.parallel.fsdp_gloo import fit_fsdp_to_gloo
-from foldtrain.parallel.wire import WIRE_DTYPES
+from foldtrain.parallel.wire import fsdp_reduce_dtype
 
 
 class FSDPStrategy(DataParallelStrategy):
@@ -48,8 +48,8 @@ class FSDPStrategy(DataParallelStrategy):
 
         self.mesh = init_device_mesh(self.device.type, (self.world,))
         param_dtype, reduce_dtype = self.precision.fsdp_dtypes
-        wire = WIRE_DTYPES[cfg.dp.compression]  # --dp.compression: the reduce-scatters in that dtype
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=wire or reduce_dtype)
+        reduce_dtype = fsdp_reduce_dtype(cfg.dp.compression, reduce_dtype)
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         opts = dict(mesh=self.mesh, reshard_after_forward=cfg.dp.reshard_after_forward, mp_policy=policy)
         ignored = {shard_vocab(self.model, self.mesh, param_dtype)} if cfg.dp.shard_vocab else None
         self.vocab_head = self.model.head.lm_head if ignored else None

@@ -35,18 +35,17 @@ from foldtrain import collectives
 from foldtrain.model.gpt import Block
 from foldtrain.parallel.fsdp_gloo import fit_fsdp_to_gloo
 from foldtrain.parallel.pipeline.p2p import local_part
+from foldtrain.parallel.wire import fsdp_reduce_dtype
 
 
-def shard_chunk(
-    chunk: nn.Module, dp_mesh, reshard_after_forward: bool, precision, wire: torch.dtype | None = None
-) -> None:
+def shard_chunk(chunk: nn.Module, dp_mesh, reshard_after_forward: bool, precision, compression: str = "none") -> None:
     """``fully_shard`` every block of ``chunk``, then ``chunk`` (its embedding, head and final norm), over
-    ``dp_mesh``, in place; parameters become DTensors sharded over dp. ``wire`` (``--dp.compression``): the
-    reduce-scatters' dtype in place of the precision's."""
+    ``dp_mesh``, in place; parameters become DTensors sharded over dp. ``compression``: ``--dp.compression``
+    (the reduce-scatters' dtype, :func:`~foldtrain.parallel.wire.fsdp_reduce_dtype`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     param_dtype, reduce_dtype = precision.fsdp_dtypes
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=wire or reduce_dtype)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=fsdp_reduce_dtype(compression, reduce_dtype))
     blocks = [m for m in chunk.modules() if isinstance(m, Block)]
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)

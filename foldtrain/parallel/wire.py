@@ -1,10 +1,10 @@
 """``--dp.compression fp16|bf16``: gradients cross the data-parallel link in a half dtype (the ``allreduce`` and
 ``ddp`` strategies' buckets, the 3D engine's reductions; ``fsdp`` takes it as its policy's ``reduce_dtype``).
 
-A reduction's buffer is cast to the wire dtype, summed there and cast back, as torch DDP's
-``bf16_compress_hook`` and Horovod's ``Compression.fp16`` do: half the bytes, one rounding of each
-replica's gradient and of the sum per step. Only fp32 gradients are compressed; in the master
-precisions they are half already.
+Every mean over data-parallel ranks goes the same way (:func:`outbound`): the buffer is cast to the wire
+dtype, divided by the number of ranks, summed there and cast back, as torch DDP's ``fp16_compress_hook``
+does: half the bytes, one rounding of each replica's gradient and of the sum per step, and no fp16
+overflow in the sum. Only fp32 gradients are compressed; in the master precisions they are half already.
 """
 
 from __future__ import annotations
@@ -47,11 +47,16 @@ class CastBack:
         return True
 
 
+def outbound(buf: torch.Tensor, dp: int, wire: torch.dtype | None) -> torch.Tensor:
+    """What a mean over ``dp`` ranks sends of ``buf``: cast to ``wire`` first (a copy, unless ``buf`` is in it
+    or ``wire`` is None), then divided by ``dp`` in place."""
+    sent = buf if wire is None or buf.dtype == wire else buf.to(wire)
+    return sent.div_(dp)
+
+
 def mean_all_reduce(tensor: torch.Tensor, dp: int, group, wire: torch.dtype | None):
     """Start averaging ``tensor`` over the ``dp`` ranks of ``group`` in place (async); ``wire``: the dtype
     it travels in (None: its own). Returns the work to wait on, after which ``tensor`` holds the mean."""
-    tensor.div_(dp)
-    if wire is None:
-        return collectives.all_reduce(tensor, group=group, async_op=True)
-    sent = tensor.to(wire)
-    return CastBack(collectives.all_reduce(sent, group=group, async_op=True), sent, tensor)
+    sent = outbound(tensor, dp, wire)
+    work = collectives.all_reduce(sent, group=group, async_op=True)
+    return work if sent is tensor else CastBack(work, sent, tensor)

@@ -23,8 +23,9 @@ then on buckets launch in the plan's order on every rank (``OrderedLauncher``), 
 the hooks fire in. The first step reduces every bucket after its backward (no overlap, once).
 The plan is saved in checkpoints (``dp_plan``) so a resumed run sums in the same buckets.
 
-``--dp.compression fp16|bf16`` casts each packed buffer to that dtype for the wire and back
-after. In the master precisions the gradients are already half, so they travel half.
+``--dp.compression fp16|bf16`` casts each packed fp32 buffer to that dtype for the wire and back
+after (:mod:`foldtrain.parallel.wire`). In the master precisions the gradients are already half, so they
+travel half, in their own dtype.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from foldtrain.parallel.dp.base import DataParallelStrategy
 from foldtrain.parallel.dp.buckets import OrderedLauncher, timed_plan
 from foldtrain.parallel.dp.comm import nbytes
 from foldtrain.parallel.flat import flatten, unflatten_into
-from foldtrain.parallel.wire import WIRE_DTYPES
+from foldtrain.parallel.wire import outbound, wire_dtype
 
 
 class AllreduceStrategy(DataParallelStrategy):
@@ -50,8 +51,8 @@ class AllreduceStrategy(DataParallelStrategy):
         self.fusion_bytes = d.fusion_mb * 2**20
         self.first_bytes = min(d.first_bucket_mb * 2**20, self.fusion_bytes)
         self.cycle_s = d.cycle_ms / 1000.0
-        self.wire_dtype = WIRE_DTYPES[d.compression]
         self.params = [p for _, p in self.named_params]
+        self.wire_dtype = wire_dtype(d.compression, self.params[0].dtype)  # None: the gradients' own
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._accumulating = False  # inside no_sync: hooks do nothing
         self._events: list[tuple[int, float]] = []  # first step: (parameter, ready time)
@@ -100,7 +101,7 @@ class AllreduceStrategy(DataParallelStrategy):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
-        buf = flatten(grads, self.wire_dtype or grads[0].dtype)
+        buf = outbound(flatten(grads, self.wire_dtype or grads[0].dtype), self.world, self.wire_dtype)
         self.comm.count_all_reduce(buf)
         self.comm.phase = "all-reduce"
         self._inflight.append((collectives.all_reduce(buf, async_op=True), buf, grads))
@@ -112,7 +113,7 @@ class AllreduceStrategy(DataParallelStrategy):
         self.launch_log.append(self.launcher.log)
         for work, buf, grads in self._inflight:
             self.comm.wait(work, "all-reduce")
-            unflatten_into(buf.to(grads[0].dtype).div_(self.world), grads)
+            unflatten_into(buf.to(grads[0].dtype), grads)
         self._inflight = []
         self.launcher.reset()
 

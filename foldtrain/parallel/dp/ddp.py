@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from foldtrain import collectives
 from foldtrain.parallel.dp.base import DataParallelStrategy
-from foldtrain.parallel.wire import wire_dtype
+from foldtrain.parallel.wire import outbound, wire_dtype
 
 
 class DDPStrategy(DataParallelStrategy):
@@ -31,12 +31,12 @@ class DDPStrategy(DataParallelStrategy):
 
     def _allreduce_bucket(self, _state, bucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
-        sent = buf.div_(self.world) if self.wire is None else buf.div_(self.world).to(self.wire)
+        sent = outbound(buf, self.world, self.wire)
         self.comm.count_all_reduce(sent)
         self.comm.phase = "DDP gradient all-reduce"
         self._last_launch = time.perf_counter()
         fut = collectives.all_reduce(sent, async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0] if self.wire is None else buf.copy_(f.value()[0]))
+        return fut.then(lambda f: f.value()[0] if sent is buf else buf.copy_(f.value()[0]))
 
     def forward(self, x):
         return self.ddp(x)

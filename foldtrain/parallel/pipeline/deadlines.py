@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from foldtrain import collectives
 from foldtrain.parallel.flat import flatten, unflatten_into
+from foldtrain.parallel.wire import outbound
 
 _GROUPS: dict = {}
 
@@ -84,7 +85,7 @@ class ReductionBucket:
         self.order, self.by_deadline = -1, False  # issue counter on this rank; issued by the end-of-iteration sort
 
     def issue(self, group, clock) -> None:
-        self.flat = flatten(self.grads, self.wire or self.grads[0].dtype).div_(self.dp)
+        self.flat = outbound(flatten(self.grads, self.wire or self.grads[0].dtype), self.dp, self.wire)
         self.work = collectives.all_reduce(self.flat, group=group, async_op=True)
         self.t_issue = clock()
 

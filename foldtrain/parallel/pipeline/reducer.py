@@ -41,7 +41,7 @@ class ChunkReducer:
         cpu_timeout: bool,
         queue: DeadlineQueue | None = None,  # dp > 1: the rank's deadline-ordered reductions
         local_tie: LocalTie | None = None,  # both ends of the tie on this rank (the V placement)
-        wire: torch.dtype | None = None,  # --dp.compression: the dtype gradients cross the link in
+        wire: torch.dtype | None = None,  # --dp.compression: the dtype the tie's reduction crosses the link in
     ):
         self.segment = segment
         self.params = [p for p in params if p is not tied]
@@ -50,8 +50,7 @@ class ChunkReducer:
         self.dp = topo.dp
         self.timeout_s = timeout_s
         self.cpu_timeout = cpu_timeout
-        self.queue = queue
-        self.wire = wire
+        self.queue = queue  # its buckets carry the chunk's own gradients in the wire dtype
         self.buckets: list[ReductionBucket] = []
         self.deferred = False
         if tied is None:
@@ -120,17 +119,13 @@ class ChunkReducer:
             scatter = self.shards.scatter_buckets(self._grads, deadline, self.dp, self.segment) if self.shards else None
             if self.deferred:
                 self.buckets = self.queue.submit_deferred(self.segment, grads, deadline, self.dp, scatter)
-            elif self.queue is not None:
+            else:  # the engine builds a deadline queue wherever dp > 1 (FSDP's chunks have their own reducer)
                 one = scatter[0] if scatter else None
                 if scatter and len(scatter) != 1:
                     raise RuntimeError(f"segment {self.segment}: an urgent reduction is one bucket, not {len(scatter)}")
                 self.buckets = [
                     self.queue.launch_urgent(self.segment, grads, deadline, self.dp, self.topo.dp_group, one)
                 ]
-            else:
-                b = ReductionBucket(self.segment, 0, grads, deadline, self.dp, self.wire)
-                b.issue(self.topo.dp_group, lambda: 0.0)
-                self.buckets = [b]
         self.pending = True
 
     def handoff(self) -> None:

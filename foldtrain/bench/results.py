@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from foldtrain.profile.recorder import PROFILE_FILE
+
 # keys of a metrics.jsonl record that are not per-step measurements
 _NOT_MEASURED = {"step", "loss", "lr", "grad_norm", "val_loss", "val_ppl"}
 
@@ -63,25 +65,29 @@ class RunResult:
 # ---------------------------------------------------------------- reading runs
 
 
+def _json_lines(p: Path) -> list[dict]:
+    """The JSON objects of a .jsonl file, one per line (other lines skipped; none if it does not exist)."""
+    if not p.is_file():
+        return []
+    out = []
+    for line in p.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
 def read_metrics(path: str | Path) -> list[dict]:
-    """The per-step records of a metrics.jsonl (lines that are not JSON objects are skipped)."""
+    """The per-step records of a metrics.jsonl, each with the figures ``--profile`` wrote for its step into
+    the profile.jsonl beside it (lines that are not JSON objects are skipped)."""
     p = Path(path)
     if p.is_dir():
         p = p / "metrics.jsonl"
-    out = []
-    if not p.is_file():
-        return out
-    for line in p.read_text(errors="replace").splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and "step_time_s" in rec:
-            out.append(rec)
-    return out
+    profiled = {r.get("step"): r for r in _json_lines(p.with_name(PROFILE_FILE))}
+    return [{**profiled.get(rec.get("step"), {}), **rec} for rec in _json_lines(p) if "step_time_s" in rec]
 
 
 def _num(v: Any) -> bool:

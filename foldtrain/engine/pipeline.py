@@ -22,11 +22,12 @@ all ranks, every chunk skips together). In the ``*-master`` modes the chunks hol
 activations travel between stages in that precision, and each chunk's fp32 master copy owns AdamW, the
 gradient norm and the checkpoint (:mod:`.pipeline_steps`).
 
-``--profile``: every rank records its actions in a :class:`foldtrain.profile.Timeline`; after each
-step the timelines are gathered on rank 0 (a collective), ``stats()`` reports the step's mean
-``bubble_fraction``, ``all_rank_idle_fraction`` and ``exposed_dp_comm_s`` (longest blocking
-data-parallel wait), and at the end of training rank 0 writes ``timeline.json`` (Chrome trace of
-the last steps) and ``gantt.png`` into ``--out``.
+``--profile``: every rank records its actions in a :class:`foldtrain.profile.Timeline` and keeps them;
+every 50 steps and at the end of training they are gathered on rank 0 (a collective,
+:mod:`foldtrain.profile.recorder`), which appends each step's ``bubble_fraction``,
+``all_rank_idle_fraction`` and ``exposed_dp_comm_s`` (longest blocking data-parallel wait) to
+``profile.jsonl`` and at the end writes ``timeline.json`` (Chrome trace of the last steps) and
+``gantt.png`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ class PipelineEngine:
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         xs, ys = self._split(x, y)
         self.steps.step_ok = True
-        step = self.iteration
+        step = self.iteration + 1  # the trainer's numbering (metrics.jsonl, profile.jsonl)
         self.timeline.begin_step(step)
         loss_sum = self.executor.run(self.pipeline_schedule, xs, ys)
         self.timeline.end_step(step)
@@ -284,10 +285,13 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ profiling
     def _profile_step(self) -> None:
-        self.profiler.after_step()
+        """Keep the step's events; gather them every ``FLUSH_EVERY`` steps and at the run's end (collectives)."""
         end = min(self.cfg.train.steps, self.cfg.train.stop_at) if self.cfg.train.stop_at else self.cfg.train.steps
-        if self.iteration == end:
-            self.write_profile(Path(self.cfg.out))
+        out = Path(self.cfg.out) if self.cfg.out else None
+        if self.profiler.after_step() or self.iteration == end:
+            self.profiler.flush(out)
+        if self.iteration == end and out is not None:
+            self.write_profile(out)
 
     def profile_events(self) -> list[list[dict]]:
         """The kept steps' events per global rank (rank 0 only; empty elsewhere)."""
@@ -303,7 +307,7 @@ class PipelineEngine:
         return self.profiler.write(out, title)
 
     def stats(self) -> dict[str, float]:
-        return dict(self.profiler.last)
+        return {}  # --profile's figures go to profile.jsonl, gathered at intervals (foldtrain.profile.recorder)
 
     # ------------------------------------------------------------------ checkpoint state and the full model
     def state_dict(self) -> dict:

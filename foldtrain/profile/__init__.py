@@ -24,7 +24,7 @@ from .analysis import (
 )
 from .export import TRACE_ROWS, chrome_trace, load_events, plot_gantt, save_events, write_chrome_trace
 from .recorder import StepProfiler
-from .timeline import KINDS, NULL_SPAN, Timeline, gather_timelines, shifted_events
+from .timeline import KINDS, NULL_SPAN, Timeline, gather_steps, gather_timelines, shifted_events
 
 __all__ = [
     "KINDS",
@@ -35,6 +35,7 @@ __all__ = [
     "as_rank_lists",
     "chrome_trace",
     "format_summary",
+    "gather_steps",
     "gather_timelines",
     "idle_intervals",
     "load_events",

@@ -273,17 +273,31 @@ def gather_timelines(timeline: Timeline, group: Any = None) -> list[list[dict[st
     group's rank 0 and ``None`` elsewhere; without an initialised process group,
     ``[timeline.events]`` (copies).
     """
+    steps = gather_steps(timeline, [timeline.events], group)
+    return None if steps is None else steps[0]
+
+
+def gather_steps(
+    timeline: Timeline, steps: list[list[dict[str, Any]]], group: Any = None
+) -> list[list[list[dict[str, Any]]]] | None:
+    """:func:`gather_timelines` for several groups of events at once (e.g. the events of each of the last
+    steps, recorded by ``timeline``; every rank passes as many): per group, the per-rank event lists, on
+    the group's rank 0 (``None`` elsewhere). One collective whatever the number of groups."""
     import torch.distributed as dist  # lazy: the rest of the module is torch-free
 
     if not (dist.is_available() and dist.is_initialized()):
-        return [shifted_events(timeline.events, 0.0)]
+        return [[shifted_events(events, 0.0)] for events in steps]
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
     dst = dist.get_global_rank(group, 0) if group is not None else 0
     dist.barrier(group=group)
     bases: list[Any] = [None] * world
     dist.all_gather_object(bases, float(timeline.calibrate()), group=group)
-    events = shifted_events(timeline.events, bases[me] - bases[0])
+    mine = [shifted_events(events, bases[me] - bases[0]) for events in steps]
     out: list[Any] | None = [None] * world if me == 0 else None
-    dist.gather_object(events, out, dst=dst, group=group)
-    return out if me == 0 else None
+    dist.gather_object(mine, out, dst=dst, group=group)
+    if me != 0:
+        return None
+    if len({len(r) for r in out}) != 1:
+        raise RuntimeError(f"gather_steps: the ranks sent different numbers of groups ({[len(r) for r in out]})")
+    return [[out[r][i] for r in range(world)] for i in range(len(steps))]

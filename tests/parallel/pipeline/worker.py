@@ -299,6 +299,7 @@ def profile_case(case: dict, out: Path) -> dict | None:
         "bubble": mean["bubble"],
         "all_idle": mean["all_idle"],
         "stats": engine.stats(),
+        "profiled": [json.loads(line) for line in (root / "profile.jsonl").read_text().splitlines()],
         "out": str(root),
         "losses": losses,
     }

@@ -35,6 +35,10 @@ class Engine(Protocol):
     def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Mean loss over ``batches`` (identical on every rank), without updating anything."""
 
+    def between_steps(self) -> None:
+        """Start the work that runs between two steps (the 3D engine's deferred reductions), after the loop's
+        own per-step collectives; ``train_step`` and ``flush`` do it themselves when the loop did not."""
+
     def flush(self) -> None:
         """Complete any work deferred into the next step (before reading or saving weights)."""
 

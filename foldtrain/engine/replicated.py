@@ -64,6 +64,9 @@ class ReplicatedEngine:
     def stats(self) -> dict[str, float]:
         return self.strategy.stats()
 
+    def between_steps(self) -> None:
+        """Nothing waits for the loop here: the strategies start their next-step work inside ``train_step``."""
+
     def flush(self) -> None:
         """Complete what the strategy left in flight into the next step (sharded-ps: the all-gathers
         of the updated parameters, which the next forward would otherwise wait for)."""

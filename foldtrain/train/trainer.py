@@ -211,6 +211,7 @@ def train_steps(
                 extra=engine.extra_state(),
                 background=background,
             )
+        engine.between_steps()  # after this step's collectives above: on a slow link they would queue behind it
         if stop and done < end:
             log.info(
                 f"preempted: {preempt.describe()} received; saved {path} after step {done} of {t.steps}; "

@@ -72,6 +72,7 @@ def run_engine(cfg, steps_range, engine=None, seed=None):
     for s in steps_range:
         losses.append(engine.train_step(*dp_rows(engine, *data[s])))
         grad_norms.append(engine.last_grad_norm)
+        engine.between_steps()  # as the training loop does, after its own per-step collectives
     return engine, losses, grad_norms
 
 

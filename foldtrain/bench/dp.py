@@ -267,7 +267,8 @@ def main(argv: list[str]) -> int:
         ratios = dp_ratios(results) + dp_overlap(results)
         notes += common.run_notes(a, load_before)
         notes += [
-            "medians over the steps after warm-up; tokens/s = global batch x seq_len / step time",
+            "medians over the steps after warm-up; tokens/s = global batch x seq_len / step time, the wall period "
+            "from a step's start to the next's (what runs between steps included)",
             "speed-up: over foldtrain `none` (1 process) at the same precision; "
             "efficiency = speed-up / data-parallel workers",
             "MB/step/worker and server: the strategy's own byte counters logged by rank 0 "

@@ -263,7 +263,8 @@ def main(argv: list[str]) -> int:
         notes += [
             f"world {a.dp * a.pp}: dp={a.dp} across emulated nodes x pp={a.pp} inside each; micro-batches per dp rank: "
             f"{a.microbatches or a.global_batch // a.dp}",
-            "medians over the steps after warm-up; "
+            "medians over the steps after warm-up; time/step: the wall period from a step's start to the next's "
+            "(what runs between steps included); "
             "tokens/s and time/step of foldtrain rows come from runs without --profile; "
             "all-rank idle / bubble / exposed DP comm from a separate --profile run of the same configuration "
             "(the anchors do not log them)",

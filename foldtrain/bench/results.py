@@ -23,7 +23,7 @@ from typing import Any
 from foldtrain.profile.recorder import PROFILE_FILE
 
 # keys of a metrics.jsonl record that are not per-step measurements
-_NOT_MEASURED = {"step", "loss", "lr", "grad_norm", "val_loss", "val_ppl"}
+_NOT_MEASURED = {"step", "loss", "lr", "grad_norm", "val_loss", "val_ppl", "time_s"}
 
 
 @dataclass
@@ -101,18 +101,36 @@ def _consistent_throughput(m: dict[str, float]) -> None:
         m["tokens_per_s"] = m["tokens_per_step"] / m["step_time_s"]
 
 
+def wall_periods(records: list[dict]) -> list[float | None]:
+    """Each record's wall period: its ``time_s`` less the previous step's (None for a record whose
+    previous step is not the record before it)."""
+    out: list[float | None] = [None] * len(records)
+    for i in range(1, len(records)):
+        a, b = records[i - 1], records[i]
+        if _num(a.get("time_s")) and _num(b.get("time_s")) and b.get("step") == (a.get("step") or 0) + 1:
+            out[i] = float(b["time_s"]) - float(a["time_s"])
+    return out
+
+
 def summarize_records(records: list[dict], warmup: int = 3) -> dict[str, float]:
     """Medians of every numeric per-step measurement after the first ``warmup`` records.
 
-    ``peak_mem_mb`` is the maximum (it is a high-water mark). Derived per step before the median:
-    ``comm_bytes`` (sent + received), ``comm_wait_share`` (comm_wait_s / step_time_s) and
-    ``compute_share``. ``steps_measured`` says how many records the medians use. If there are no
+    ``step_time_s`` is the wall period from one step's start to the next's (``time_s``), so that it holds
+    what happens between steps too: the loop's logging, and the communication a step leaves in flight
+    (deferred reductions, ZeRO's all-gathers), which the loop's own ``step_time_s`` (``engine_step_s`` here)
+    would not charge to anyone. Records without a period keep their own ``step_time_s`` only when no
+    record has one. ``peak_mem_mb`` is the maximum (it is a high-water mark). Derived per step before
+    the median: ``comm_bytes`` (sent + received), ``comm_wait_share`` (comm_wait_s / the engine's step)
+    and ``compute_share``. ``steps_measured`` says how many records the medians use. If there are no
     more than ``warmup`` records, the last one is used (and ``warmup_short`` is set)."""
     if not records:
         return {}
-    kept = records[warmup:] if len(records) > warmup else records[-1:]
+    periods = wall_periods(records)
+    first = warmup if len(records) > warmup else len(records) - 1
+    kept = list(zip(records[first:], periods[first:]))
+    any_period = any(p is not None for _, p in kept)
     rows = []
-    for r in kept:
+    for r, period in kept:
         r = dict(r)
         if _num(r.get("comm_bytes_sent")) or _num(r.get("comm_bytes_recv")):
             r["comm_bytes"] = float(r.get("comm_bytes_sent") or 0) + float(r.get("comm_bytes_recv") or 0)
@@ -123,6 +141,11 @@ def summarize_records(records: list[dict], warmup: int = 3) -> dict[str, float]:
             for src, dst in (("comm_wait_s", "comm_wait_share"), ("compute_s", "compute_share")):
                 if _num(r.get(src)):
                     r[dst] = r[src] / st
+            r["engine_step_s"] = st
+        if any_period:
+            r.pop("step_time_s", None)
+            if period is not None and period > 0:
+                r["step_time_s"] = period
         rows.append(r)
     keys: list[str] = []
     for r in rows:

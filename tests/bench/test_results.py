@@ -105,6 +105,20 @@ def test_summarize_skips_warmup_and_takes_medians(tmp_path):
     assert "loss" not in s and "step" not in s
 
 
+def test_step_time_is_the_wall_period_between_step_starts(tmp_path):
+    """What the loop does between steps (logging, collectives queued behind reductions a step left in flight)
+    counts: the step time is the period from one step's start to the next's, the loop's own figure is
+    ``engine_step_s``; a step missing from the records gives no period."""
+    starts = [0.0, 9.0, 10.5, 14.0, 16.5, 18.0, 30.0]  # time_s at each step's end; step 6 missing below
+    recs = [dict(r, time_s=t) for r, t in zip(read_metrics(write_metrics(tmp_path / "r", [1.0] * 7)), starts)]
+    del recs[5]  # (steps 1-5, 7: step 7's period is unknown)
+    s = summarize_records(recs, warmup=2)
+    assert s["step_time_s"] == pytest.approx(2.5)  # median of 1.5, 3.5, 2.5
+    assert s["engine_step_s"] == pytest.approx(1.0)
+    assert s["tokens_per_s"] == pytest.approx(2048 / 2.5)
+    assert s["steps_measured"] == 4 and "time_s" not in s
+
+
 def test_summarize_short_run_uses_last_record(tmp_path):
     s = summarize_records(read_metrics(write_metrics(tmp_path / "r", [5.0, 4.0])), warmup=3)
     assert s["step_time_s"] == 4.0 and s["warmup_short"] == 1.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -94,12 +95,15 @@ def micro_batches(x: torch.Tensor, y: torch.Tensor, n: int, rows: int) -> list[t
 
 class Metrics:
     """Rank 0's ``metrics.jsonl`` in ``--out``, one line per step with the fields the benchmark reads
-    (``step``, ``loss``, ``lr``, ``tokens_per_s``, ``step_time_s``, ``grad_norm``, ``peak_mem_mb``);
-    on the other ranks it writes nothing and reads no values (no device synchronisation)."""
+    (``step``, ``loss``, ``lr``, ``tokens_per_s``, ``step_time_s``, ``time_s``, ``grad_norm``, ``peak_mem_mb``);
+    on the other ranks it writes nothing and reads no values (no device synchronisation). ``time_s`` is the
+    wall clock since the object was made, as foldtrain's loop writes it: the benchmark's step time is the
+    period between two of them."""
 
     def __init__(self, cfg, rank: int, device: torch.device):
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
         self.device = device
+        self.t0 = time.perf_counter()
         self.f = None
         if rank == 0:
             out = Path(cfg.out)
@@ -113,7 +117,7 @@ class Metrics:
         rec = {"step": step + 1, "loss": float(loss)}
         if lr is not None:
             rec["lr"] = lr
-        rec.update(tokens_per_s=self.tokens_per_step / dt, step_time_s=dt)
+        rec.update(tokens_per_s=self.tokens_per_step / dt, step_time_s=dt, time_s=time.perf_counter() - self.t0)
         if grad_norm is not None:
             rec["grad_norm"] = float(grad_norm)
         rec["peak_mem_mb"] = peak_memory_mb(self.device)

@@ -91,6 +91,9 @@ class Setup:
     dist_optim: bool = False
     shard_tied: bool = False  # --optim.shard_tied: the tied copies' state sliced over dp too
     shard_vocab: bool = False  # fsdp without a layout, --dp.shard_vocab: the tied weight split by rows, never gathered
+    # the training loop's own small collectives over every rank after a step's loss all-reduce, per step: the
+    # stop agreement (--checkpoint.on_signal) and, on logged steps, the memory gather (foldtrain.train.trainer)
+    loop_meetings: float = 0.0
 
     @property
     def optim_share(self) -> float:
@@ -231,4 +234,5 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         shard_vocab=strat == "fsdp" and d.shard_vocab,
         dist_optim=three_d and distributed_optimizer(cfg),
         shard_tied=three_d and distributed_optimizer(cfg) and cfg.optim.shard_tied,
+        loop_meetings=float(cfg.checkpoint.on_signal) + 1.0 / t.log_every if p.dp * p.pp * p.tp > 1 else 0.0,
     )

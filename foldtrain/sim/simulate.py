@@ -425,12 +425,13 @@ class RunCosts:
         return cost + (self.pl.world_latency() if s.fp16_scaler else 0.0)
 
     def end_of_iteration(self):
-        """The loss all-reduce over every rank after the step (a barrier); the asynchronous parameter
-        server's workers log their own loss."""
+        """The loss all-reduce over every rank after the step (a barrier) and the training loop's own
+        collectives after it (``Setup.loop_meetings``), before the 3D engine issues its deferred buckets;
+        the asynchronous parameter server's workers log their own loss."""
         s = self.s
         if s.mode == "dp" and (s.dp <= 1 or (s.strategy == "ps" and s.staleness > 0)):
             return None
-        return self.pl.world_latency()
+        return self.pl.world_latency() * (1.0 + s.loop_meetings)
 
     def link_bw(self, key: tuple) -> float:
         if key[0] in ("srv-in", "srv-out"):

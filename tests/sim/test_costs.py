@@ -533,8 +533,12 @@ def test_data_parallel_buckets_and_the_engines_scalar_all_reduces():
     c = from_dict(cluster_dict(device__memory_gb=1000, node__shared_cores=2, node__collective_cpu_us=300.0), "c.toml")
     assert from_dict(tomllib.loads(to_toml(c)), "c.toml").collective_cpu == approx(300e-6)
     n = 4
+
+    def cfg_args(n, strat="ddp"):
+        return ("--dp.strategy", strat, "--parallel.dp", str(n), "--train.global_batch", "4", "--dp.cycle_ms", "0")
+
     for strat in ("ddp", "sharded-ps", "allreduce"):
-        cfg = _cfg("--dp.strategy", strat, "--parallel.dp", str(n), "--train.global_batch", "4", "--dp.cycle_ms", "0")
+        cfg = _cfg(*cfg_args(n, strat))
         rc = RunCosts(resolve_setup(cfg), c)
         g = rc.cm.grad_bytes(0)
         sizes = rc.bucket_sizes(0, g)
@@ -546,8 +550,13 @@ def test_data_parallel_buckets_and_the_engines_scalar_all_reduces():
         ring = 2 * (n - 1) if strat != "sharded-ps" else n - 1
         first = buckets[0][1][0]
         assert first == ("delay", approx(ring * c.intra.coll), approx(ring * 300e-6))
-        assert rc.end_of_iteration() == approx(CostModel.tree_latency(n, c.intra.coll))
+        # the loss all-reduce, then the loop's stop agreement and (logging every step) memory gather
+        assert rc.end_of_iteration() == approx(3 * CostModel.tree_latency(n, c.intra.coll))
         assert (rc.before_steps() is None) == (strat != "sharded-ps")
+    quiet = _cfg(*cfg_args(n), "--train.log_every", "4", "--checkpoint.on_signal", "false")
+    assert RunCosts(resolve_setup(quiet), c).end_of_iteration() == approx(
+        1.25 * CostModel.tree_latency(n, c.intra.coll)
+    )
     assert rc.reduce_phases(0, 0) == [ph for _, phases in buckets for ph in phases]
     sps = RunCosts(
         resolve_setup(_cfg("--dp.strategy", "sharded-ps", "--parallel.dp", "4", "--train.global_batch", "4")), c

@@ -29,8 +29,13 @@ class Engine(Protocol):
     def batch(self, sampler, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the global batch of ``step``."""
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One optimizer step on this rank's rows; returns the global mean loss (the same on every rank)."""
+    shared: list[list[float]] | None
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, share=None) -> float:
+        """One optimizer step on this rank's rows; returns the global mean loss (the same on every rank).
+        ``share``: a callable giving a few floats of this rank's that the engine may carry in the step's own
+        closing collective; every rank's then land in :attr:`shared` (None where the engine carries none), so
+        the loop needs no collective of its own after the step."""
 
     def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Mean loss over ``batches`` (identical on every rank), without updating anything."""

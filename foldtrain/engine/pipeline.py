@@ -32,6 +32,7 @@ every 50 steps and at the end of training they are gathered on rank 0 (a collect
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -98,6 +99,7 @@ class PipelineEngine:
         # ---- transport, the optimizer side, executor
         self.iteration = 0
         self._between = False  # an iteration ended whose between-steps work has not started (between_steps)
+        self.shared: list[list[float]] | None = None  # every rank's share() of the last train_step
         self.timeline = Timeline(self.rank, enabled=bool(cfg.profile))
         self.profiler = StepProfiler(self.timeline)
         self.executor = self._build_executor()
@@ -230,8 +232,9 @@ class PipelineEngine:
             )
         return list(x.split(lay.micro_batch)), list(y.split(lay.micro_batch))
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, share: Callable[[], list[float]] | None = None) -> float:
         self.between_steps()  # a caller that does not call it: the last step's deferred buckets go out now
+        self.shared = None
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         xs, ys = self._split(x, y)
         self.steps.step_ok = True
@@ -241,7 +244,7 @@ class PipelineEngine:
         self.timeline.end_step(step)
         self.precision.scaler.update(self.steps.step_ok)
         self.iteration += 1
-        loss = self._global_loss(loss_sum)  # every rank has finished the iteration (its urgent reductions too)
+        loss = self._global_loss(loss_sum, share)  # every rank has finished the iteration (its urgent reductions too)
         self._between = True
         if self.cfg.profile:
             self._profile_step()
@@ -249,24 +252,31 @@ class PipelineEngine:
 
     def between_steps(self) -> None:
         """Start what runs between two iterations: the deferred buckets held back until every rank finished
-        (:meth:`Executor.end_iteration`). The training loop calls it after its own per-step collectives (the
-        metrics' memory gather, the stop agreement), which on a slow link would otherwise queue behind those
-        buckets: 15-50 ms a step at 1 Gbit/s, fold with deferral, time in which the ranks sat idle. Every
-        method that needs the iteration closed (the next ``train_step``, ``flush``) calls it first."""
+        (:meth:`Executor.end_iteration`). The training loop calls it once it has logged the step (its stop vote
+        and memory figures came with the loss, ``share``), so that nothing of the loop's queues behind those
+        buckets on a slow link (15-50 ms a step at 1 Gbit/s, fold with deferral, when it did). Every method
+        that needs the iteration closed (the next ``train_step``, ``flush``) calls it first."""
         if self._between:
             self._between = False
             self.executor.end_iteration()
 
-    def _global_loss(self, loss_sum: torch.Tensor) -> float:
-        """Mean over data-parallel ranks of the last segment's loss, on every rank (one all-reduce)."""
+    def _global_loss(self, loss_sum: torch.Tensor, share: Callable[[], list[float]] | None = None) -> float:
+        """Mean over data-parallel ranks of the last segment's loss, on every rank: one all-reduce, or with
+        ``share`` one all-gather that carries every rank's ``share()`` too, into :attr:`shared`."""
         holder = self.pipeline_schedule.rank_of(self.layout.segments - 1)
         contributes = self.topo.pp_rank == holder and self.topo.tp_rank == 0
         t = (
             loss_sum.detach().float() / self.layout.dp if contributes else torch.zeros((), device=self.device)
         ).reshape(1)
         t = t.to(self.device)
-        collectives.all_reduce(t)
-        return float(t[0])
+        if share is None:
+            collectives.all_reduce(t)
+            return float(t[0])
+        mine = torch.cat([t.double(), torch.tensor(share(), dtype=torch.float64, device=self.device)])
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        collectives.all_gather(every, mine)
+        self.shared = [v[1:].tolist() for v in every]
+        return float(sum(float(v[0]) for v in every))
 
     def flush(self) -> None:
         """Complete deferred reductions and optimizer steps (``--fold.defer_reduce``)."""

@@ -82,8 +82,11 @@ class ReplicatedEngine:
         with self.precision.forward_context():
             return self.strategy.loss(self.strategy.forward(x), y)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Forward/backward this rank's rows of the global batch and update; returns the global mean loss."""
+    shared = None  # the strategies' own loss reductions carry nothing else: the loop agrees by itself
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, share=None) -> float:
+        """Forward/backward this rank's rows of the global batch and update; returns the global mean loss
+        (``share`` is not carried here: :attr:`shared` stays None)."""
         s = self.strategy
         with s.step_context():
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)

@@ -92,7 +92,8 @@ class Setup:
     shard_tied: bool = False  # --optim.shard_tied: the tied copies' state sliced over dp too
     shard_vocab: bool = False  # fsdp without a layout, --dp.shard_vocab: the tied weight split by rows, never gathered
     # the training loop's own small collectives over every rank after a step's loss all-reduce, per step: the
-    # stop agreement (--checkpoint.on_signal) and, on logged steps, the memory gather (foldtrain.train.trainer)
+    # stop agreement (--checkpoint.on_signal) and, on logged steps, the memory gather (foldtrain.train.trainer);
+    # the 3D engine carries both in its loss all-gather (none of its own)
     loop_meetings: float = 0.0
 
     @property
@@ -234,5 +235,5 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         shard_vocab=strat == "fsdp" and d.shard_vocab,
         dist_optim=three_d and distributed_optimizer(cfg),
         shard_tied=three_d and distributed_optimizer(cfg) and cfg.optim.shard_tied,
-        loop_meetings=float(cfg.checkpoint.on_signal) + 1.0 / t.log_every if p.dp * p.pp * p.tp > 1 else 0.0,
+        loop_meetings=float(cfg.checkpoint.on_signal) + 1.0 / t.log_every if mode == "dp" and p.dp > 1 else 0.0,
     )

@@ -101,6 +101,8 @@ def test_matches_single_process(suite, world, case):
     if case.get("wire"):
         tol, param_tol = WIRE_TOL[case["wire"]]
     assert r["loss_err"] <= tol, (r["losses"], r["ref_losses"])
+    # the loss's all-gather carried every rank's share (the training loop's stop vote and memory figure)
+    assert r["shared"] == [[float(i), 1.5] for i in range(world)], r["shared"]
     if not case["defer"]:
         assert r["norm_err"] <= tol, (r["norms"], r["ref_norms"])
     if case.get("grad_clip"):  # the case exists to clip: the norm must exceed the threshold on every step

@@ -69,8 +69,9 @@ def run_engine(cfg, steps_range, engine=None, seed=None):
         engine = PipelineEngine(build_model(cfg, seed), cfg, DEVICE)
     data = batches(cfg.train.global_batch, cfg.train.steps, vocab=cfg.model.vocab_size)
     losses, grad_norms = [], []
-    for s in steps_range:
-        losses.append(engine.train_step(*dp_rows(engine, *data[s])))
+    rank = float(dist.get_rank())
+    for s in steps_range:  # as the training loop does, with a share of floats carried by the loss's collective
+        losses.append(engine.train_step(*dp_rows(engine, *data[s]), share=lambda: [rank, 1.5]))
         grad_norms.append(engine.last_grad_norm)
         engine.between_steps()  # as the training loop does, after its own per-step collectives
     return engine, losses, grad_norms
@@ -199,6 +200,7 @@ def _equivalence_case(case: dict) -> dict | None:
         "tie_rows": tie.last_rows if tie else None,
         "tie_slice": tie.slices.length if tie and tie.slices else None,  # --optim.shard_tied: elements exchanged
         "tied_steps_apart": int(tied_steps.item()),
+        "shared": engine.shared,
         "tie_equal": tie_equal,
         "all_reduced": reduced,  # elements by dtype
         **optimizer_share(engine),

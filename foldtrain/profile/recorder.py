@@ -48,7 +48,6 @@ class StepProfiler:
         self.keep_steps, self.flush_every = keep_steps, flush_every
         self.pending: list[list[dict]] = []  # this rank's events of each step since the last gather
         self.steps: list[list[list[dict]]] = []  # rank 0: the last gathered steps, per step, per rank
-        self.last: dict[str, float] = {}  # rank 0: the figures of the newest gathered step
 
     def after_step(self) -> bool:
         """Keep this step's events (no communication). True when :meth:`flush` is due."""
@@ -70,8 +69,6 @@ class StepProfiler:
             figures = step_figures(g)
             if figures:
                 rows.append({"step": max(steps) if steps else None, **figures})
-        if rows:
-            self.last = {k: v for k, v in rows[-1].items() if k != "step"}
         if out is not None and rows:
             out.mkdir(parents=True, exist_ok=True)
             with open(out / PROFILE_FILE, "a") as f:

@@ -78,13 +78,13 @@ class Preemption:
         """This rank's vote for :meth:`stop_agreed`: 1.0 once it has received a signal."""
         return 1.0 if self.enabled and self.received is not None else 0.0
 
-    def stop_agreed(self, shared: list[list[float]] | None = None) -> bool:
+    def stop_agreed(self, votes: list[float] | None = None) -> bool:
         """Whether any rank has received a signal (collective: call on every rank at the same boundary).
-        ``shared``: every rank's :meth:`flag` as the step's own collective carried it (then no collective)."""
+        ``votes``: every rank's :meth:`flag` as the step's own collective carried it (then no collective)."""
         if not self.enabled:
             return False
-        if shared is not None:
-            return any(s[0] > 0 for s in shared)
+        if votes is not None:
+            return any(v > 0 for v in votes)
         flag = 1 if self.received is not None else 0
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return bool(flag)

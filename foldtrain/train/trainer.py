@@ -189,7 +189,7 @@ def train_steps(
     t_start = time.perf_counter()  # metrics' time_s: wall time since this session's loop began
 
     def share() -> list[float]:  # what every rank needs of every other after a step, carried by the engine's collective
-        return [preempt.flag(), peak_memory_mb(env.device)]
+        return [preempt.flag(), peak_memory_mb(env.device)]  # (column() reads them back by these positions)
 
     for step in range(start, end):
         faults.step(step + 1)  # no-op unless FOLDTRAIN_FAULT is set (tests only)
@@ -204,7 +204,7 @@ def train_steps(
         if done % t.log_every == 0 or done == t.steps:
             record = step_record(cfg, env, engine, val, done, loss, lr, dt, t_start)
             log.log(record, advance=t.log_every if done % t.log_every == 0 else done % t.log_every)
-        stop = preempt.stop_agreed(engine.shared)  # every rank stops after the same step
+        stop = preempt.stop_agreed(column(engine.shared, 0))  # every rank stops after the same step
         if stop or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == end:
             # the last save and a preemption's save are written at once; the others may go to the background
             background = cfg.checkpoint.async_ and not stop and done != end
@@ -239,7 +239,7 @@ def step_record(
         "step_time_s": dt,
         "time_s": time.perf_counter() - t_start,
         "grad_norm": engine.last_grad_norm,
-        **memory_record(env, engine.shared),
+        **memory_record(env, column(engine.shared, 1)),
         **engine.stats(),
     }
     if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
@@ -264,14 +264,21 @@ def finish(cfg: Config, env: DistEnv, engine, data: TokenData, log: RunLogger) -
         print(f"\n----- sample after {t.steps} steps -----\n{text}\n-----", flush=True)
 
 
-def memory_record(env: DistEnv, shared: list[list[float]] | None = None) -> dict:
-    """This rank's peak memory and, with several ranks, every rank's and the largest: from ``shared`` (the
-    loop's share() as the engine's step carried it) or a collective of its own."""
+def column(shared: list[list[float]] | None, i: int) -> list[float] | None:
+    """Every rank's ``i``-th value of the loop's ``share()`` as the engine's step carried it (None: not carried)."""
+    return None if shared is None else [s[i] for s in shared]
+
+
+def memory_record(env: DistEnv, carried: list[float] | None = None) -> dict:
+    """This rank's peak memory and, with several ranks, every rank's and the largest: ``carried`` by the
+    engine's step (every rank's, in rank order), or gathered by a collective of its own."""
     mine = peak_memory_mb(env.device)
     if env.world_size == 1:
         return {"peak_mem_mb": mine}
-    ranks = [s[1] for s in shared] if shared is not None else gather_floats(mine)
-    mine = ranks[env.rank]
+    if carried is None:
+        ranks = gather_floats(mine)
+    else:
+        ranks, mine = carried, carried[env.rank]
     return {"peak_mem_mb": mine, "peak_mem_mb_max": max(ranks), "peak_mem_mb_ranks": ranks}
 
 

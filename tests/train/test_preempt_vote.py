@@ -8,7 +8,7 @@ import signal
 import torch
 
 from foldtrain.train.preempt import Preemption
-from foldtrain.train.trainer import memory_record
+from foldtrain.train.trainer import column, memory_record
 
 
 def test_the_vote_carried_by_the_step_decides_without_a_collective():
@@ -16,15 +16,15 @@ def test_the_vote_carried_by_the_step_decides_without_a_collective():
     assert p.flag() == 0.0
     p.received = signal.SIGTERM
     assert p.flag() == 1.0
-    assert p.stop_agreed([[0.0, 10.0], [1.0, 12.0]]) is True  # another rank received it
-    assert p.stop_agreed([[0.0, 10.0], [0.0, 12.0]]) is False  # the vote is what was carried, not this rank's now
+    assert p.stop_agreed([0.0, 1.0]) is True  # another rank received it
+    assert p.stop_agreed([0.0, 0.0]) is False  # the vote is what was carried, not this rank's now
     off = Preemption(False, "TERM", 30.0, torch.device("cpu"))
-    assert off.flag() == 0.0 and off.stop_agreed([[1.0, 0.0]]) is False
+    assert off.flag() == 0.0 and off.stop_agreed([1.0]) is False
 
 
 def test_memory_figures_come_from_the_carried_share():
     from foldtrain.distributed import DistEnv
 
     env = DistEnv(1, 3, 1, torch.device("cpu"))
-    rec = memory_record(env, [[0.0, 100.0], [0.0, 250.0], [0.0, 180.0]])
+    rec = memory_record(env, column([[0.0, 100.0], [0.0, 250.0], [0.0, 180.0]], 1))
     assert rec == {"peak_mem_mb": 250.0, "peak_mem_mb_max": 250.0, "peak_mem_mb_ranks": [100.0, 250.0, 180.0]}

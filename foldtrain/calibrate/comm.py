@@ -136,7 +136,9 @@ def links(loop: dict, net: dict | None, hop: float | None = None):
     when measured (else the same link). ``hop``: a collective's step measured with the runs' number of
     processes (default: the loopback probe's); across nodes never shorter than that, since with more
     processes than cores the host's scheduling, not the wire, is most of a step (the network probe has 2).
-    Probes from before the step was measured have none (0: the point-to-point latency)."""
+    Probes from before the step was measured have none (0: the point-to-point latency). The emulated network's
+    interface queues up to its shaper's latency (:data:`~foldtrain.netem.cluster.QUEUE_MS`) ahead of a message."""
+    from foldtrain.netem.cluster import QUEUE_MS
     from foldtrain.sim.cluster import Link
 
     hop = loop.get("collective_latency_s", 0.0) if hop is None else hop
@@ -152,6 +154,7 @@ def links(loop: dict, net: dict | None, hop: float | None = None):
             max(net.get("collective_latency_s", 0.0), hop),
             p2p_bw=net.get("p2p_bw", 0.0),
             rs_bw=net["allreduce_bw"] / 2,
+            queue=QUEUE_MS / 1e3,
         )
         if net
         else intra

@@ -89,6 +89,11 @@ def format_rate(bits: int) -> str:
     return f"{bits}bit"
 
 
+# tbf's queue: the most a packet waits in the shaper (excess is dropped). A bulk TCP transfer keeps it full, so a
+# small message sent meanwhile (a loss all-reduce) waits behind up to this much of it (the simulator's inter.queue_ms)
+QUEUE_MS = 50
+
+
 def tbf_burst_bytes(bits_per_s: int) -> int:
     """Token-bucket depth: 5 ms at the rate, at least 32 KiB (several full-size packets)."""
     return max(32 * 1024, bits_per_s // 8 // 200)
@@ -240,7 +245,7 @@ class EmulatedCluster:
 
     def _tc_args(self, dev: str, with_delay: bool) -> list[list[str]]:
         rate = f"{self.rate_bits}bit"
-        tbf = ["tbf", "rate", rate, "burst", str(tbf_burst_bytes(self.rate_bits)), "latency", "50ms"]
+        tbf = ["tbf", "rate", rate, "burst", str(tbf_burst_bytes(self.rate_bits)), "latency", f"{QUEUE_MS}ms"]
         if with_delay and self.delay_ms > 0:
             return [
                 ["tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{self.delay_ms}ms"],

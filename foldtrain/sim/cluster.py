@@ -73,6 +73,9 @@ A cluster file (copy a preset and edit it; every number is required and positive
     p2p_gbs = 25             # optional, [intra] or [inter]: point-to-point send/recv bandwidth (absent: bw_gbs)
     reduce_scatter_busbw_gbs = 180  # optional: bus bandwidth of a reduce-scatter (absent: bw_gbs)
     all_gather_busbw_gbs = 180      # optional: of an all-gather (absent: bw_gbs)
+    queue_ms = 50            # optional, [inter]: how long a small message may wait behind the bulk transfers
+                             # queued ahead of it on the interface (a FIFO's depth, which bulk TCP keeps full:
+                             # tc tbf's latency on the emulated cluster; absent: 0, it never waits)
 
 ``bw_gbs`` is the all-reduce's bus bandwidth (nccl-tests' busbw: algorithm bandwidth x 2 (n-1) / n).
 
@@ -119,6 +122,7 @@ class Link:
     p2p_bw: float = 0.0  # bytes/s of a send/recv (0: bw)
     rs_bw: float = 0.0  # bytes/s bus bandwidth of a reduce-scatter (0: bw)
     ag_bw: float = 0.0  # bytes/s bus bandwidth of an all-gather (0: bw)
+    queue: float = 0.0  # s: the most a small message waits behind the bulk bytes queued ahead of it (0: never)
 
     @property
     def coll(self) -> float:
@@ -262,6 +266,7 @@ LINK_OPTIONAL: dict[str, tuple[str, float]] = {
     "p2p_gbs": ("p2p_bw", 1e-9),
     "reduce_scatter_busbw_gbs": ("rs_bw", 1e-9),
     "all_gather_busbw_gbs": ("ag_bw", 1e-9),
+    "queue_ms": ("queue", 1e3),
 }
 FRACTIONS = ("node.oversubscribed_efficiency", "device.attention_efficiency", "device.attention_bwd_efficiency")
 POSITIVE = ("device.loss_buffers", "node.oversubscribed_efficiency")

@@ -107,6 +107,12 @@ class Costs(Protocol):
     def end_of_iteration(self) -> float | None:
         """Seconds of the ranks' meeting after the iteration (the loss all-reduce), or ``None``."""
 
+    def agreement(self) -> float | None:
+        """Seconds of the deadline queue's agreement before it issues its held buckets, or ``None``."""
+
+    def queue_cap(self, meeting: str) -> float:
+        """The most a meeting's small collective waits behind the bytes queued on the nodes' interfaces."""
+
     def link_bw(self, key: tuple) -> float:
         """Bytes/s of a link."""
 
@@ -606,6 +612,8 @@ class Sim:
         if len(ends) == len(self.ranks):
             self.iter_end.append(max(ends))
         self._step_ties_early(r)
+        if r.deferred and (agree := self.costs.agreement()) is not None:  # the queue's MAX over dp first
+            r.t += agree + self.queued_ahead("agree")
         self.release_deferred(r.p, r.t)
         r.it += 1
         r.pc = 0
@@ -631,11 +639,20 @@ class Sim:
         b[1].append(r)
         if len(b[1]) < len(self.ranks):
             return False
-        t_rel = max(b[2].values()) + cost
+        t_rel = max(b[2].values()) + cost + self.queued_ahead(key[0])
         b[0] = t_rel
         for q in b[1]:
             self.at(t_rel, lambda q=q: self.step(q))
         return False
+
+    def queued_ahead(self, meeting: str) -> float:
+        """Seconds a meeting's small collective waits behind the bulk transfers in flight on the nodes' interfaces:
+        a FIFO holds up to ``costs.queue_cap`` of them ahead of it (a bulk TCP transfer keeps it full while that
+        much is left to send); the slowest interface's wait."""
+        cap = self.costs.queue_cap(meeting)
+        if cap <= 0:
+            return 0.0
+        return max((min(ln.backlog() / ln.bw, cap) for k, ln in self.links.items() if k[0] == "nic"), default=0.0)
 
     # ---------------------------------------------------------------- reductions
     def _reduction_done(self, r: RankState, c: int, it: int) -> Callable:

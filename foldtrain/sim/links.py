@@ -76,6 +76,11 @@ class SharedLink:
         self.flows[self._next] = [nbytes, weight, done]
         self._reschedule(now)
 
+    def backlog(self) -> float:
+        """Bytes still to cross the link now, of every flow in flight (a weight stands for that many transfers)."""
+        self._advance(self.sim.now)
+        return sum(f[0] * f[1] for f in self.flows.values())
+
     def _reschedule(self, now: float) -> None:
         self.ver += 1
         if not self.flows:

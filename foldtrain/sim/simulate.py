@@ -418,11 +418,21 @@ class RunCosts:
             )
             cost = norm + (self.pl.world_latency() if s.fp16_scaler else 0.0)
             return cost or None
-        if s.pp * s.tp == 1 and not s.fp16_scaler and not self.fsdp:
+        norm = self._norm_meeting()
+        if norm is None and not s.fp16_scaler:
             return None
-        # the gradient norm: over the pipeline, or with fsdp over every rank (each holds a shard)
-        cost = self.pl.world_latency() if self.fsdp else self.pl.pipeline_latency() if s.pp * s.tp > 1 else 0.0
-        return cost + (self.pl.world_latency() if s.fp16_scaler else 0.0)
+        return (norm or 0.0) + (self.pl.world_latency() if s.fp16_scaler else 0.0)
+
+    def _norm_meeting(self) -> float | None:
+        """The 3D engine's gradient-norm all-reduce before the steps: over every rank where each holds a shard
+        (fsdp, the distributed optimizer), else over the pipeline; ``None`` where there is none (one pipeline and
+        TP rank, or deferred reductions without clipping, whose norm the engine leaves out)."""
+        s = self.s
+        if s.defer and not s.clip:
+            return None
+        if self.fsdp or s.dist_optim:
+            return self.pl.world_latency()
+        return self.pl.pipeline_latency() if s.pp * s.tp > 1 else None
 
     def end_of_iteration(self):
         """The loss all-reduce over every rank after the step (a barrier) and the training loop's own
@@ -432,6 +442,25 @@ class RunCosts:
         if s.mode == "dp" and (s.dp <= 1 or (s.strategy == "ps" and s.staleness > 0)):
             return None
         return self.pl.world_latency() * (1.0 + s.loop_meetings)
+
+    def agreement(self):
+        """The deadline queue's agreement between iterations (one MAX all-reduce over dp) before it issues the
+        deferred buckets it held, or ``None`` (no deferral)."""
+        s = self.s
+        return CostModel.tree_latency(s.dp, self.pl.dp_link(0)[3]) if s.defer and s.dp > 1 else None
+
+    def queue_cap(self, meeting: str) -> float:
+        """The most a meeting's small collective (``"loss"``, ``"clip"``, ``"agree"``) waits behind the bulk bytes
+        queued on the nodes' interfaces (``inter.queue_ms``); 0 where it stays inside a node."""
+        s, pl = self.s, self.pl
+        world = s.world > pl.G
+        everyone = s.mode == "dp" or s.fp16_scaler or self.fsdp or s.dist_optim  # the norm or vote over every rank
+        crosses = {
+            "loss": world,
+            "clip": (world and everyone) or (s.mode != "dp" and pl.pipeline_spans_nodes()),
+            "agree": pl.dp_spans_nodes(),
+        }[meeting]
+        return self.c.inter.queue if crosses else 0.0
 
     def link_bw(self, key: tuple) -> float:
         if key[0] in ("srv-in", "srv-out"):

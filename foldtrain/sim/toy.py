@@ -62,6 +62,12 @@ class UnitCosts:
     def end_of_iteration(self):
         return None
 
+    def agreement(self):
+        return None
+
+    def queue_cap(self, meeting: str) -> float:
+        return 0.0
+
     def link_bw(self, key) -> float:
         return float("inf")
 

@@ -190,3 +190,51 @@ def test_a_collective_slows_the_device_compute_beside_it():
     assert (b["start"], b["end"]) == (approx(1.0), approx(3.25))
     assert sim.iter_end[0] == approx(3.75)
     assert run_schedule(sched, _Buckets(cores=1.0, slowdown=1.0)).iter_end[0] == approx(3.5)
+
+
+class _Queued(UnitCosts):
+    """Deferred chunks reduce in one bucket across node 0's interface (100 B/s; 1,500 bytes: still in flight when the
+    iteration ends); the loss meeting takes 0.01 s, the deadline queue's agreement 0.02 s, and a meeting's small
+    collective waits behind at most ``cap`` seconds of the bytes queued on the interface."""
+
+    def __init__(self, cap: float, nbytes: float = 1500.0):
+        super().__init__(1.0, 2.0, t_reduce=3.0)
+        self.cap, self.nbytes = cap, nbytes
+
+    def deferred_buckets(self, p, c):
+        return [[("flow", ("nic", 0), 1.0, self.nbytes)]]
+
+    def link_bw(self, key):
+        return 100.0
+
+    def end_of_iteration(self):
+        return 0.01
+
+    def agreement(self):
+        return 0.02
+
+    def queue_cap(self, meeting):
+        return self.cap
+
+
+def _waits(sim, it: int) -> list[float]:
+    """Iteration ``it``'s loss meeting beyond its last rank's arrival, then each rank's time from there to its next
+    step (the agreement)."""
+    last = max(e["end"] for r in sim.ranks for e in r.events if e["kind"] == "step" and e["step"] == it)
+    nxt = [min(e["start"] for e in r.events if e["kind"] == "step" and e["step"] == it + 1) for r in sim.ranks]
+    return [sim.iter_end[it] - last] + [t - sim.iter_end[it] for t in nxt]
+
+
+def test_small_collectives_wait_behind_the_bulk_bytes_queued_ahead():
+    """A meeting's small collective (the loss all-reduce, the deadline queue's agreement) waits behind the bytes
+    in flight on the nodes' interfaces, at most ``queue_cap``: a FIFO (tc tbf on the emulated cluster) that
+    bulk TCP keeps full. With no FIFO (cap 0), or nothing in flight, it waits only its own latency."""
+    sched = build_schedule("fold", 2, 2, 4, "per-chunk", defer_reduce=True)
+    run = lambda cap, nbytes=1500.0: run_schedule(sched, _Queued(cap, nbytes), iterations=3)  # noqa: E731
+    assert all(r.deferred for r in run(0.0).ranks)  # every rank defers a chunk: every rank agrees
+    assert _waits(run(0.0), 1) == approx([0.01, 0.02, 0.02])
+    assert _waits(run(0.5), 1) == approx([0.01 + 0.5, 0.02 + 0.5, 0.02 + 0.5])  # a deferred bucket in flight
+    assert _waits(run(0.5, nbytes=1e-3), 1) == approx([0.01, 0.02, 0.02])  # nothing in flight
+    # where the bytes would not arrive before the chunk's next forward anyway, the waits cost the period nothing
+    period = lambda s: s.iter_end[2] - s.iter_end[1]  # noqa: E731
+    assert period(run(0.5)) == approx(period(run(0.0)))

@@ -45,7 +45,7 @@ from foldtrain.engine.pipeline_steps import ChunkOptimizers
 from foldtrain.errors import ConfigError
 from foldtrain.model.gpt import GPT, GPTShape
 from foldtrain.optim import Precision
-from foldtrain.parallel.mesh import get_topology
+from foldtrain.parallel.mesh import get_topology, global_rank
 from foldtrain.parallel.pipeline import fsdp
 from foldtrain.parallel.pipeline.deadlines import DeadlineQueue
 from foldtrain.parallel.pipeline.executor import Executor
@@ -99,6 +99,7 @@ class PipelineEngine:
         # ---- transport, the optimizer side, executor
         self.iteration = 0
         self._between = False  # an iteration ended whose between-steps work has not started (between_steps)
+        self._agreed: int | None = None  # the dp group's largest deferred count, gathered with the loss
         self.shared: list[list[float]] | None = None  # every rank's share() of the last train_step
         self.timeline = Timeline(self.rank, enabled=bool(cfg.profile))
         self.profiler = StepProfiler(self.timeline)
@@ -244,7 +245,8 @@ class PipelineEngine:
         self.timeline.end_step(step)
         self.precision.scaler.update(self.steps.step_ok)
         self.iteration += 1
-        loss = self._global_loss(loss_sum, share)  # every rank has finished the iteration (its urgent reductions too)
+        # every rank has finished the iteration (its urgent reductions too)
+        loss = self._global_loss(loss_sum, share, self.executor.deferred_count())
         self._between = True
         if self.cfg.profile:
             self._profile_step()
@@ -258,24 +260,36 @@ class PipelineEngine:
         that needs the iteration closed (the next ``train_step``, ``flush``) calls it first."""
         if self._between:
             self._between = False
-            self.executor.end_iteration()
+            agreed, self._agreed = self._agreed, None
+            self.executor.end_iteration(agreed)
 
-    def _global_loss(self, loss_sum: torch.Tensor, share: Callable[[], list[float]] | None = None) -> float:
-        """Mean over data-parallel ranks of the last segment's loss, on every rank: one all-reduce, or with
-        ``share`` one all-gather that carries every rank's ``share()`` too, into :attr:`shared`."""
+    def _global_loss(
+        self, loss_sum: torch.Tensor, share: Callable[[], list[float]] | None = None, count: int | None = None
+    ) -> float:
+        """Mean over data-parallel ranks of the last segment's loss, on every rank: one all-reduce, or one all-gather
+        that carries every rank's ``share()`` too, into :attr:`shared`, and ``count``, this rank's deferred buckets
+        issued (a training step's :meth:`Executor.deferred_count`), whose largest over its dp group the queue's
+        agreement takes in :meth:`between_steps` (no collective of its own behind the bytes in flight)."""
         holder = self.pipeline_schedule.rank_of(self.layout.segments - 1)
         contributes = self.topo.pp_rank == holder and self.topo.tp_rank == 0
         t = (
             loss_sum.detach().float() / self.layout.dp if contributes else torch.zeros((), device=self.device)
         ).reshape(1)
         t = t.to(self.device)
-        if share is None:
+        if share is None and count is None:
             collectives.all_reduce(t)
             return float(t[0])
-        mine = torch.cat([t.double(), torch.tensor(share(), dtype=torch.float64, device=self.device)])
+        extra = [] if count is None else [float(count)]
+        carried = torch.tensor(extra + (share() if share else []), dtype=torch.float64, device=self.device)
+        mine = torch.cat([t.double(), carried])
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         collectives.all_gather(every, mine)
-        self.shared = [v[1:].tolist() for v in every]
+        if count is not None:
+            topo = self.topo
+            peers = [global_rank(d, topo.pp_rank, topo.tp_rank, topo.pp, topo.tp) for d in range(topo.dp)]
+            self._agreed = int(max(float(every[r][1]) for r in peers))
+        if share is not None:
+            self.shared = [v[1 + len(extra) :].tolist() for v in every]
         return float(sum(float(v[0]) for v in every))
 
     def flush(self) -> None:

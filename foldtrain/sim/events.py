@@ -107,9 +107,6 @@ class Costs(Protocol):
     def end_of_iteration(self) -> float | None:
         """Seconds of the ranks' meeting after the iteration (the loss all-reduce), or ``None``."""
 
-    def agreement(self) -> float | None:
-        """Seconds of the deadline queue's agreement before it issues its held buckets, or ``None``."""
-
     def queue_cap(self, meeting: str) -> float:
         """The most a meeting's small collective waits behind the bytes queued on the nodes' interfaces."""
 
@@ -612,8 +609,6 @@ class Sim:
         if len(ends) == len(self.ranks):
             self.iter_end.append(max(ends))
         self._step_ties_early(r)
-        if r.deferred and (agree := self.costs.agreement()) is not None:  # the queue's MAX over dp first
-            r.t += agree + self.queued_ahead("agree")
         self.release_deferred(r.p, r.t)
         r.it += 1
         r.pc = 0

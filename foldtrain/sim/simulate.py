@@ -436,29 +436,23 @@ class RunCosts:
 
     def end_of_iteration(self):
         """The loss all-reduce over every rank after the step (a barrier) and the training loop's own
-        collectives after it (``Setup.loop_meetings``), before the 3D engine issues its deferred buckets;
-        the asynchronous parameter server's workers log their own loss."""
+        collectives after it (``Setup.loop_meetings``), before the 3D engine issues its deferred buckets (the count
+        its deadline queue agrees on rides on the loss's all-gather); the asynchronous parameter server's workers
+        log their own loss."""
         s = self.s
         if s.mode == "dp" and (s.dp <= 1 or (s.strategy == "ps" and s.staleness > 0)):
             return None
         return self.pl.world_latency() * (1.0 + s.loop_meetings)
 
-    def agreement(self):
-        """The deadline queue's agreement between iterations (one MAX all-reduce over dp) before it issues the
-        deferred buckets it held, or ``None`` (no deferral)."""
-        s = self.s
-        return CostModel.tree_latency(s.dp, self.pl.dp_link(0)[3]) if s.defer and s.dp > 1 else None
-
     def queue_cap(self, meeting: str) -> float:
-        """The most a meeting's small collective (``"loss"``, ``"clip"``, ``"agree"``) waits behind the bulk bytes
-        queued on the nodes' interfaces (``inter.queue_ms``); 0 where it stays inside a node."""
+        """The most a meeting's small collective (``"loss"``, ``"clip"``) waits behind the bulk bytes queued on the
+        nodes' interfaces (``inter.queue_ms``); 0 where it stays inside a node."""
         s, pl = self.s, self.pl
         world = s.world > pl.G
         everyone = s.mode == "dp" or s.fp16_scaler or self.fsdp or s.dist_optim  # the norm or vote over every rank
         crosses = {
             "loss": world,
             "clip": (world and everyone) or (s.mode != "dp" and pl.pipeline_spans_nodes()),
-            "agree": pl.dp_spans_nodes(),
         }[meeting]
         return self.c.inter.queue if crosses else 0.0
 

@@ -62,9 +62,6 @@ class UnitCosts:
     def end_of_iteration(self):
         return None
 
-    def agreement(self):
-        return None
-
     def queue_cap(self, meeting: str) -> float:
         return 0.0
 

@@ -194,8 +194,8 @@ def test_a_collective_slows_the_device_compute_beside_it():
 
 class _Queued(UnitCosts):
     """Deferred chunks reduce in one bucket across node 0's interface (100 B/s; 1,500 bytes: still in flight when the
-    iteration ends); the loss meeting takes 0.01 s, the deadline queue's agreement 0.02 s, and a meeting's small
-    collective waits behind at most ``cap`` seconds of the bytes queued on the interface."""
+    iteration ends); the loss meeting takes 0.01 s, and its small collective waits behind at most ``cap`` seconds of
+    the bytes queued on the interface."""
 
     def __init__(self, cap: float, nbytes: float = 1500.0):
         super().__init__(1.0, 2.0, t_reduce=3.0)
@@ -210,31 +210,32 @@ class _Queued(UnitCosts):
     def end_of_iteration(self):
         return 0.01
 
-    def agreement(self):
-        return 0.02
-
     def queue_cap(self, meeting):
         return self.cap
 
 
-def _waits(sim, it: int) -> list[float]:
-    """Iteration ``it``'s loss meeting beyond its last rank's arrival, then each rank's time from there to its next
-    step (the agreement)."""
+def _loss_wait(sim, it: int) -> float:
+    """Iteration ``it``'s loss meeting beyond its last rank's arrival."""
     last = max(e["end"] for r in sim.ranks for e in r.events if e["kind"] == "step" and e["step"] == it)
-    nxt = [min(e["start"] for e in r.events if e["kind"] == "step" and e["step"] == it + 1) for r in sim.ranks]
-    return [sim.iter_end[it] - last] + [t - sim.iter_end[it] for t in nxt]
+    return sim.iter_end[it] - last
 
 
 def test_small_collectives_wait_behind_the_bulk_bytes_queued_ahead():
-    """A meeting's small collective (the loss all-reduce, the deadline queue's agreement) waits behind the bytes
-    in flight on the nodes' interfaces, at most ``queue_cap``: a FIFO (tc tbf on the emulated cluster) that
-    bulk TCP keeps full. With no FIFO (cap 0), or nothing in flight, it waits only its own latency."""
+    """A meeting's small collective (the loss all-reduce) waits behind the bytes in flight on the nodes' interfaces,
+    at most ``queue_cap``: a FIFO (tc tbf on the emulated cluster) that bulk TCP keeps full. With no FIFO (cap 0),
+    or nothing in flight, it waits only its own latency; the deferred buckets held go right after it."""
     sched = build_schedule("fold", 2, 2, 4, "per-chunk", defer_reduce=True)
     run = lambda cap, nbytes=1500.0: run_schedule(sched, _Queued(cap, nbytes), iterations=3)  # noqa: E731
-    assert all(r.deferred for r in run(0.0).ranks)  # every rank defers a chunk: every rank agrees
-    assert _waits(run(0.0), 1) == approx([0.01, 0.02, 0.02])
-    assert _waits(run(0.5), 1) == approx([0.01 + 0.5, 0.02 + 0.5, 0.02 + 0.5])  # a deferred bucket in flight
-    assert _waits(run(0.5, nbytes=1e-3), 1) == approx([0.01, 0.02, 0.02])  # nothing in flight
-    # where the bytes would not arrive before the chunk's next forward anyway, the waits cost the period nothing
+    assert _loss_wait(run(0.0), 1) == approx(0.01)
+    fifo = run(0.5)
+    assert _loss_wait(fifo, 1) == approx(0.01 + 0.5)  # a deferred bucket in flight: the whole cap
+    deep = run(100.0)  # a queue deeper than what is left: the meeting ends once the buckets in flight have crossed
+    last = max(e["end"] for r in deep.ranks for e in r.events if e["kind"] == "step" and e["step"] == 1)
+    ahead = [e["end"] for r in deep.ranks for e in r.events if e["kind"] == "reduce" and e["start"] < last < e["end"]]
+    assert len(ahead) == 2 and deep.iter_end[1] == approx(max(ahead) + 0.01)
+    assert _loss_wait(run(0.5, nbytes=1e-3), 1) == approx(0.01)  # nothing in flight
+    for r in fifo.ranks:  # the next iteration starts at the meeting's end
+        assert min(e["start"] for e in r.events if e["kind"] == "step" and e["step"] == 2) == approx(fifo.iter_end[1])
+    # where the bytes would not arrive before the chunk's next forward anyway, the wait costs the period nothing
     period = lambda s: s.iter_end[2] - s.iter_end[1]  # noqa: E731
-    assert period(run(0.5)) == approx(period(run(0.0)))
+    assert period(fifo) == approx(period(run(0.0)))

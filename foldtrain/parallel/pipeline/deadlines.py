@@ -18,8 +18,9 @@ deferred ones launched before it. Here:
   executor calls it after every action and while it waits (pipeline receives, reductions);
 * at the end of an iteration, once every rank of the run has finished it (after the engine's loss
   all-reduce, so no deferred bucket shares a node's link with another rank's urgent reduction),
-  every rank agrees (one tiny all-reduce: MAX over the data-parallel
-  group) on how many deferred buckets have been issued, issues the ones it lags behind, sorts
+  every rank agrees on how many deferred buckets have been issued (the largest count over the data-parallel
+  group, which the engine's loss all-gather carries; else one tiny all-reduce, MAX over the group, which on a
+  slow link waits behind the bytes in flight), issues the ones it lags behind, sorts
   the rest by deadline (chunk 1, needed first in the next iteration, goes first) and issues them
   all: the deferred group's FIFO then runs them in deadline order during the forward phase.
 
@@ -137,10 +138,18 @@ class DeadlineQueue:
 
     # ------------------------------------------------------------------ submitting
     def submit_deferred(
-        self, segment: int, grads: list[torch.Tensor], deadline: int, dp: int, buckets: list | None = None
+        self,
+        segment: int,
+        grads: list[torch.Tensor],
+        deadline: int,
+        dp: int,
+        buckets: list | None = None,
+        pump: bool = True,
     ) -> list[ReductionBucket]:
         """Queue a chunk's deferred reduction: ``grads`` in buckets of ``bucket_bytes`` all-reduced, or the
-        ``buckets`` given (made with the same split: the distributed optimizer's reduce-scatters)."""
+        ``buckets`` given (made with the same split: the distributed optimizer's reduce-scatters); ``pump``: issue
+        the next bucket now if its time has come (not between the count :meth:`end_iteration` agrees on and the
+        agreement)."""
         if grads:
             self.device = grads[0].device
         if buckets is None:
@@ -149,7 +158,8 @@ class DeadlineQueue:
                 for k, gs in enumerate(split_buckets(grads, self.bucket_bytes))
             ]
         self.queued += buckets
-        self.pump()
+        if pump:
+            self.pump()
         return buckets
 
     def launch_urgent(
@@ -201,18 +211,27 @@ class DeadlineQueue:
             self._issue(b)
         del self.queued[: last + 1]
 
-    def end_iteration(self) -> None:
-        """Every rank issues the same prefix of the queue, then all the rest at once, by deadline.
+    def count(self) -> int | None:
+        """What :meth:`end_iteration` agrees on over the data-parallel group: the deferred buckets issued since the
+        last agreement; None where nothing is deferred."""
+        return None if self.group is None else self.issued
+
+    def end_iteration(self, agreed: int | None = None) -> None:
+        """Every rank issues the same prefix of the queue, then all the rest at once, by deadline. ``agreed``: the
+        largest :meth:`count` over the data-parallel group, gathered with the step's loss while nothing was issued
+        since (else one small all-reduce over the group, which on a slow link waits behind the bytes in flight).
 
         From here until the next iteration's backward nothing urgent competes, so nothing is held
         back: no rank ever waits on a deferred bucket another rank is still holding (the waits for
         deferred reductions are in the next iteration's forward phase, or in ``flush``, which
         issues everything on every rank)."""
-        if self.group is None or (not self.queued and self.issued == 0):
+        if self.group is None or (not self.queued and self.issued == 0 and not agreed):
             return
-        n = torch.tensor([self.issued], dtype=torch.int64, device=self.device)
-        collectives.all_reduce(n, op=dist.ReduceOp.MAX, group=self.dp_group)
-        for _ in range(int(n.item()) - self.issued):
+        if agreed is None:
+            n = torch.tensor([self.issued], dtype=torch.int64, device=self.device)
+            collectives.all_reduce(n, op=dist.ReduceOp.MAX, group=self.dp_group)
+            agreed = int(n.item())
+        for _ in range(agreed - self.issued):
             self._issue(self.queued.pop(0))
         self.queued.sort(key=lambda b: (b.deadline, b.segment, b.index))
         for b in self.queued:

@@ -392,9 +392,14 @@ class Executor:
         self.awaiting_step.discard(s)
 
     # ------------------------------------------------------------------ between iterations
-    def end_iteration(self) -> None:
+    def deferred_count(self) -> int | None:
+        """What :meth:`end_iteration` agrees on over dp (:meth:`DeadlineQueue.count`), or None: nothing deferred."""
+        return self.queue.count() if self.queue is not None else None
+
+    def end_iteration(self, agreed: int | None = None) -> None:
         """After every rank finished the iteration (the engine calls it after the loss all-reduce):
-        the deferred buckets still held back are issued (:meth:`DeadlineQueue.end_iteration`).
+        the deferred buckets still held back are issued (:meth:`DeadlineQueue.end_iteration`); ``agreed``: the
+        data-parallel group's largest :meth:`deferred_count`, carried by the loss's all-gather.
 
         Not at the end of :meth:`run`: a rank that finishes early (the head's, whose last reduction
         is small) would then put its deferred buckets on the node's link while another rank of the
@@ -403,7 +408,7 @@ class Executor:
         if self._rules is not None:
             self._step_ties_early(self._rules[1])
         if self.queue is not None:
-            self.queue.end_iteration()
+            self.queue.end_iteration(agreed)
 
     def _step_ties_early(self, rules: RankRules) -> None:
         """``early_tie``: a deferred chunk's tied copy, exchanged with the other end (every rank has finished the

@@ -362,8 +362,8 @@ class ChunkShards:
         for sg in b.segments:
             sg.tensor.grad = None
         if b is not self.lookup_only and b.dp > 1:
-            (gather,) = queue.submit_deferred(
-                self.segment, [], deadline, b.dp, [GatherBucket(self.segment, b, deadline)]
+            (gather,) = queue.submit_deferred(  # issued by the queue's end_iteration, in deadline order
+                self.segment, [], deadline, b.dp, [GatherBucket(self.segment, b, deadline)], pump=False
             )
             self.pushed.append((b, gather))
         elif b is not self.lookup_only and (x := b.push()) is not None:

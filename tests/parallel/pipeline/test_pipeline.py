@@ -109,9 +109,14 @@ def test_matches_single_process(suite, world, case):
         assert min(r["ref_norms"]) > r["grad_clip"], (r["ref_norms"], r["grad_clip"])
     assert r["param_err"] <= param_tol, (r["worst_param"], r["param_err"])
     assert r["eval_err"] <= tol
+    # with deferral and no clipping a step meets the other ranks only in the loss's all-gather: no norm, and the
+    # deadline queue's agreement on its issued buckets rides on that all-gather (each small all-reduce would wait
+    # behind the deferred bytes in flight on a slow link)
+    dp, v = case["layout"][0], case["layout"][3]
+    if case.get("defer") and v > 1 and dp > 1 and not case.get("clip") and "fp16" not in case.get("precision", ""):
+        assert r["small_all_reduces"] == 0, r["small_all_reduces"]
     # the distributed optimizer: AdamW steps 1/dp of the elements (buckets padded to dp slices), the tied
     # weight's copies (all-reduced in full for the tie) whole, or sliced too with shard_tied
-    dp = case["layout"][0]
     tied = 0 if case.get("shard_tied") else r["tied_elems"]
     share = (r["param_elems"] - tied) / dp + tied if case.get("zero") else r["param_elems"]
     assert share <= r["optim_elems"] <= share + 2 * case["layout"][3] * dp, (r["param_elems"], r["optim_elems"])

@@ -61,9 +61,10 @@ class SyntheticSampler:
 
 
 @contextlib.contextmanager
-def all_reduced_dtypes():
+def all_reduced_dtypes(small: list[int] | None = None):
     """The elements foldtrain's all-reduces carried, by dtype, leaving out tensors of under 64 elements (the
-    step's loss, norms and agreements): what ``--dp.compression`` must have cast."""
+    step's loss, norms and agreements): what ``--dp.compression`` must have cast. ``small``: a one-element list
+    that counts those left out (each is a step's latency on a slow link)."""
     from foldtrain import collectives
 
     seen: dict[str, int] = {}
@@ -72,6 +73,8 @@ def all_reduced_dtypes():
     def counted(tensor, *args, **kwargs):
         if tensor.numel() >= 64:
             seen[str(tensor.dtype)] = seen.get(str(tensor.dtype), 0) + tensor.numel()
+        elif small is not None:
+            small[0] += 1
         return real(tensor, *args, **kwargs)
 
     collectives.all_reduce = counted

@@ -157,24 +157,6 @@ def counting_reduce_scatters():
 
 
 @contextlib.contextmanager
-def counting_small_all_reduces():
-    """Count the all-reduces of under 64 elements (norms, votes, agreements: latency a slow link adds to a step)."""
-    from foldtrain import collectives
-
-    calls, real = [0], collectives.all_reduce
-
-    def counted(tensor, *args, **kwargs):
-        calls[0] += tensor.numel() < 64
-        return real(tensor, *args, **kwargs)
-
-    collectives.all_reduce = counted
-    try:
-        yield calls
-    finally:
-        collectives.all_reduce = real
-
-
-@contextlib.contextmanager
 def counting_tied_steps():
     """Count the tied copy's slices stepped apart at an iteration's start (``ChunkShards.step_tied``)."""
     from foldtrain.parallel.pipeline.zero import ChunkShards
@@ -202,7 +184,8 @@ def fsdp_groups(engine) -> int:
 def _equivalence_case(case: dict) -> dict | None:
     cfg = make_cfg(case)
     with counting_reduce_scatters() as reduce_scatters, counting_tied_steps() as tied_steps:
-        with all_reduced_dtypes() as reduced, counting_small_all_reduces() as small:
+        small = [0]  # all-reduces of under 64 elements
+        with all_reduced_dtypes(small) as reduced:
             engine, losses, norms = run_engine(cfg, range(STEPS))
     tied_steps = torch.tensor([float(tied_steps[0])])
     dist.all_reduce(tied_steps)  # (the head's end is on the last pipeline rank)

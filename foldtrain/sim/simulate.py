@@ -66,6 +66,8 @@ class RunCosts:
         self._tie: dict[tuple, dict] = {}
         self.last = s.segments - 1
         self.fsdp = s.strategy == "fsdp-3d" and s.dp > 1  # sharded chunks (.pipeline_fsdp)
+        # chunks reduced across the iteration boundary (without the schedule: whatever --fold.defer_reduce asks)
+        self.defers = any(sched.deferred_chunks(p) for p in range(s.pp)) if sched is not None else s.defer
         if self.fsdp:
             assert sched is not None, "fsdp in the 3D engine is simulated from its schedule"
             self._gathers = [gathering_actions(sched, p, s.reshard_after_forward) for p in range(s.pp)]
@@ -426,9 +428,9 @@ class RunCosts:
     def _norm_meeting(self) -> float | None:
         """The 3D engine's gradient-norm all-reduce before the steps: over every rank where each holds a shard
         (fsdp, the distributed optimizer), else over the pipeline; ``None`` where there is none (one pipeline and
-        TP rank, or deferred reductions without clipping, whose norm the engine leaves out)."""
+        TP rank, or chunks the schedule defers and no clipping: the engine's norm would leave them out)."""
         s = self.s
-        if s.defer and not s.clip:
+        if self.defers and not s.clip:
             return None
         if self.fsdp or s.dist_optim:
             return self.pl.world_latency()

@@ -19,8 +19,8 @@ deferred ones launched before it. Here:
 * at the end of an iteration, once every rank of the run has finished it (after the engine's loss
   all-reduce, so no deferred bucket shares a node's link with another rank's urgent reduction),
   every rank agrees on how many deferred buckets have been issued (the largest count over the data-parallel
-  group, which the engine's loss all-gather carries; else one tiny all-reduce, MAX over the group, which on a
-  slow link waits behind the bytes in flight), issues the ones it lags behind, sorts
+  group, which the engine's loss all-gather carries: a collective of its own would wait behind the bytes in
+  flight on a slow link), issues the ones it lags behind, sorts
   the rest by deadline (chunk 1, needed first in the next iteration, goes first) and issues them
   all: the deferred group's FIFO then runs them in deadline order during the forward phase.
 
@@ -216,21 +216,19 @@ class DeadlineQueue:
         last agreement; None where nothing is deferred."""
         return None if self.group is None else self.issued
 
-    def end_iteration(self, agreed: int | None = None) -> None:
+    def end_iteration(self, agreed: int | None) -> None:
         """Every rank issues the same prefix of the queue, then all the rest at once, by deadline. ``agreed``: the
         largest :meth:`count` over the data-parallel group, gathered with the step's loss while nothing was issued
-        since (else one small all-reduce over the group, which on a slow link waits behind the bytes in flight).
+        since (None only where nothing is deferred).
 
         From here until the next iteration's backward nothing urgent competes, so nothing is held
         back: no rank ever waits on a deferred bucket another rank is still holding (the waits for
         deferred reductions are in the next iteration's forward phase, or in ``flush``, which
         issues everything on every rank)."""
-        if self.group is None or (not self.queued and self.issued == 0 and not agreed):
+        if self.group is None:
             return
         if agreed is None:
-            n = torch.tensor([self.issued], dtype=torch.int64, device=self.device)
-            collectives.all_reduce(n, op=dist.ReduceOp.MAX, group=self.dp_group)
-            agreed = int(n.item())
+            raise RuntimeError("the deadline queue's end_iteration needs the dp group's agreed count (count())")
         for _ in range(agreed - self.issued):
             self._issue(self.queued.pop(0))
         self.queued.sort(key=lambda b: (b.deadline, b.segment, b.index))

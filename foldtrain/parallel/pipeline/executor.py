@@ -396,10 +396,11 @@ class Executor:
         """What :meth:`end_iteration` agrees on over dp (:meth:`DeadlineQueue.count`), or None: nothing deferred."""
         return self.queue.count() if self.queue is not None else None
 
-    def end_iteration(self, agreed: int | None = None) -> None:
+    def end_iteration(self, agreed: int | None) -> None:
         """After every rank finished the iteration (the engine calls it after the loss all-reduce):
         the deferred buckets still held back are issued (:meth:`DeadlineQueue.end_iteration`); ``agreed``: the
-        data-parallel group's largest :meth:`deferred_count`, carried by the loss's all-gather.
+        data-parallel group's largest :meth:`deferred_count`, carried by the loss's all-gather (None: nothing
+        deferred).
 
         Not at the end of :meth:`run`: a rank that finishes early (the head's, whose last reduction
         is small) would then put its deferred buckets on the node's link while another rank of the

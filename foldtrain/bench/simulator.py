@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from foldtrain.calibrate import (
+    fit_head,
     links,
     measure_action_overhead,
     measure_compute,
@@ -127,6 +128,11 @@ def load_calibration(path: Path) -> tuple[dict, dict, dict, int, tuple]:
     network, the cores and the load averages at the start and end of its runs."""
     saved = json.loads(path.read_text())
     comps = {int(k): v for k, v in saved["compute"].items()}
+    for v in comps.values():  # the head's fit from its probe times, as the current code fits them
+        if "heads" in v:
+            v["softmax_rate"], v["head_weight_rate"] = fit_head(
+                v["fp32"][0], v["fp32"][1], v["rows_half_size"], v["heads"]
+            )
     loop = {int(k): v for k, v in saved["loopback"].items()}
     load = tuple(saved.get("load", (float("nan"), float("nan"))))
     return comps, loop, saved["net"], int(saved.get("cores", os.cpu_count() or 1)), load

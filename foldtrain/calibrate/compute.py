@@ -133,7 +133,10 @@ def fit_head(peak: float, half: float, rows_half: float, times: list) -> tuple[f
     """What the fused head costs beyond the cost model's three matrix products, fitted to the real heads of
     ``HEAD_SHAPES``: ``residual = logits / softmax_rate + V d / head_weight_rate`` (the loss's log-softmax
     and the copies of the logits; streaming the weight and accumulating its gradient). Two shapes, two
-    unknowns; ``(0, 0)`` (the cost model's defaults) when the fit is not positive."""
+    unknowns. Where the weight's term comes out at or below zero (on a CPU the log-softmax dominates, so the
+    weight's share is within the probes' noise: one calibration's 2-process fit gave -0.3 ms of 5.9), the
+    per-logit term is fitted alone (``head_weight_rate`` 0: no weight term); ``(0, 0)``, the cost model's
+    memory-bound defaults, only when no positive per-logit cost fits (which on a CPU put the head 54% slow)."""
     from foldtrain.config import build_config
     from foldtrain.sim.costs import CostModel
     from foldtrain.sim.setup import resolve_setup
@@ -164,9 +167,10 @@ def fit_head(peak: float, half: float, rows_half: float, times: list) -> tuple[f
     (a1, b1, r1), (a2, b2, r2) = rows
     det = a1 * b2 - a2 * b1
     per_logit, per_weight = (r1 * b2 - r2 * b1) / det, (a1 * r2 - a2 * r1) / det
-    if per_logit <= 0 or per_weight <= 0:
-        return 0.0, 0.0
-    return 1 / per_logit, 1 / per_weight
+    if per_logit > 0 and per_weight > 0:
+        return 1 / per_logit, 1 / per_weight
+    alone = (a1 * r1 + a2 * r2) / (a1 * a1 + a2 * a2)  # least squares, the logits' term only
+    return (1 / alone, 0.0) if alone > 0 else (0.0, 0.0)
 
 
 # (d_model, heads, batch, seq): a block of tiny's width, wider ones with few tokens (a micro-batch)

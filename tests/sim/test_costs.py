@@ -404,6 +404,12 @@ def test_calibrate_fits_the_heads_cost_beyond_its_products():
     softmax, weight = fit_head(peak, half, rows_half, times)
     assert softmax == approx(240e6) and weight == approx(0.8e9)
     assert fit_head(peak, half, rows_half, [1e-9, 1e-9]) == (0.0, 0.0)  # nothing beyond the products: the defaults
+    # the weight's term lost in the noise (the small shape 3% under the logits' cost alone): the logits' term
+    # alone, which a fallback to the memory-bound defaults would lose
+    weights = [vocab * d / 0.8e9 for d, vocab, _tokens in HEAD_SHAPES]
+    noisy = [times[0] - weights[0], times[1] - weights[1] - 0.03 * HEAD_SHAPES[1][1] * HEAD_SHAPES[1][2] / 240e6]
+    softmax, weight = fit_head(peak, half, rows_half, noisy)
+    assert weight == 0.0 and softmax == approx(240e6, rel=1e-3)
 
     cfg = _cfg("--train.global_batch", "1", "--parallel.pp", "2")
     d = cluster_dict()

@@ -134,7 +134,7 @@ def fit_head(peak: float, half: float, rows_half: float, times: list) -> tuple[f
     ``HEAD_SHAPES``: ``residual = logits / softmax_rate + V d / head_weight_rate`` (the loss's log-softmax
     and the copies of the logits; streaming the weight and accumulating its gradient). Two shapes, two
     unknowns. Where the weight's term comes out at or below zero (on a CPU the log-softmax dominates, so the
-    weight's share is within the probes' noise: one calibration's 2-process fit gave -0.3 ms of 5.9), the
+    weight's share is within the probes' noise: one calibration's 2-process fit gave it -0.5 ms of 5.9), the
     per-logit term is fitted alone (``head_weight_rate`` 0: no weight term); ``(0, 0)``, the cost model's
     memory-bound defaults, only when no positive per-logit cost fits (which on a CPU put the head 54% slow)."""
     from foldtrain.config import build_config

@@ -45,7 +45,7 @@ from foldtrain.engine.pipeline_steps import ChunkOptimizers
 from foldtrain.errors import ConfigError
 from foldtrain.model.gpt import GPT, GPTShape
 from foldtrain.optim import Precision
-from foldtrain.parallel.mesh import get_topology, global_rank
+from foldtrain.parallel.mesh import get_topology
 from foldtrain.parallel.pipeline import fsdp
 from foldtrain.parallel.pipeline.deadlines import DeadlineQueue
 from foldtrain.parallel.pipeline.executor import Executor
@@ -285,9 +285,7 @@ class PipelineEngine:
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         collectives.all_gather(every, mine)
         if count is not None:
-            topo = self.topo
-            peers = [global_rank(d, topo.pp_rank, topo.tp_rank, topo.pp, topo.tp) for d in range(topo.dp)]
-            self._agreed = int(max(float(every[r][1]) for r in peers))
+            self._agreed = int(max(float(every[r][1]) for r in self.topo.dp_peers()))
         if share is not None:
             self.shared = [v[1 + len(extra) :].tolist() for v in every]
         return float(sum(float(v[0]) for v in every))

@@ -93,6 +93,11 @@ class Topology:
         d, _, t = self.coords
         return global_rank(d, p, t, self.pp, self.tp)
 
+    def dp_peers(self) -> list[int]:
+        """Global ranks of this rank's data-parallel group (same pp and tp coordinates), by dp rank."""
+        _, p, t = self.coords
+        return [global_rank(d, p, t, self.pp, self.tp) for d in range(self.dp)]
+
     def p2p_group(self, src_p: int, dst_p: int, grad: bool = False):
         """The group carrying messages (gradients if ``grad``) from pipeline rank ``src_p`` to ``dst_p``."""
         if grad and self.p2p_up_grad is not None:

@@ -128,6 +128,7 @@ def make_cfg(c: dict, steps: int = STEPS, out: str = "", **over):
         "optim.grad_clip": clip,
         "optim.distributed": bool(c.get("zero")),
         "optim.shard_tied": bool(c.get("shard_tied")),
+        "optim.split_tied": c.get("split_tied", True),
         "parallel.dp": dp,
         "parallel.pp": pp,
         "parallel.tp": tp,

@@ -116,6 +116,7 @@ OPTIONS = {
     "defer": ["--fold.defer_reduce", "true"],
     "zero": ["--optim.distributed", "true"],
     "tied": ["--optim.shard_tied", "true"],
+    "whole": ["--optim.split_tied", "false"],
     "fsdp": ["--dp.strategy", "fsdp"],
 }
 
@@ -125,15 +126,16 @@ def parse_schedule(spec: str, virtual: int) -> tuple[str, int, str, tuple[str, .
     (..., V, "after-flush", ()); ``gpipe`` / ``1f1b`` / ``zb-h1`` -> (..., 1, "after-flush", ()); ``zbv`` -> (..., 2,
     "after-flush", ()) whatever ``--virtual`` says;
     ``NAME:DP_SYNC`` overrides the sync; ``+defer`` adds ``--fold.defer_reduce`` (fold, fold-zb), ``+zero``
-    ``--optim.distributed`` (e.g. ``fold+defer+zero``), ``+tied`` with it ``--optim.shard_tied``, ``+fsdp``
+    ``--optim.distributed`` (e.g. ``fold+defer+zero``), ``+tied`` with it ``--optim.shard_tied``, ``+whole`` with it
+    ``--optim.split_tied false``, ``+fsdp``
     ``--dp.strategy fsdp``."""
     spec, *options = spec.split("+")
     for what in options:
         if what not in OPTIONS:
             raise FoldtrainError(
                 f"bench pipeline: unknown schedule option '+{what}'; choose from +defer (fold+defer), +zero "
-                "(the distributed optimizer), +tied (with +zero: its tied copies sliced too) and +fsdp (every "
-                "chunk fully sharded over dp)"
+                "(the distributed optimizer), +tied (with +zero: its tied copies sliced too), +whole (with +zero: "
+                "each end steps its whole tied copy) and +fsdp (every chunk fully sharded over dp)"
             )
     name, _, sync = spec.partition(":")
     if name not in SCHEDULES:

@@ -90,8 +90,12 @@ class OptimConfig:
     distributed: bool = False
     # with --optim.distributed and a pipeline: the tied embedding's copies (first and last pipeline rank) have
     # their AdamW state sharded over dp too, at the price of an all-gather of the tied weight each step
-    # (false: every dp rank steps the whole copy it already has in full after the tie's all-reduce)
+    # (false: every dp rank has the whole copy in full after the tie's all-reduce, and steps half or all of it)
     shard_tied: bool = False
+    # with --optim.distributed and a pipeline, without --optim.shard_tied: the two ends split the tied copy's state,
+    # half each, and all-gather the stepped halves over their pair (where schedules.splits_tied_state allows it);
+    # false: each end steps its whole copy, with no collective
+    split_tied: bool = True
 
 
 @dataclass

@@ -51,6 +51,14 @@ class ChunkStates:
         weight shares the embedding's key (their states are identical), as in a single-process run."""
         return self.emb_fqn if (self.split_tie and fqn == self.head_fqn) else fqn
 
+    def _master_keys(self, shards, fqn: str) -> tuple[str, ...]:
+        """The model keys a chunk's fp32 master slice is saved under: its own, or where the two ends of the pipeline
+        step halves of the tied copy (``ChunkShards.tied_halves``), both names of the tied weight (the single-process
+        state dict has both, and each end holds half of either)."""
+        if shards.tied_halves and fqn in (self.emb_fqn, self.head_fqn):
+            return (self.emb_fqn, self.head_fqn)
+        return (fqn,)
+
     def _loaded_state(self, sd: dict, fqn: str) -> dict:
         """A chunk parameter's loaded optimizer state. The head's tied copy reads the embedding's entry, cloned:
         where one rank holds both copies (the V placement) two optimizers sharing its moments would step them
@@ -108,7 +116,8 @@ class ChunkStates:
                     model_sd.pop(names[id(p)], None)
             for fqn, parts in segment_pieces(z, names).items():
                 if "master" in parts:
-                    model_sd[fqn] = sharded(parts["master"], parts["part"])
+                    for key in self._master_keys(z, fqn):
+                        model_sd[key] = sharded(parts["master"], parts["part"])
                 state = {"step": parts["step"][0]}
                 state.update({k: sharded(parts[k], parts["part"]) for k in STATE_KEYS})
                 optim_state[self._save_fqn(fqn)] = state

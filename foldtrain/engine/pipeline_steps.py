@@ -34,11 +34,24 @@ from foldtrain.schedules.layout import distributed_optimizer
 class ChunkOptimizers:
     """Per-chunk optimizers and LR schedules, the fp16 verdict and the iteration's gradient norm."""
 
-    def __init__(self, chunks: dict, cfg, precision, topo, device, tied: dict, head_copy, deferred, wait_collective):
+    def __init__(
+        self,
+        chunks: dict,
+        cfg,
+        precision,
+        topo,
+        device,
+        tied: dict,
+        head_copy,
+        deferred,
+        wait_collective,
+        tied_halves=False,
+    ):
         """``tied``: segment -> the copy of the tied weight that chunk holds where the pipeline splits the tie;
         ``head_copy``: the last segment's copy (left out of norms: the embedding's copy counts the tied weight
         once), or ``None``; ``deferred``: this rank's chunks whose reduction is deferred into the next
-        iteration; ``wait_collective(work, what)``: a bounded wait."""
+        iteration; ``wait_collective(work, what)``: a bounded wait; ``tied_halves``: the distributed optimizer
+        splits the tied copies' state between the pipeline's two ends (``schedules.splits_tied_state``)."""
         self.chunks = chunks
         self.cfg = cfg
         self.precision = precision
@@ -57,7 +70,14 @@ class ChunkOptimizers:
             rows = deferred_group(topo, cfg.dp.timeout_s, "rows") if split else None
             self.shards = {
                 s: ChunkShards(
-                    c, tied.get(s), topo, cfg.optim, head_copy, deferred_bytes if s in self.deferred else None, rows
+                    c,
+                    tied.get(s),
+                    topo,
+                    cfg.optim,
+                    head_copy,
+                    deferred_bytes if s in self.deferred else None,
+                    rows,
+                    tied_halves,
                 )
                 for s, c in chunks.items()
             }
@@ -119,7 +139,7 @@ class ChunkOptimizers:
         self.optimizers[s].zero_grad(set_to_none=True)
 
     def steps_tied_apart(self, s: int) -> bool:
-        return self.shards is not None and self.shards[s].tied_slice is not None and self.step_ok
+        return self.shards is not None and self.shards[s].steps_tied_apart and self.step_ok
 
     def step_tied(self, s: int, queue, deadline: int) -> None:
         self.shards[s].step_tied(queue, deadline)

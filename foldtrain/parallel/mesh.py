@@ -29,8 +29,9 @@ coordinates, the ``DeviceMesh`` es of DTensor (below), and what a pipeline needs
   segment: ``{(d, 0, t), (d, P-1, t)}``. The token embedding and the output projection are one
   tied weight; with a pipeline they live on pipeline ranks 0 and P-1 as two copies. Each copy's
   gradient is first averaged over data parallel on its own (:mod:`foldtrain.parallel.pipeline.tie`),
-  then the two are summed in this group before either optimizer steps. ``None`` when ``P == 1``
-  or this rank holds neither end.
+  then the two are summed in this group before either optimizer steps; where the distributed
+  optimizer splits the copy's state between the two ends, they all-gather the stepped halves in
+  it. ``None`` when ``P == 1`` or this rank holds neither end.
 
 Every group is created on every rank in the same order (``new_group`` is collective).
 """

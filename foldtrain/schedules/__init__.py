@@ -33,7 +33,16 @@ from .generators import (
     insert_reductions,
     placement_of,
 )
-from .rules import RankRules, Rule, StepPolicy, rank_rules, schedule_rules, step_policy, tie_segments
+from .rules import (
+    RankRules,
+    Rule,
+    StepPolicy,
+    rank_rules,
+    schedule_rules,
+    splits_tied_state,
+    step_policy,
+    tie_segments,
+)
 from .validate import ScheduleError, activations_peak, channels_of, validate_schedule
 
 __all__ = [
@@ -66,6 +75,7 @@ __all__ = [
     "placement_of",
     "rank_rules",
     "schedule_rules",
+    "splits_tied_state",
     "stage_rank",
     "step_policy",
     "tie_segments",

@@ -60,6 +60,23 @@ def step_policy(clip: bool, loss_scaling: bool, tp: int) -> StepPolicy:
     return StepPolicy(early_steps=not clip and not loss_scaling and tp == 1, clip=clip)
 
 
+def splits_tied_state(
+    policy: StepPolicy, *, dist_optim: bool, shard_tied: bool, pp: int, placement: str, defer: bool, split: bool = True
+) -> bool:
+    """Whether the distributed optimizer splits the tied weight's AdamW state between the pipeline's two ends: each
+    end holds a copy and the whole summed gradient (the tie's exchange), steps half of the copy, and the two halves
+    are all-gathered over the tie's pair (the executor's ``ChunkShards``, the simulator's ``costs``).
+
+    Not with ``--optim.shard_tied`` (the copy sliced over dp instead), not on the V placement (both copies on one
+    rank), and not where deferral could step the head's copy only in the next iteration: the embedding's first
+    forward, which needs the head's half, would then wait for a step that comes after it. With deferral the head's
+    half steps at the iteration's end (``early_tie``), which needs chunks that may step early (``policy``). ``split``:
+    ``--optim.split_tied`` (false: never)."""
+    if not split or not dist_optim or shard_tied or pp < 2 or placement == "v":
+        return False
+    return policy.early_steps or not defer
+
+
 @dataclass(frozen=True)
 class Rule:
     """What the runtime does around one action beyond the action itself (see the module docstring)."""

@@ -68,12 +68,24 @@ def segment_params(s: Setup, seg: int) -> float:
 
 
 def whole_params(s: Setup, seg: int) -> float:
-    """Parameters of segment ``seg`` that the distributed optimizer leaves unsharded: the tied weight's copy
-    where the pipeline splits the tie (every dp rank has its gradient in full and steps all of it), unless
-    ``--optim.shard_tied`` slices it too (and all-gathers it with the rest)."""
+    """Parameters of segment ``seg`` that the distributed optimizer does not slice over dp: the tied weight's copy
+    where the pipeline splits the tie (every dp rank has its gradient in full and steps all of it, or with
+    ``tied_halves`` half of it, :func:`whole_share`), unless ``--optim.shard_tied`` slices it too (and all-gathers it
+    with the rest)."""
     if s.pp > 1 and seg in (0, s.segments - 1) and not s.shard_tied:
         return tied_params(s)
     return 0.0
+
+
+def whole_share(s: Setup) -> float:
+    """The fraction of :func:`whole_params` a rank steps: half where the two ends split the copy's state."""
+    return 0.5 if s.tied_halves else 1.0
+
+
+def split_gathered_bytes(s: Setup, seg: int) -> float:
+    """Bytes the all-gather of the tied copy's halves brings segment ``seg``'s end from the other end after a step
+    (``tied_halves``), on the pair's link; 0 where none."""
+    return tied_params(s) / 2 * s.weight_bytes if s.tied_halves and whole_params(s, seg) else 0.0
 
 
 def sliced_tied_copy(s: Setup, seg: int) -> bool:
@@ -113,7 +125,7 @@ def stepped_share(s: Setup, seg: int) -> float:
     share = s.optim_share
     if s.dist_optim and share < 1.0:
         n, whole = segment_params(s, seg), whole_params(s, seg)
-        return ((n - whole) * share + whole) / n
+        return ((n - whole) * share + whole * whole_share(s)) / n
     return share
 
 

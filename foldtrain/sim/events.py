@@ -97,9 +97,17 @@ class Costs(Protocol):
         reduction stream, which the chunk's next forward waits for; ``None``: none. ``without_tied``: its tied
         copy's slice stepped apart (``early_tie``)."""
 
+    def pair_gather(self, p: int, c: int) -> list[Phase] | None:
+        """Where the two ends split the tied copy's state: the other end's stepped half, on the tie's stream after
+        chunk ``c``'s step (or its tied half's, ``early_tie``), which the chunk's next forward waits for; else
+        ``None``."""
+
     def tied_gather(self, p: int, c: int) -> list[Phase] | None:
         """The all-gather of chunk ``c``'s tied copy where it steps apart (``early_tie``: ``--optim.shard_tied``'s
-        sliced copy, all of whose rows are read), or ``None``."""
+        sliced copy, all of whose rows are read, or the half the other end stepped), or ``None``."""
+
+    def tied_gather_queued(self, p: int, c: int) -> bool:
+        """Whether :meth:`tied_gather` joins the deferred buckets by deadline, not the reduction stream at once."""
 
     def before_steps(self) -> float | None:
         """Seconds of the ranks' meeting before the first optimizer step, or ``None``: no meeting."""
@@ -553,9 +561,12 @@ class Sim:
         """The distributed optimizer's all-gather of chunk ``c``'s weights, queued on the reduction stream at
         the end of its step; its next forward waits for it."""
         phases = self.costs.gather(r.p, c, without_tied=c in r.tied_apart)
+        pair = None if c in r.tied_apart else self.costs.pair_gather(r.p, c)
         r.tied_apart.discard(c)
         if phases:
             self.dp_stream[r.p].submit(t, list(phases), self._gathered((r.p, c)))
+        if pair:  # (the pair's group: beside the dp all-gather, in order with the tie's exchange)
+            self.tie_stream[r.p].submit(t, list(pair), self._gathered((r.p, c, "tied")))
 
     def _gathered(self, key: tuple) -> Callable:
         """``done(start, end)`` of an all-gather the next forward of ``key``'s chunk waits for."""
@@ -571,15 +582,19 @@ class Sim:
     def _step_ties_early(self, r: RankState) -> None:
         """``early_tie`` (the executor's ``end_iteration``): a deferred chunk's tied slice steps once every rank has
         finished the iteration and its all-gather joins the deferred buckets, by the deadline of the chunk's first
-        forward of the next iteration. (The wait for the tie's last part, the other end's rows, is not modelled:
-        they are a few KB, sent at the other end's iteration end.)"""
+        forward of the next iteration (over dp), or starts at once (the pair's, where the ends split the copy). (The
+        wait for the tie's last part, the other end's rows, is not modelled: they are a few KB, sent at the other
+        end's iteration end; nor the embedding's wait for the head's half, which steps at about the same time.)"""
         if not self.policy.early_steps:
             return
         for c, deadline in sorted(r.rules.early_tie.items()):
             phases = self.costs.tied_gather(r.p, c)
             if not phases:
                 continue
-            self.pending[r.p].append((deadline, c, -1, list(phases), self._gathered((r.p, c, "tied"))))
+            if self.costs.tied_gather_queued(r.p, c):
+                self.pending[r.p].append((deadline, c, -1, list(phases), self._gathered((r.p, c, "tied"))))
+            else:  # (the pair's group: no dp bucket ahead of it)
+                self.tie_stream[r.p].submit(r.t, list(phases), self._gathered((r.p, c, "tied")))
             r.tied_apart.add(c)
 
     def _end_iteration(self, r: RankState) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from foldtrain.config import dataparallel_rows
 from foldtrain.errors import ConfigError
 from foldtrain.model.presets import padded_vocab
+from foldtrain.schedules import placement_of, splits_tied_state, step_policy
 from foldtrain.schedules.layout import chunk_layers, distributed_optimizer, resolve_microbatches, validate_layout
 
 # precision -> (compute dtype, weight bytes, grad bytes, activation bytes, fp32 master copy)
@@ -90,6 +91,9 @@ class Setup:
     # the chunk's weights all-gathered over dp after its step
     dist_optim: bool = False
     shard_tied: bool = False  # --optim.shard_tied: the tied copies' state sliced over dp too
+    # the distributed optimizer splits the tied copies' state between the pipeline's two ends, each stepping half and
+    # all-gathering the halves over the pair (schedules.splits_tied_state, as the engine)
+    tied_halves: bool = False
     shard_vocab: bool = False  # fsdp without a layout, --dp.shard_vocab: the tied weight split by rows, never gathered
     # the training loop's own small collectives over every rank after a step's loss all-reduce, per step: the
     # stop agreement (--checkpoint.on_signal) and, on logged steps, the memory gather (foldtrain.train.trainer);
@@ -235,5 +239,15 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         shard_vocab=strat == "fsdp" and d.shard_vocab,
         dist_optim=three_d and distributed_optimizer(cfg),
         shard_tied=three_d and distributed_optimizer(cfg) and cfg.optim.shard_tied,
+        tied_halves=three_d
+        and splits_tied_state(
+            step_policy(cfg.optim.grad_clip > 0, cfg.precision.startswith("fp16"), p.tp),
+            dist_optim=distributed_optimizer(cfg),
+            shard_tied=cfg.optim.shard_tied,
+            pp=p.pp,
+            placement=placement_of(p.schedule),
+            defer=bool(cfg.fold.defer_reduce) and p.virtual > 1,
+            split=cfg.optim.split_tied,
+        ),
         loop_meetings=float(cfg.checkpoint.on_signal) + 1.0 / t.log_every if mode == "dp" and p.dp > 1 else 0.0,
     )

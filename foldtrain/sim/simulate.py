@@ -42,6 +42,7 @@ from .costs import (
     model_params,
     segment_params,
     segment_rank,
+    split_gathered_bytes,
     stepped_share,
     tied_gathered_bytes,
     tied_params,
@@ -374,14 +375,24 @@ class RunCosts:
         phases: list = reduce(p, nbytes) if n > 1 else []
         if sliced and sent == rows:  # the dense message is this rank's slice
             nbytes /= n
+        extra = sent * 8 if sent < rows else 0.0  # the rows' indices
+        self._tie[(p, seg)] = out = {"dp": phases, "send": self.pair_message(p, other, nbytes + extra)}
+        return out
+
+    def pair_message(self, p: int, other: int, nbytes: float) -> list:
+        """``nbytes`` from pipeline rank ``p`` to ``other``, the tie's other end, on the pair's own stream of their
+        link (beside the pipeline's transfers) where it is the pipeline's, else on the link between their nodes."""
         key, weight, lat = self.pl.p2p_link(p, other)
         if key[0] == "p2p":
-            key = ("tie", p)  # the pair's own stream of the link, beside the pipeline's transfers
+            key = ("tie", p)
         hop = self.c.intra.coll if key[0] == "tie" else self.c.inter.coll
-        extra = sent * 8 if sent < rows else 0.0  # the rows' indices
-        send = [self.steps(1, hop), ("flow", key, weight, nbytes + extra)]
-        self._tie[(p, seg)] = out = {"dp": phases, "send": send}
-        return out
+        return [self.steps(1, hop), ("flow", key, weight, nbytes)]
+
+    def pair_gather(self, p: int, seg: int) -> list | None:
+        """``tied_halves``: the other end's stepped half of the tied copy (an all-gather over the pair: each end
+        receives the half it did not step), ``None`` where segment ``seg`` holds no split copy."""
+        nbytes = split_gathered_bytes(self.s, seg)
+        return self.pair_message(p, segment_rank(self.s, self.last if seg == 0 else 0), nbytes) if nbytes else None
 
     def optim(self, p: int, seg: int) -> float:
         s = self.s
@@ -391,15 +402,22 @@ class RunCosts:
 
     def gather(self, p: int, seg: int, without_tied: bool = False) -> list | None:
         """The distributed optimizer's all-gather of the chunk's sharded weights: n-1 steps, (n-1)/n of the
-        bytes on the link (the tied copy stepped whole: not gathered; looked up only: its rows, ``gathered_bytes``)."""
+        bytes on the link (the tied copy stepped whole or split between the ends: not gathered over dp; looked up
+        only: its rows, ``gathered_bytes``)."""
         s = self.s
         if not s.dist_optim:
             return None
         return self.all_gather(p, gathered_bytes(s, seg, without_tied))
 
     def tied_gather(self, p: int, seg: int) -> list | None:
+        if self.s.tied_halves:
+            return self.pair_gather(p, seg)
         nbytes = tied_gathered_bytes(self.s, seg) if self.s.dp > 1 else 0.0
         return self.all_gather(p, nbytes) if nbytes else None
+
+    def tied_gather_queued(self, p: int, seg: int) -> bool:
+        """Whether :meth:`tied_gather` joins the deferred buckets by deadline (over dp), not at once (the pair's)."""
+        return not self.s.tied_halves
 
     # -- barriers the action list does not show
     def before_steps(self):

@@ -53,6 +53,9 @@ class UnitCosts:
     def gather(self, p: int, c: int, without_tied: bool = False):
         return None
 
+    def pair_gather(self, p: int, c: int):
+        return None
+
     def tied_gather(self, p: int, c: int):
         return None
 

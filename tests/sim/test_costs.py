@@ -9,7 +9,7 @@ import pytest
 from foldtrain.config import build_config
 from foldtrain.model.presets import PRESETS, analytic_param_count
 from foldtrain.sim.cluster import from_dict
-from foldtrain.sim.costs import CostModel, model_params
+from foldtrain.sim.costs import CostModel, model_params, segment_params, stepped_share, tied_params
 from foldtrain.sim.setup import resolve_setup
 from foldtrain.sim.simulate import RunCosts, simulate
 
@@ -359,6 +359,43 @@ def test_a_deferred_tied_copy_steps_apart_and_gathers_alone():
     assert simulate(cfg, c).step_time > 0  # the end-of-iteration step apart runs in the event simulation
 
 
+def test_the_ends_split_the_tied_state_and_gather_the_halves_over_their_pair():
+    """The distributed optimizer's default (schedules.splits_tied_state): each end of the pipeline steps half of its
+    tied copy (the state held: half, where the copy was whole) and receives the other end's half on the pair's
+    link after its step, not over dp; a deferred head's half steps apart at the iteration's end and starts at once.
+    Whole where a deferred head could not step early (clipping), with shard_tied, and on the V placement."""
+    base = ["--model.preset", "tiny", "--model.n_layer", "8", "--parallel.dp", "2", "--parallel.pp", "2"]
+    base += ["--parallel.virtual", "4", "--train.global_batch", "8", "--train.seq_len", "32"]
+    base += ["--parallel.dp_sync", "per-chunk", "--optim.distributed", "true"]
+    c = from_dict(cluster_dict(node__gpus=2))
+
+    def costs(*args):
+        return RunCosts(resolve_setup(_cfg(*base, *args)), c)
+
+    def wire(phases, link=None):
+        return sum(ph[3] * ph[2] for ph in phases or [] if ph[0] == "flow" and link in (None, ph[1][0]))
+
+    defer = ["--parallel.schedule", "fold", "--fold.defer_reduce", "true"]
+    split, whole = costs(*defer, "--optim.grad_clip", "0"), costs(*defer, "--optim.grad_clip", "1.0")
+    assert split.s.tied_halves and not whole.s.tied_halves
+    assert not costs(*defer, "--optim.grad_clip", "0", "--optim.shard_tied", "true").s.tied_halves
+    assert not costs(*defer, "--optim.grad_clip", "0", "--optim.split_tied", "false").s.tied_halves
+    assert not costs("--parallel.schedule", "zbv", "--parallel.virtual", "2").s.tied_halves
+    assert costs("--parallel.schedule", "interleaved-1f1b", "--optim.grad_clip", "1.0").s.tied_halves  # no deferral
+    s, tied = split.s, tied_params(split.s)
+    for seg in (0, 7):  # each end holds the state of half its copy more than the dp slices of the rest
+        rest = segment_params(s, seg) - tied
+        assert stepped_share(s, seg) * segment_params(s, seg) == approx(rest / 2 + tied / 2)
+        assert stepped_share(whole.s, seg) * segment_params(s, seg) == approx(rest / 2 + tied)
+    half = tied / 2 * 4
+    for p, seg in ((0, 0), (1, 7)):  # the other half arrives on the pair's link, inside the node here
+        assert wire(split.pair_gather(p, seg), "tie") == approx(half) and whole.pair_gather(p, seg) is None
+        assert wire(split.gather(p, seg)) == approx(wire(whole.gather(p, seg)))  # over dp: the rest alone
+    assert wire(split.tied_gather(1, 7)) == approx(half) and not split.tied_gather_queued(1, 7)
+    assert split.tied_gather(1, 5) is None and split.pair_gather(1, 5) is None
+    assert simulate(_cfg(*base, *defer, "--optim.grad_clip", "0"), c).step_time > 0
+
+
 def test_calibrate_fits_the_heads_cost_beyond_its_products():
     """Head times made from known per-logit and per-weight costs on top of the cost model's three products are
     fitted back exactly; a cluster with ``head_weight_gelems`` charges the last segment's forward for it."""
@@ -586,17 +623,18 @@ def test_distributed_optimizer_shards_moments_and_masters_and_gathers_the_weight
     for prec, masters in (("fp32", 0.0), ("bf16-master", 4.0)):
         one = simulate(_cfg(*base, "--precision", prec), cluster)
         dist = simulate(_cfg(*base, "--precision", prec, "--optim.distributed", "true"), cluster)
-        tied = 50257 * 768  # the tied weight's copy at each end: stepped whole by every dp rank
+        tied = 50257 * 768  # the tied weight's copy at each end: half of it stepped there by every dp rank
         for p in range(2):
             n = one.memory[p]["optimizer"] / 8  # parameters of pipeline rank p
             assert one.memory[p]["masters"] == approx(masters * n)
-            assert dist.memory[p]["optimizer"] == approx(8 * ((n - tied) / 4 + tied))
-            assert dist.memory[p]["masters"] == approx(masters * ((n - tied) / 4 + tied))
+            assert dist.memory[p]["optimizer"] == approx(8 * ((n - tied) / 4 + tied / 2))
+            assert dist.memory[p]["masters"] == approx(masters * ((n - tied) / 4 + tied / 2))
         rc = RunCosts(dist.setup, cluster)
         n0 = rc.cm.grad_bytes(0) / dist.setup.grad_bytes
-        assert rc.optim(0, 0) == approx(rc.cm.optim(0, ((n0 - tied) / 4 + tied) / n0))
+        assert rc.optim(0, 0) == approx(rc.cm.optim(0, ((n0 - tied) / 4 + tied / 2) / n0))
         key, weight, _bw, _lat = rc.pl.dp_link(0)  # the all-gather, on the reduction stream after the step
         assert rc.gather(0, 0)[-1] == ("flow", key, weight, approx(3 / 4 * (n0 - tied) * dist.setup.weight_bytes))
+        assert rc.pair_gather(0, 0)[-1][3] == approx(tied / 2 * dist.setup.weight_bytes)  # the other end's half
         assert RunCosts(one.setup, cluster).gather(0, 0) is None
         # --optim.shard_tied: the tied copies sliced too, and all-gathered with the rest
         tied_sharded = simulate(

@@ -74,11 +74,13 @@ class ChunkStepper(Protocol):
 
     def steps_tied_apart(self, s: int) -> bool:
         """Whether chunk ``s``'s copy of the tied weight can step apart from the chunk (the distributed optimizer
-        with ``--optim.shard_tied`` slices it, and nothing global comes before a step)."""
+        slices it, over dp with ``--optim.shard_tied`` or between the pipeline's ends, and nothing global comes
+        before a step)."""
 
     def step_tied(self, s: int, queue: DeadlineQueue, deadline: int) -> None:
-        """Step only chunk ``s``'s slice of the tied copy, whose gradient is final, and queue its all-gather with
-        ``deadline`` in ``queue``'s deferred buckets (where :meth:`steps_tied_apart`)."""
+        """Step only chunk ``s``'s slice of the tied copy, whose gradient is final, and start its all-gather: over dp
+        it joins ``queue``'s deferred buckets with ``deadline``; between the ends it starts at once, on the pair's
+        link (where :meth:`steps_tied_apart`)."""
 
     def start_rows(self, s: int, ids: list[torch.Tensor]) -> torch.Tensor | None:
         """When the iteration starts: where chunk ``s`` only looks its weight's rows up and its last step still owes

@@ -11,12 +11,14 @@ masters.
 A chunk's own buckets are reduce-scattered (:class:`ScatterBucket`, in place of the all-reduce; on gloo
 an all-to-all and a local sum, :mod:`foldtrain.parallel.scatter`): the chunk's gradients are freed once
 packed, and each rank receives only its slice, averaged. The tied weight's copy is all-reduced with the
-other end's (:mod:`.tie`); every rank then steps it whole (its moments unsharded, no all-gather), or with
-``--optim.shard_tied`` only its slice, taken from the result (``pull``). A step then steps the segments
-and all-gathers the slices into the chunk's weights (``push``): the bytes of one all-reduce in all, as
+other end's (:mod:`.tie`), so each end has the whole sum: by default the two ends each step half of the copy and
+all-gather the halves over the tie's pair (``tied_halves``, where :func:`~foldtrain.schedules.splits_tied_state`
+allows it; else every rank steps it whole, its moments unsharded, with no all-gather), or with
+``--optim.shard_tied`` each dp rank steps only its slice, taken from the result (``pull``). A step then steps the
+segments and all-gathers the slices into the chunk's weights (``push``): the bytes of one all-reduce in all, as
 Megatron's distributed optimizer. The gradient norm is a sum over every rank's segments: their elements
 weigh 1, those of a parameter replicated over the TP ranks ``1/tp`` (each TP rank holds an equal copy),
-the head's copy of the tied weight 0 (the embedding's counts it).
+the head's whole copy of the tied weight 0 (the embedding's counts it), each end's half ``1/dp``.
 """
 
 from __future__ import annotations
@@ -71,10 +73,22 @@ class Segment:
 class FlatShard:
     """One bucket of a chunk's parameters and this rank's segments of it (see the module docstring)."""
 
-    def __init__(self, params: list, dp: int, dp_rank: int, group, tp: int, head_copy=None, whole: bool = False):
+    def __init__(
+        self,
+        params: list,
+        dp: int,
+        dp_rank: int,
+        group,
+        tp: int,
+        head_copy=None,
+        whole: bool = False,
+        share: float | None = None,
+    ):
         """``whole``: every data-parallel rank steps all of the bucket (the tied weight's copy, whose gradient
-        every rank has in full): no collective, and each element weighs 1/dp in the norm's sum over ranks."""
-        share = 1.0 / dp if whole else 1.0
+        every rank has in full): no collective, and each element weighs 1/dp in the norm's sum over ranks.
+        ``dp``, ``dp_rank`` and ``group`` name the ranks the bucket is sliced over (the tie's pair, for a copy split
+        between the pipeline's ends); ``share``: each element's weight in that sum, where not 1 (or 1/dp whole)."""
+        share = share if share is not None else 1.0 / dp if whole else 1.0
         self.whole = whole
         dp, dp_rank = (1, 0) if whole else (dp, dp_rank)
         self.params, self.dp, self.group = params, dp, group
@@ -273,9 +287,11 @@ class ChunkShards:
         head_copy=None,
         bucket_bytes: float | None = None,
         rows_group=None,
+        tied_halves: bool = False,
     ):
         """``optim_cfg.shard_tied``: the tied weight's copy sliced over dp like the rest (the tie exchanges only its
-        slice of the gradient, :attr:`tied_slice`; the stepped slices all-gathered), else stepped whole.
+        slice of the gradient, :attr:`tied_slice`; the stepped slices all-gathered); else ``tied_halves``: split in two
+        halves between the pipeline's two ends, each stepping one (:meth:`_halved`); else stepped whole.
         ``rows_group``: a second group over the dp ranks for the lookup-only copy's rows (:meth:`start_rows`), so
         they do not queue behind the all-gathers of the chunks stepped before them."""
         self.tied, self.segment = tied, getattr(chunk, "segment", -1)
@@ -290,15 +306,24 @@ class ChunkShards:
         self.index = {id(p): i for i, p in enumerate(chunk.parameters())}  # a parameter's place in the chunk
         make = lambda g, whole=False: FlatShard(g, topo.dp, topo.dp_rank, topo.dp_group, topo.tp, head_copy, whole)  # noqa: E731
         self.own = [make(g) for g in own]
-        # the tied copy: by default its gradient is all-reduced in full for the tie and every rank steps all of it
-        # (its moments unsharded), with no all-gather; shard_tied slices it (a reduce-scatter, then an all-gather)
-        whole = not optim_cfg.shard_tied
-        self.buckets = self.own + ([make([tied], whole=whole)] if tied is not None else [])
+        # the tied copy: its gradient is all-reduced in full for the tie, so every rank may step all of it (its moments
+        # unsharded, no all-gather), or half of it, the other end the other half (tied_halves: an all-gather over the
+        # pair); shard_tied slices it over dp (a reduce-scatter, then an all-gather)
+        whole = not optim_cfg.shard_tied and not tied_halves
+        self.tied_halves = tied_halves and tied is not None
+        if tied is None:
+            self.buckets = self.own
+        elif self.tied_halves:
+            self.buckets = self.own + [self._halved(tied, topo)]
+        else:
+            self.buckets = self.own + [make([tied], whole=whole)]
         self.pushed: list = []  # (bucket, all-gather in flight) since the step, until the next forward
         # shard_tied: the embedding's copy, where nothing else in the chunk reads it, is only looked up: after a
         # step the next forward takes the rows its step's token ids name (lookup_rows), and a full all-gather waits
         # for whoever reads the whole weight (an evaluation, a checkpoint, a flush)
-        self.lookup_only = self.buckets[-1] if not whole and looked_up_only(chunk, tied, topo) else None
+        self.lookup_only = (
+            self.buckets[-1] if not whole and not tied_halves and looked_up_only(chunk, tied, topo) else None
+        )
         if self.lookup_only is not None:
             self.lookup_only.rows_group = rows_group
         self.tied_stepped = False  # the tied copy's slice stepped apart (step_tied) since the chunk's last step
@@ -320,11 +345,25 @@ class ChunkShards:
             **({"fused": True} if device.type in ("cpu", "cuda") else {"foreach": True}),
         )
 
+    @staticmethod
+    def _halved(tied, topo) -> FlatShard:
+        """The tied copy split between the pipeline's two ends (the tie's pair, whose group ranks are the embedding's
+        end, then the head's): each end steps its half, and each element weighs 1/dp in the norm, held once by every
+        replica (so the head's half counts, where a whole copy at the head weighs 0)."""
+        return FlatShard([tied], 2, 0 if topo.pp_rank == 0 else 1, topo.tie_group, topo.tp, share=1.0 / topo.dp)
+
     @property
     def tied_slice(self) -> int | None:
-        """Elements of this rank's slice of the tied copy, where it is sliced (``--optim.shard_tied``), else None."""
+        """Elements of this rank's slice of the tied copy, where it is sliced over dp (``--optim.shard_tied``), else
+        None."""
         b = self.buckets[-1]
-        return b.length if self.tied is not None and not b.whole else None
+        return b.length if self.tied is not None and not b.whole and not self.tied_halves else None
+
+    @property
+    def steps_tied_apart(self) -> bool:
+        """Whether the tied copy is sliced (over dp, or between the ends), so a deferred chunk can step it alone at
+        the iteration's end (the rules' ``early_tie``) and its all-gather can start there."""
+        return self.tied is not None and not self.buckets[-1].whole
 
     def pull(self) -> None:
         """Slices of gradients that were all-reduced (the tied copy's) taken from the chunk's."""
@@ -361,7 +400,7 @@ class ChunkShards:
         self.optimizer.step()
         for sg in b.segments:
             sg.tensor.grad = None
-        if b is not self.lookup_only and b.dp > 1:
+        if b is not self.lookup_only and b.dp > 1 and not self.tied_halves:  # (the pair's gather: not on the dp link)
             (gather,) = queue.submit_deferred(  # issued by the queue's end_iteration, in deadline order
                 self.segment, [], deadline, b.dp, [GatherBucket(self.segment, b, deadline)], pump=False
             )

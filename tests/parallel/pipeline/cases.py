@@ -161,6 +161,7 @@ def equivalence_cases(world: int) -> list[dict]:
             # reductions, early steps, clipping, the tie's copies in their own slices, master precisions
             _one((2, 2, 1, 2), "fold", "per-chunk", "zero", zero=True),
             _one((2, 2, 1, 2), "fold", "per-chunk", "zero", defer=True, zero=True),
+            _one((2, 2, 1, 2), "fold", "per-chunk", "zero-whole", defer=True, zero=True, split_tied=False),
             _one((2, 2, 1, 2), "fold", "per-chunk", "zero-clip", defer=True, clip=1.0, zero=True),
             _one((2, 2, 1, 2), "interleaved-1f1b", "after-flush", "zero", zero=True),
             _one((4, 1, 1, 1), "gpipe", "per-chunk", "zero", zero=True),

@@ -167,8 +167,8 @@ class ChunkOptimizers:
                 c.zero_grad(set_to_none=True)
 
     def _chunk_norm_sq(self, s: int) -> torch.Tensor:
-        """Squared gradient norm of local chunk ``s`` (the head's tied copy left out, as in the global norm);
-        with slices, this rank's share of it."""
+        """Squared gradient norm of local chunk ``s`` (the head's whole tied copy left out, as in the global norm;
+        a half of a split copy counts 1/dp); with slices, this rank's share of it."""
         if self.shards is not None:
             return self.shards[s].norm_sq()
         grads = [p.grad for p in self.owners[s].parameters() if p.grad is not None and p is not self.head_copy]

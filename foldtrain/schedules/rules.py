@@ -27,10 +27,11 @@ they are computed here once and read by both the torch executor
 * **early_tie** (the iteration's end): the deferred chunks holding a tied copy, each with the deadline
   of its first forward in the next iteration (counted past this one's actions, as a deferred ``WR``'s).
   The tie's exchange needs nothing of the chunk's own reduction, so where the :class:`StepPolicy` lets
-  chunks step early and the distributed optimizer slices the tied copy (``--optim.shard_tied``), the
-  exchange completes once every rank has finished the iteration and the copy's slice steps there, alone;
-  the all-gather of the stepped weight joins the deferred reductions by that deadline instead of
-  following the chunk's deferred ``OS``, right before its first forward.
+  chunks step early and the distributed optimizer slices the tied copy (over dp with ``--optim.shard_tied``,
+  or in halves between the two ends, :func:`splits_tied_state`), the exchange completes once every rank has
+  finished the iteration and the copy's slice steps there, alone; the all-gather of the stepped weight joins
+  the deferred reductions by that deadline (over dp), or starts at once over the tie's pair (halves), instead
+  of following the chunk's deferred ``OS``, right before its first forward.
 """
 
 from __future__ import annotations

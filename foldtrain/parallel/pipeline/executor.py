@@ -415,8 +415,9 @@ class Executor:
 
     def _step_ties_early(self, rules: RankRules) -> None:
         """``early_tie``: a deferred chunk's tied copy, exchanged with the other end (every rank has finished the
-        iteration, so the other end has sent its part), steps its slice now; its all-gather joins the deferred
-        buckets in deadline order (the chunk's first forward of the next iteration)."""
+        iteration, so the other end has sent its part), steps its slice (or half) now; its all-gather joins the
+        deferred buckets in deadline order (the chunk's first forward of the next iteration) over dp, or starts at
+        once on the tie's pair (halves)."""
         if not self.policy.early_steps or self.queue is None:
             return
         for s, deadline in sorted(rules.early_tie.items()):

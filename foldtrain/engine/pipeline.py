@@ -55,8 +55,8 @@ from foldtrain.parallel.pipeline.stage import apply_activation_checkpointing, bu
 from foldtrain.parallel.pipeline.tie import LocalTie
 from foldtrain.parallel.wire import wire_dtype
 from foldtrain.profile import StepProfiler, Timeline
-from foldtrain.schedules import channels_of, placement_of, splits_tied_state, step_policy
-from foldtrain.schedules.layout import distributed_optimizer, validate_layout
+from foldtrain.schedules import channels_of, step_policy
+from foldtrain.schedules.layout import tied_halves, validate_layout
 
 
 class PipelineEngine:
@@ -179,15 +179,7 @@ class PipelineEngine:
             self.tied.get(lay.segments - 1),
             self.pipeline_schedule.deferred_chunks(topo.pp_rank),
             p2p.wait_collective,
-            tied_halves=splits_tied_state(
-                policy,
-                dist_optim=distributed_optimizer(cfg),
-                shard_tied=cfg.optim.shard_tied,
-                pp=lay.pp,
-                placement=placement_of(cfg.parallel.schedule),
-                defer=cfg.fold.defer_reduce and lay.virtual > 1,
-                split=cfg.optim.split_tied,
-            ),
+            tied_halves=tied_halves(cfg, policy),
         )
         for s, r in reducers.items():  # the distributed optimizer: chunks reduce-scatter into their slices
             r.shards = stepper.shards[s] if stepper.shards else None

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from foldtrain.errors import ConfigError
 from foldtrain.schedules.actions import Op, Schedule
-from foldtrain.schedules.generators import build_schedule
+from foldtrain.schedules.generators import build_schedule, placement_of
+from foldtrain.schedules.rules import StepPolicy, splits_tied_state
 
 __all__ = [
     "Layout",
@@ -39,6 +40,7 @@ __all__ = [
     "check_tp",
     "chunk_layers",
     "resolve_microbatches",
+    "tied_halves",
     "uses_3d_engine",
     "validate_layout",
 ]
@@ -187,6 +189,22 @@ def check_tp(n_head: int, d_model: int, vocab_size: int | None, tp: int) -> None
 def distributed_optimizer(cfg) -> bool:
     """Whether a 3D run of ``cfg`` shards its optimizer over dp (``--optim.distributed``, dp > 1)."""
     return bool(cfg.optim.distributed) and cfg.parallel.dp > 1
+
+
+def tied_halves(cfg, policy: StepPolicy) -> bool:
+    """Whether a 3D run of ``cfg`` under ``policy`` splits the tied copy's optimizer state between the pipeline's
+    two ends (:func:`~foldtrain.schedules.rules.splits_tied_state` on the run's settings; the engine and the
+    simulator both ask here)."""
+    p = cfg.parallel
+    return splits_tied_state(
+        policy,
+        dist_optim=distributed_optimizer(cfg),
+        shard_tied=cfg.optim.shard_tied,
+        pp=p.pp,
+        placement=placement_of(p.schedule),
+        defer=bool(cfg.fold.defer_reduce) and p.virtual > 1,
+        split=cfg.optim.split_tied,
+    )
 
 
 def check_fsdp(cfg, schedule) -> None:

@@ -16,8 +16,14 @@ from dataclasses import dataclass
 from foldtrain.config import dataparallel_rows
 from foldtrain.errors import ConfigError
 from foldtrain.model.presets import padded_vocab
-from foldtrain.schedules import placement_of, splits_tied_state, step_policy
-from foldtrain.schedules.layout import chunk_layers, distributed_optimizer, resolve_microbatches, validate_layout
+from foldtrain.schedules import step_policy
+from foldtrain.schedules.layout import (
+    chunk_layers,
+    distributed_optimizer,
+    resolve_microbatches,
+    tied_halves,
+    validate_layout,
+)
 
 # precision -> (compute dtype, weight bytes, grad bytes, activation bytes, fp32 master copy)
 PRECISION = {
@@ -240,14 +246,6 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         dist_optim=three_d and distributed_optimizer(cfg),
         shard_tied=three_d and distributed_optimizer(cfg) and cfg.optim.shard_tied,
         tied_halves=three_d
-        and splits_tied_state(
-            step_policy(cfg.optim.grad_clip > 0, cfg.precision.startswith("fp16"), p.tp),
-            dist_optim=distributed_optimizer(cfg),
-            shard_tied=cfg.optim.shard_tied,
-            pp=p.pp,
-            placement=placement_of(p.schedule),
-            defer=bool(cfg.fold.defer_reduce) and p.virtual > 1,
-            split=cfg.optim.split_tied,
-        ),
+        and tied_halves(cfg, step_policy(cfg.optim.grad_clip > 0, cfg.precision.startswith("fp16"), p.tp)),
         loop_meetings=float(cfg.checkpoint.on_signal) + 1.0 / t.log_every if mode == "dp" and p.dp > 1 else 0.0,
     )

@@ -309,21 +309,19 @@ class ChunkShards:
         # the tied copy: its gradient is all-reduced in full for the tie, so every rank may step all of it (its moments
         # unsharded, no all-gather), or half of it, the other end the other half (tied_halves: an all-gather over the
         # pair); shard_tied slices it over dp (a reduce-scatter, then an all-gather)
-        whole = not optim_cfg.shard_tied and not tied_halves
         self.tied_halves = tied_halves and tied is not None
+        self.tied_over_dp = tied is not None and not self.tied_halves and optim_cfg.shard_tied
         if tied is None:
             self.buckets = self.own
         elif self.tied_halves:
             self.buckets = self.own + [self._halved(tied, topo)]
         else:
-            self.buckets = self.own + [make([tied], whole=whole)]
+            self.buckets = self.own + [make([tied], whole=not self.tied_over_dp)]
         self.pushed: list = []  # (bucket, all-gather in flight) since the step, until the next forward
         # shard_tied: the embedding's copy, where nothing else in the chunk reads it, is only looked up: after a
         # step the next forward takes the rows its step's token ids name (lookup_rows), and a full all-gather waits
         # for whoever reads the whole weight (an evaluation, a checkpoint, a flush)
-        self.lookup_only = (
-            self.buckets[-1] if not whole and not tied_halves and looked_up_only(chunk, tied, topo) else None
-        )
+        self.lookup_only = self.buckets[-1] if self.tied_over_dp and looked_up_only(chunk, tied, topo) else None
         if self.lookup_only is not None:
             self.lookup_only.rows_group = rows_group
         self.tied_stepped = False  # the tied copy's slice stepped apart (step_tied) since the chunk's last step
@@ -356,14 +354,13 @@ class ChunkShards:
     def tied_slice(self) -> int | None:
         """Elements of this rank's slice of the tied copy, where it is sliced over dp (``--optim.shard_tied``), else
         None."""
-        b = self.buckets[-1]
-        return b.length if self.tied is not None and not b.whole and not self.tied_halves else None
+        return self.buckets[-1].length if self.tied_over_dp else None
 
     @property
     def steps_tied_apart(self) -> bool:
         """Whether the tied copy is sliced (over dp, or between the ends), so a deferred chunk can step it alone at
         the iteration's end (the rules' ``early_tie``) and its all-gather can start there."""
-        return self.tied is not None and not self.buckets[-1].whole
+        return self.tied_over_dp or self.tied_halves
 
     def pull(self) -> None:
         """Slices of gradients that were all-reduced (the tied copy's) taken from the chunk's."""
@@ -400,7 +397,7 @@ class ChunkShards:
         self.optimizer.step()
         for sg in b.segments:
             sg.tensor.grad = None
-        if b is not self.lookup_only and b.dp > 1 and not self.tied_halves:  # (the pair's gather: not on the dp link)
+        if b is not self.lookup_only and b.dp > 1 and self.tied_over_dp:  # (the halves' gather: on the pair, at once)
             (gather,) = queue.submit_deferred(  # issued by the queue's end_iteration, in deadline order
                 self.segment, [], deadline, b.dp, [GatherBucket(self.segment, b, deadline)], pump=False
             )

@@ -127,16 +127,20 @@ class ChunkOptimizers:
                 for p, m in self.pairs.get(s, ()):
                     p.copy_(m)
 
-    def step(self, s: int) -> None:
+    def step(self, s: int, hold_gather: bool = False) -> None:
         self._pull(s)
         if self.step_ok:
             if self.shards is not None:
-                self.shards[s].step()  # the slice's step; the chunk's weights are all-gathered by its next forward
+                self.shards[s].step(hold_gather)  # the slice's step; the weights all-gathered by the next forward
             else:
                 self.optimizers[s].step()
                 self.masters_to_chunks((s,))
         self.lr_schedulers[s].step()
         self.optimizers[s].zero_grad(set_to_none=True)
+
+    def start_gathers(self, s: int) -> None:
+        if self.shards is not None:
+            self.shards[s].start_gathers()
 
     def steps_tied_apart(self, s: int) -> bool:
         return self.shards is not None and self.shards[s].steps_tied_apart and self.step_ok
@@ -154,10 +158,10 @@ class ChunkOptimizers:
             wait = lambda w: self.wait_collective(w, f"all-gather of chunk {s}'s weights over dp")  # noqa: E731
             self.shards[s].land(wait, ids)
 
-    def step_early(self, s: int) -> None:
+    def step_early(self, s: int, hold_gather: bool = False) -> None:
         self._pull(s)
         self.early_norms_sq[s] = self._chunk_norm_sq(s)
-        self.step(s)
+        self.step(s, hold_gather)
 
     def zero_grad(self) -> None:
         for o in self.optimizers.values():

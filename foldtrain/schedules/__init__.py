@@ -34,6 +34,7 @@ from .generators import (
     placement_of,
 )
 from .rules import (
+    GatherRelease,
     RankRules,
     Rule,
     StepPolicy,
@@ -51,6 +52,7 @@ __all__ = [
     "COMM_OPS",
     "COMPUTE_OPS",
     "DP_SYNC_MODES",
+    "GatherRelease",
     "Op",
     "RECV_OPS",
     "REDUCE_OPS",

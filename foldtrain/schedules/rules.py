@@ -32,6 +32,12 @@ they are computed here once and read by both the torch executor
   finished the iteration and the copy's slice steps there, alone; the all-gather of the stepped weight joins
   the deferred reductions by that deadline (over dp), or starts at once over the tie's pair (halves), instead
   of following the chunk's deferred ``OS``, right before its first forward.
+* **gather_order** (the distributed optimizer's all-gathers): the rank's non-deferred chunks in the order of their
+  first forward. A chunk's step starts the all-gather of its weights on the data-parallel group, whose collectives
+  run in the order they were issued, and the next iteration's forwards need them in this order; the steps come in
+  the order the reductions land (fold, interleaved: the last chunk first). So a chunk's all-gather starts only once
+  every chunk before it in this order has stepped (:class:`GatherRelease`): the first chunk's, which is exposed
+  before the next forward anyway, then goes first, and the others' overlap the forwards of the chunks before them.
 """
 
 from __future__ import annotations
@@ -98,6 +104,7 @@ class RankRules:
     deferred: frozenset[int]  # chunks reduced across the iteration boundary
     deadline: dict[int, int]  # chunk -> its reduction's deadline
     early_tie: dict[int, int] = field(default_factory=dict)  # deferred tied chunk -> its first forward's deadline
+    gather_order: tuple[int, ...] = ()  # non-deferred chunks by first forward: their all-gathers' order
 
     def deadline_of(self, chunk: int) -> int:
         """The deadline of ``chunk``'s reduction (past every action when no ``WR`` needs it)."""
@@ -135,7 +142,33 @@ def rank_rules(sched: Schedule, p: int) -> RankRules:
             )
         )
     first_forward = {a.chunk: i + n for i, a in reversed(list(enumerate(actions))) if a.op is Op.FORWARD}
-    return RankRules(actions, tuple(rules), deferred, deadline, {c: first_forward[c] for c in deferred & ties})
+    stepped = {a.chunk for a in actions if a.op is Op.OPTIM_STEP} - deferred
+    order = tuple(sorted(stepped, key=lambda c: first_forward.get(c, 2 * n)))
+    return RankRules(actions, tuple(rules), deferred, deadline, {c: first_forward[c] for c in deferred & ties}, order)
+
+
+@dataclass
+class GatherRelease:
+    """One iteration's :attr:`RankRules.gather_order` at work: which chunks' all-gathers start when a chunk steps."""
+
+    order: tuple[int, ...]
+    stepped: set[int] = field(default_factory=set)
+    released: int = 0  # how many of ``order`` have started their all-gathers
+
+    def holds(self, chunk: int) -> bool:
+        """Whether ``chunk``'s step leaves its all-gather to :meth:`step` (a non-deferred chunk's)."""
+        return chunk in self.order
+
+    def step(self, chunk: int) -> list[int]:
+        """``chunk`` stepped: the chunks whose all-gathers start now, in order (none while one before it has not
+        stepped)."""
+        if not self.holds(chunk):
+            return [chunk]
+        self.stepped.add(chunk)
+        start = self.released
+        while self.released < len(self.order) and self.order[self.released] in self.stepped:
+            self.released += 1
+        return list(self.order[start : self.released])
 
 
 def _tie_launches(actions: tuple[Action, ...], ties: set[int], per_chunk: bool, last: int) -> dict[int, int]:

@@ -59,7 +59,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from foldtrain.schedules import WEIGHT_OPS, Action, Op, RankRules, Rule, Schedule, StepPolicy, message_key, rank_rules
+from foldtrain.schedules import (
+    WEIGHT_OPS,
+    Action,
+    GatherRelease,
+    Op,
+    RankRules,
+    Rule,
+    Schedule,
+    StepPolicy,
+    message_key,
+    rank_rules,
+)
 
 from .links import CPU, Phase, SharedLink, Stream
 
@@ -153,9 +164,13 @@ class RankState:
     launches: list = field(default_factory=list)  # (iteration, "SA c1 m0" | "RA .." | "LR c3" | "tie c3" | "clip")
     stepped_early: set = field(default_factory=set)  # chunks whose WR stepped them this iteration
     tied_apart: set = field(default_factory=set)  # chunks whose tied slice stepped at the last iteration's end
+    gathers: GatherRelease | None = None  # this iteration's all-gather order (the rules' gather_order)
     step_start: float = 0.0
     debt: float = 0.0  # the executor's own host work for the actions since the last compute, not yet paid
     prepared: tuple = ()  # (iteration, pc) of the action whose waits (unshard, blocking reduce) are done
+
+    def __post_init__(self) -> None:
+        self.gathers = GatherRelease(self.rules.gather_order)
 
     @property
     def deferred(self) -> frozenset[int]:
@@ -558,15 +573,17 @@ class Sim:
         return False
 
     def _launch_gather(self, r: RankState, c: int, t: float) -> None:
-        """The distributed optimizer's all-gather of chunk ``c``'s weights, queued on the reduction stream at
-        the end of its step; its next forward waits for it."""
-        phases = self.costs.gather(r.p, c, without_tied=c in r.tied_apart)
+        """The distributed optimizer's all-gathers at the end of chunk ``c``'s step, queued on the reduction stream:
+        those of the chunks it completes the ``gather_order`` of (its own, where it holds none back); the next
+        forward of each waits for its own. A split tied copy's half goes on the tie's stream at once."""
         pair = None if c in r.tied_apart else self.costs.pair_gather(r.p, c)
-        r.tied_apart.discard(c)
-        if phases:
-            self.dp_stream[r.p].submit(t, list(phases), self._gathered((r.p, c)))
         if pair:  # (the pair's group: beside the dp all-gather, in order with the tie's exchange)
             self.tie_stream[r.p].submit(t, list(pair), self._gathered((r.p, c, "tied")))
+        for g in r.gathers.step(c):
+            phases = self.costs.gather(r.p, g, without_tied=g in r.tied_apart)
+            if phases:
+                self.dp_stream[r.p].submit(t, list(phases), self._gathered((r.p, g)))
+        r.tied_apart.discard(c)
 
     def _gathered(self, key: tuple) -> Callable:
         """``done(start, end)`` of an all-gather the next forward of ``key``'s chunk waits for."""
@@ -630,6 +647,7 @@ class Sim:
         r.last_send = 0.0
         r.step_closed = False
         r.stepped_early.clear()
+        r.gathers = GatherRelease(r.rules.gather_order)
         r.step_start = r.t
         if r.it < self.iterations:
             self.resume(r, r.t)

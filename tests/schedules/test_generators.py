@@ -9,6 +9,7 @@ import foldtrain.schedules as schedules_pkg
 from foldtrain.errors import ConfigError
 from foldtrain.schedules import (
     Action,
+    GatherRelease,
     Op,
     activations_peak,
     build_schedule,
@@ -16,6 +17,7 @@ from foldtrain.schedules import (
     format_schedule,
     local_chunk,
     message_key,
+    rank_rules,
     stage_rank,
     validate_schedule,
 )
@@ -211,6 +213,30 @@ def test_the_distributed_optimizer_steps_deferred_chunks_a_chunk_ahead():
             first = min(i for i, a in enumerate(acts) if a.op in (Op.RECV_ACT, Op.FORWARD) and a.chunk == before)
             assert acts[first - 2 : first] == [Action(Op.WAIT_REDUCE, c), Action(Op.OPTIM_STEP, c)]
         validate_schedule(ahead)
+
+
+@pytest.mark.parametrize(
+    "name, sync, defer",
+    [("fold", "per-chunk", False), ("interleaved-1f1b", "after-flush", False), ("fold", "per-chunk", True)],
+)
+def test_the_all_gathers_go_in_the_order_of_the_next_forwards(name, sync, defer):
+    """rules.gather_order: a rank's non-deferred chunks by first forward. Fold and interleaved step the last chunk
+    first (its reduction lands first), so each step holds its all-gather back until every chunk before it in that
+    order has stepped (GatherRelease): the first chunk's then goes first on the dp group, whose collectives run in
+    issue order. A deferred chunk's starts at its own step."""
+    pp, v, m = 2, 4, 4
+    sched = build_schedule(name, pp, v, m, sync, defer, distributed_optimizer=True)
+    for p in range(pp):
+        rules = rank_rules(sched, p)
+        segs = chunks_of_rank(p, pp, v)
+        assert rules.gather_order == (tuple(segs[:1]) if defer else tuple(segs))
+        steps = [a.chunk for a in sched.ranks[p] if a.op is Op.OPTIM_STEP]
+        release = GatherRelease(rules.gather_order)
+        started = [release.step(c) for c in steps]
+        if defer:  # the deferred chunks step before their forwards, each starting its own
+            assert started == [[c] for c in steps]
+        else:  # the last chunk steps first: nothing starts until the first chunk's step starts them all, in order
+            assert steps == segs[::-1] and started == [[]] * (len(segs) - 1) + [segs]
 
 
 def test_format_schedule():

@@ -239,3 +239,24 @@ def test_small_collectives_wait_behind_the_bulk_bytes_queued_ahead():
     # where the bytes would not arrive before the chunk's next forward anyway, the wait costs the period nothing
     period = lambda s: s.iter_end[2] - s.iter_end[1]  # noqa: E731
     assert period(fifo) == approx(period(run(0.0)))
+
+
+class _Gathers(UnitCosts):
+    """The distributed optimizer's all-gather of each chunk's weights: 2 s on the reduction stream."""
+
+    def gather(self, p, c, without_tied=False):
+        return [("delay", 2.0)]
+
+
+def test_the_first_chunks_all_gather_goes_first():
+    """rules.gather_order: fold steps the last chunk first, yet the all-gathers go on the reduction stream (a FIFO,
+    as the dp group's collectives) in the order of the next forwards, so the first forward of the next iteration
+    waits for its own chunk's all-gather alone (2 s after its step), not for those of the chunks stepped before it
+    (8 s), which run beside the forwards before theirs."""
+    sched = build_schedule("fold", 2, 4, 4, "per-chunk")
+    sim = run_schedule(sched, _Gathers(1.0, 2.0, t_reduce=1.0, t_optim=0.5), iterations=2)
+    ev = sim.ranks[0].events
+    step = next(e["end"] for e in ev if e["step"] == 0 and e["kind"] == "optim" and e["args"]["chunk"] == 0)
+    assert step == max(e["end"] for e in ev if e["step"] == 0 and e["kind"] == "optim")  # chunk 0 steps last
+    waits = [e for e in ev if e["step"] == 1 and e["name"].startswith("AG")]
+    assert [(e["name"], e["end"]) for e in waits] == [("AG c0", approx(step + 2.0))]

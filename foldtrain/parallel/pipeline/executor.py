@@ -55,7 +55,17 @@ import torch
 from foldtrain.parallel.pipeline import split_backward
 from foldtrain.parallel.pipeline.deadlines import DeadlineQueue
 from foldtrain.parallel.pipeline.p2p import P2P
-from foldtrain.schedules import Action, Op, RankRules, Rule, Schedule, StepPolicy, rank_rules, stage_rank
+from foldtrain.schedules import (
+    Action,
+    GatherRelease,
+    Op,
+    RankRules,
+    Rule,
+    Schedule,
+    StepPolicy,
+    rank_rules,
+    stage_rank,
+)
 
 ACT, GRAD, EVAL_ACT = 0, 1, 2
 
@@ -63,11 +73,15 @@ ACT, GRAD, EVAL_ACT = 0, 1, 2
 class ChunkStepper(Protocol):
     """The optimizer side of a pipeline rank, as the executor drives it."""
 
-    def step(self, s: int) -> None:
-        """``OS(s)``: local chunk ``s``'s optimizer and LR-schedule step."""
+    def step(self, s: int, hold_gather: bool = False) -> None:
+        """``OS(s)``: local chunk ``s``'s optimizer and LR-schedule step. ``hold_gather``: the all-gather of its
+        weights over dp (the distributed optimizer's) waits for :meth:`start_gathers`."""
 
-    def step_early(self, s: int) -> None:
+    def step_early(self, s: int, hold_gather: bool = False) -> None:
         """``step`` at the chunk's ``WR``, keeping what the iteration's gradient norm needs of it."""
+
+    def start_gathers(self, s: int) -> None:
+        """Start the all-gathers chunk ``s``'s step held (the rules' ``gather_order``)."""
 
     def before_steps(self) -> None:
         """Once per iteration, before the first non-deferred step: overflow check, gradient norm, clip."""
@@ -111,6 +125,10 @@ class Iteration:
     split: bool = False  # the schedule splits backwards into I and W
     sends: list = field(default_factory=list)  # (work, tensor, action): posted, waited at the end
     stepped_early: set = field(default_factory=set)  # chunks a WR stepped (their OS only meets the norm)
+    gathers: GatherRelease | None = None  # which steps start which all-gathers (the rules' gather_order)
+
+    def __post_init__(self) -> None:
+        self.gathers = GatherRelease(self.rules.gather_order)
 
     @property
     def n_mb(self) -> int:
@@ -371,7 +389,8 @@ class Executor:
             self.reducers[s].wait()
         if rule.step_early and self.policy.early_steps:
             with self._span(f"OS c{s}", "optim", chunk=s, early=True):
-                self.stepper.step_early(s)
+                self.stepper.step_early(s, it.gathers.holds(s))
+                self._start_gathers(it, s)
             it.stepped_early.add(s)
 
     def _optim_step(self, it: Iteration, a: Action, rule: Rule) -> None:
@@ -390,8 +409,15 @@ class Executor:
                 self.stepper.before_steps()
         if s not in it.stepped_early:
             with self._span(f"OS c{s}", "optim", chunk=s):
-                self.stepper.step(s)
+                self.stepper.step(s, it.gathers.holds(s))
+                self._start_gathers(it, s)
         self.awaiting_step.discard(s)
+
+    def _start_gathers(self, it: Iteration, s: int) -> None:
+        """Chunk ``s`` stepped: the all-gathers its step completes the order of (``gather_order``) start."""
+        for c in it.gathers.step(s):
+            if it.gathers.holds(c):
+                self.stepper.start_gathers(c)
 
     # ------------------------------------------------------------------ between iterations
     def deferred_count(self) -> int | None:

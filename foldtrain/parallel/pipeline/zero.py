@@ -318,6 +318,7 @@ class ChunkShards:
         else:
             self.buckets = self.own + [make([tied], whole=not self.tied_over_dp)]
         self.pushed: list = []  # (bucket, all-gather in flight) since the step, until the next forward
+        self.held: list = []  # buckets stepped whose all-gathers wait for start_gathers
         # shard_tied: the embedding's copy, where nothing else in the chunk reads it, is only looked up: after a
         # step the next forward takes the rows its step's token ids name (lookup_rows), and a full all-gather waits
         # for whoever reads the whole weight (an evaluation, a checkpoint, a flush)
@@ -377,14 +378,24 @@ class ChunkShards:
     def norm_sq(self) -> torch.Tensor:
         return sum((b.norm_sq() for b in self.buckets[1:]), self.buckets[0].norm_sq())
 
-    def step(self) -> None:
+    def step(self, hold: bool = False) -> None:
         """Step the slices and start the all-gathers of the chunk's weights (:meth:`land` completes them; a
-        lookup-only copy's rows wait for the next forward's ids)."""
+        lookup-only copy's rows wait for the next forward's ids). ``hold``: those over dp wait for
+        :meth:`start_gathers` (the rules' ``gather_order``); a half's, over the tie's pair, starts now (the other
+        end's forward needs it, in order with the tie's exchange on the pair)."""
         self.optimizer.step()  # (a tied slice stepped apart has no gradient now: AdamW skips it)
         done = (self.lookup_only, self.buckets[-1] if self.tied_stepped else None)
-        self.pushed += [(b, x) for b in self.buckets if b not in done and (x := b.push()) is not None]
+        todo = [b for b in self.buckets if b not in done]
+        half = self.buckets[-1] if self.tied_halves else None
+        self.held = [b for b in todo if hold and b is not half]
+        self.pushed += [(b, x) for b in todo if b not in self.held and (x := b.push()) is not None]
         self.tied_stepped = False
         self.behind = self.rows_due = self.lookup_only is not None
+
+    def start_gathers(self) -> None:
+        """Start the all-gathers :meth:`step` held."""
+        held, self.held = self.held, []
+        self.pushed += [(b, x) for b in held if (x := b.push()) is not None]
 
     def step_tied(self, queue, deadline: int) -> None:
         """Step only the tied copy's slice, its gradient final before the chunk's own (still in flight: their
@@ -422,12 +433,13 @@ class ChunkShards:
     def pending(self, ids: list[torch.Tensor] | None = None) -> bool:
         """Whether what reads the chunk's weights must first :meth:`land` (``ids``: its training forward, which
         needs only their rows of a lookup-only copy)."""
-        return bool(self.pushed) or (self.rows_due if ids is not None else self.behind)
+        return bool(self.pushed or self.held) or (self.rows_due if ids is not None else self.behind)
 
     def land(self, wait, ids: list[torch.Tensor] | None = None) -> None:
         """Before the chunk's weights are read: the all-gathers started by :meth:`step` complete into them. ``ids``:
         the token ids of the step's micro-batches, when the reader is its training forward, which needs only those
         rows of a lookup-only copy; else (an evaluation, a checkpoint) the whole of it is all-gathered."""
+        self.start_gathers()  # (none held by now in a schedule: every chunk before it in the order has stepped)
         pushed, self.pushed = self.pushed, []
         for b, x in pushed:
             b.land(x.started() if isinstance(x, GatherBucket) else x, wait)

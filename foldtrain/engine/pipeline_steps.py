@@ -153,8 +153,11 @@ class ChunkOptimizers:
             return None
         return self.shards[s].start_rows(ids)
 
+    def gathering(self, s: int, ids: list[torch.Tensor] | None = None) -> bool:
+        return self.shards is not None and self.shards[s].pending(ids)
+
     def weights_ready(self, s: int, ids: list[torch.Tensor] | None = None) -> None:
-        if self.shards is not None and self.shards[s].pending(ids):
+        if self.gathering(s, ids):
             wait = lambda w: self.wait_collective(w, f"all-gather of chunk {s}'s weights over dp")  # noqa: E731
             self.shards[s].land(wait, ids)
 

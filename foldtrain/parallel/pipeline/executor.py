@@ -101,6 +101,9 @@ class ChunkStepper(Protocol):
         them (``--optim.shard_tied``'s embedding copy), start landing the rows of the step's token ids ``ids`` over
         every dp rank; returns those ranks' ids (all-gathered), else None."""
 
+    def gathering(self, s: int, ids: list[torch.Tensor] | None = None) -> bool:
+        """Whether :meth:`weights_ready` has anything to wait for."""
+
     def weights_ready(self, s: int, ids: list[torch.Tensor] | None = None) -> None:
         """Before chunk ``s``'s weights are read: what its last step still sends them (the distributed
         optimizer's all-gather) has landed. ``ids``: the step's token ids, when the reader is the first chunk's
@@ -273,7 +276,10 @@ class Executor:
             inp = it.stage_outputs[(s - 1, m)].detach().to(self.act_dtype).requires_grad_(True)
         else:
             inp = it.received_acts.pop((s, m)).requires_grad_(True)
-        self.stepper.weights_ready(s, it.xs if s == 0 else None)
+        ids = it.xs if s == 0 else None
+        if self.stepper.gathering(s, ids):  # (a span only where it waits: the simulator's "AG" event)
+            with self._span(f"AG c{s}", "reduce_wait", chunk=s, gather=True):
+                self.stepper.weights_ready(s, ids)
         with self._span(f"F c{s} m{m}", "compute", op="F", chunk=s, mb=m):
             with self.precision.forward_context():
                 run = chunk.body if s == self.last else chunk

@@ -202,6 +202,7 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         mode, strat = "dp", strategy if p.dp > 1 else "none"
     compressed = d.compression in ("fp16", "bf16") and gb == 4
     fsdp_wire = strat in ("fsdp", "fsdp-3d") and d.compression != "none"  # reduce_dtype: fp32 reduce-scatters halved
+    clip, scaler = cfg.optim.grad_clip > 0, cfg.precision.startswith("fp16")
     return Setup(
         mode=mode,
         strategy=strat,
@@ -238,14 +239,13 @@ def resolve_setup(cfg, full_check: bool = True) -> Setup:
         fold_bucket_bytes=cfg.fold.bucket_mb * 2**20,
         cycle_s=d.cycle_ms * 1e-3,
         wire_factor=0.5 if (strat in ("allreduce", "ddp", "allreduce-3d") and compressed) or fsdp_wire else 1.0,
-        fp16_scaler=cfg.precision.startswith("fp16"),
-        clip=cfg.optim.grad_clip > 0,
+        fp16_scaler=scaler,
+        clip=clip,
         dropout=m.dropout > 0,
         reshard_after_forward=d.reshard_after_forward,
         shard_vocab=strat == "fsdp" and d.shard_vocab,
         dist_optim=three_d and distributed_optimizer(cfg),
         shard_tied=three_d and distributed_optimizer(cfg) and cfg.optim.shard_tied,
-        tied_halves=three_d
-        and tied_halves(cfg, step_policy(cfg.optim.grad_clip > 0, cfg.precision.startswith("fp16"), p.tp)),
+        tied_halves=three_d and tied_halves(cfg, step_policy(clip, scaler, p.tp)),
         loop_meetings=float(cfg.checkpoint.on_signal) + 1.0 / t.log_every if mode == "dp" and p.dp > 1 else 0.0,
     )

@@ -395,7 +395,7 @@ class Executor:
             self.reducers[s].wait()
         if rule.step_early and self.policy.early_steps:
             with self._span(f"OS c{s}", "optim", chunk=s, early=True):
-                self.stepper.step_early(s, it.gathers.holds(s))
+                self.stepper.step_early(s, hold_gather=True)
                 self._start_gathers(it, s)
             it.stepped_early.add(s)
 
@@ -415,15 +415,15 @@ class Executor:
                 self.stepper.before_steps()
         if s not in it.stepped_early:
             with self._span(f"OS c{s}", "optim", chunk=s):
-                self.stepper.step(s, it.gathers.holds(s))
+                self.stepper.step(s, hold_gather=True)
                 self._start_gathers(it, s)
         self.awaiting_step.discard(s)
 
     def _start_gathers(self, it: Iteration, s: int) -> None:
-        """Chunk ``s`` stepped: the all-gathers its step completes the order of (``gather_order``) start."""
+        """Chunk ``s`` stepped, its all-gathers held: those that start now, in the rules' ``gather_order`` (its own at
+        once where it is not in the order), as the simulator's ``_launch_gather``."""
         for c in it.gathers.step(s):
-            if it.gathers.holds(c):
-                self.stepper.start_gathers(c)
+            self.stepper.start_gathers(c)
 
     # ------------------------------------------------------------------ between iterations
     def deferred_count(self) -> int | None:

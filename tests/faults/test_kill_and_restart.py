@@ -169,21 +169,23 @@ def test_kill_in_communication_resumes_exactly(small_data, tmp_path, reference, 
     assert_newest_intact_loads(out, STEPS)
 
 
-def test_dp_x_pp_fold_survives_kills_in_forward_save_and_export(small_data, tmp_path, reference):
-    """dp 2 x pp 2, fold with per-chunk dp_sync and deferred reductions; one launch, three kills: global
-    rank 1 (replica 0, second stage) in a forward of step 5, rank 3 in the save of step 6 (armed at step
-    4: the next save), rank 0 in the final export. Every step is logged once."""
+def test_dp_x_pp_fold_survives_kills_in_reduction_forward_save_and_export(small_data, tmp_path, reference):
+    """dp 2 x pp 2, fold with per-chunk dp_sync and deferred reductions; one launch, four kills: global
+    rank 2 (replica 1, first stage) in a gradient reduction of step 2, before the first checkpoint; rank 1
+    (replica 0, second stage) in a forward of step 5; rank 3 in the save of step 6 (armed at step 4: the
+    next save); rank 0 in the final export. Every step is logged once."""
     world, extra = LAYOUTS["dp2xpp2-fold-defer"]
     out = tmp_path / "run"
-    fault = "0:1:5:forward;1:3:4:save;2:0:8:export"
-    r = torchrun(world, run_args(small_data, out, extra), fault=fault, restarts=3)
+    fault = "0:2:2:reduce;1:1:5:forward;2:3:4:save;3:0:8:export"
+    r = torchrun(world, run_args(small_data, out, extra), fault=fault, restarts=4)
     assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
-    assert r.stderr.count("exitcode: -9") == 3
+    assert r.stderr.count("exitcode: -9") == 4
     ck = out / "checkpoints"
     assert notices(out) == [
-        f"restart 1: resuming from {ck / 'step_00000003'}",
-        f"restart 2: resuming from {ck / 'step_00000003'}",  # the killed save of step 6 was never renamed
-        f"restart 3: resuming from {ck / 'step_00000008'}",  # killed in the export: only the export is redone
+        "restart 1: no intact checkpoint yet, starting over from step 0",
+        f"restart 2: resuming from {ck / 'step_00000003'}",
+        f"restart 3: resuming from {ck / 'step_00000003'}",  # the killed save of step 6 was never renamed
+        f"restart 4: resuming from {ck / 'step_00000008'}",  # killed in the export: only the export is redone
     ]
     assert not list(ck.glob("*.tmp")) and not (out / "model.tmp").exists()
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import multiprocessing
+import os
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from foldtrain.config import build_config
@@ -179,12 +182,17 @@ class Row:
         return tokens * flops_per_token(self.run, "palm") / 1e12
 
 
-def evaluate(runs: list[dict]) -> list[Row]:
-    rows = []
-    for run in runs:
-        r = predict(run)
-        rows.append(Row(run, r, published_tokens_per_gpu(run), r.tokens_per_s / run["gpus"]))
-    return rows
+def evaluate(runs: list[dict], workers: int | None = None) -> list[Row]:
+    """Every run's prediction against its published figure, in ``runs``' order. The simulations are independent
+    and pure Python, so they run in ``workers`` processes (default: one per core, at most one per run); the
+    predictions are the same either way, bit for bit."""
+    workers = min(len(runs), os.cpu_count() or 1) if workers is None else workers
+    if workers > 1:  # spawned: a forked copy of a process that runs torch's threads may deadlock
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(predict, runs))
+    else:
+        results = [predict(run) for run in runs]
+    return [Row(run, r, published_tokens_per_gpu(run), r.tokens_per_s / run["gpus"]) for run, r in zip(runs, results)]
 
 
 def summary(rows: list[Row]) -> dict[str, float]:

@@ -44,6 +44,7 @@ class CommStats:
         self.cuda = device is not None and device.type == "cuda"
         self._events: list = []  # (start, end) CUDA events around each wait of this step
         register_process(rank)
+        self.p2p_group = None  # the group of ``isend`` / ``irecv`` (None: the default group)
         self.phase = "start-up"
         self.sent = self.recv = self.wait_s = self.step_s = 0.0
         self._t0 = time.perf_counter()
@@ -91,14 +92,14 @@ class CommStats:
     # ------------------------------------------------------------------ point-to-point: communicate and count
     def isend(self, t: torch.Tensor, dst: int, tag: int) -> dist.Work:
         self.sent += nbytes(t)
-        return collectives.isend(t, dst, tag=tag)
+        return collectives.isend(t, dst, group=self.p2p_group, tag=tag)
 
     def irecv(self, t: torch.Tensor, src: int, tag: int, count: bool = True) -> dist.Work:
         """Post a receive; ``count=False`` leaves the bytes to ``count_received`` (for receives completing in a
         later step)."""
         if count:
             self.recv += nbytes(t)
-        return collectives.irecv(t, src, tag=tag)
+        return collectives.irecv(t, src, group=self.p2p_group, tag=tag)
 
     # ------------------------------------------------------------------ waiting
     @contextlib.contextmanager

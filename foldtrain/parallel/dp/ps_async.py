@@ -16,7 +16,9 @@ parameters may be missing; it never exceeds S. ``stats()`` reports it on servers
 
 One server ``train_step`` serves until every worker's gradient for that step has been applied,
 applying faster workers' later gradients meanwhile. Receives are posted one per worker, never
-from any source (NCCL has no any-source receive). Arrivals are found by polling
+from any source (NCCL has no any-source receive), each right after the reply to that worker (NCCL
+runs a pair's transfers in the order they were posted: a receive posted before the reply would
+wait for a gradient the worker sends only after that reply), on a group of their own. Arrivals are found by polling
 ``Work.is_completed``, except on gloo, where a receive reports completion only from ``wait``
 (torch 2.13), so there a short-lived thread waits on each and reports through a queue. (Only the
 gloo path is exercised by the tests, which run on CPU.)
@@ -60,6 +62,10 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
         self.step_staleness = self.max_staleness = 0
         self._losses: list[torch.Tensor] = []
         self._served_step = 0
+        # The server keeps a receive posted for each worker across steps. On NCCL a group's transfers and collectives
+        # share its communicator's stream, where that receive would hold up the step's collectives on the default
+        # group (which the worker joins before it sends again): the pushes and replies get a group of their own.
+        self.comm.p2p_group = dist.new_group(list(range(self.world)))
 
     def server_optim_config(self, cfg):
         return dataclasses.replace(cfg.optim, lr=cfg.optim.lr / len(self.workers))
@@ -204,8 +210,6 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.clock[w] += 1
-        if w != self.rank and self.clock[w] < self.total_steps:
-            self.post(w)
         self.deferred.add(w)
         self.reply_allowed()
 
@@ -222,6 +226,8 @@ class AsyncParameterServerStrategy(ParameterServerStrategy):
                         mine if mine is not None else flatten(list(self.masters.values()), self.precision.param_dtype)
                     )
                     self.reply_sends.append((w, self.comm.isend(mine, w, PARAM_TAG)))
+                    if self.clock[w] < self.total_steps:  # after the reply: NCCL runs a pair's transfers in order
+                        self.post(w)
 
     def reduce_scalar(self, value: torch.Tensor) -> torch.Tensor:
         """A worker's own loss; a server's mean over workers of the losses of the step it served."""

@@ -124,6 +124,22 @@ def train(
     return rec
 
 
+def record_p2p(comm) -> list:
+    """[op, peer, tag] of every isend / irecv a strategy posts through ``comm`` (its ``CommStats``), in order."""
+    log, send, recv = [], comm.isend, comm.irecv
+
+    def isend(t, dst, tag):
+        log.append(["send", dst, tag])
+        return send(t, dst, tag)
+
+    def irecv(t, src, tag, count=True):
+        log.append(["recv", src, tag])
+        return recv(t, src, tag, count)
+
+    comm.isend, comm.irecv = isend, irecv
+    return log
+
+
 def run_case(case: dict, env: DistEnv, tmp: Path | None = None) -> dict:
     """Train ``case['steps']`` steps; optionally save at ``ckpt_at`` and train again from that checkpoint."""
     if case.get("poison"):  # rank -1: the last one
@@ -131,8 +147,11 @@ def run_case(case: dict, env: DistEnv, tmp: Path | None = None) -> dict:
     cfg, engine = make_engine(case["args"], env)
     sampler = SyntheticSampler(cfg.model.vocab_size, cfg.train.seq_len, case.get("toy", False))
     ckpt = CheckpointManager(tmp / "ckpt", keep=5) if tmp is not None and case.get("ckpt_at") else None
+    p2p = record_p2p(engine.strategy.comm) if case["name"].startswith("async") else None
     with all_reduced_dtypes() as reduced:
         out = train(engine, cfg, sampler, 0, case["steps"], env.rank, case, ckpt)
+    if p2p is not None:
+        out["p2p"] = p2p
     out["all_reduced"] = reduced  # elements by dtype
     engine.flush()  # sharded-ps: the last step's all-gathers land at the next forward, or here
     out["replica"] = params_of(engine.model)

@@ -443,6 +443,17 @@ def test_async_parameter_server(world2, world4):
     assert max(st["ps_staleness_max"] for st in col["stats"]) <= 1
     assert col["resumed_losses"] == col["losses"][3:]  # resumes at a quiescent step: deterministic
     assert all(math.isfinite(v) for res in world4 for v in res["async/2servers-bf16-master"]["losses"])
+    for server, workers in ((toy, (1, 2, 3)), (col, (1,))):
+        for w in workers:
+            assert replies_precede_the_next_receive([op for op, peer, _ in server["p2p"] if peer == w]), w
+
+
+def replies_precede_the_next_receive(ops: list[str]) -> bool:
+    """A server's transfers with one worker: the first receives (header and gradient) posted at the start, then
+    each reply before the receives of the worker's next gradient. NCCL runs a pair's transfers in the order they
+    were posted, so a receive posted before the reply would wait for a gradient that comes only after it."""
+    rounds = [ops[i : i + 3] for i in range(2, len(ops) - 1, 3)]
+    return ops[:2] == ["recv", "recv"] and all(r == ["send", "recv", "recv"] for r in rounds) and ops[-1] == "send"
 
 
 def test_a_dead_rank_is_named(tmp_path):

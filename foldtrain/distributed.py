@@ -66,15 +66,21 @@ def init_distributed(device_request: str = "auto", timeout_s: float = 120.0) -> 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if backend == "nccl":
-            # waits block the CPU and raise once the group's timeout (--dp.timeout_s) passes, so a stalled
-            # peer becomes the same one-line DistributedError as on gloo instead of a watchdog abort
-            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        backend = _backend(device)
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         kwargs.update(_attempt_store(rank, world, timedelta(seconds=timeout_s)))
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return DistEnv(rank, world, local_rank, device)
+
+
+def _backend(device: torch.device) -> str:
+    """The process group's backend for ``device``: NCCL on GPUs, whose waits then block the CPU and raise once the
+    group's timeout (--dp.timeout_s) passes, so that a stalled peer becomes the same one-line DistributedError as on
+    gloo instead of a watchdog abort (under torchrun and horovodrun alike); gloo elsewhere."""
+    if device.type != "cuda":
+        return "gloo"
+    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+    return "nccl"
 
 
 def gather_floats(value: float) -> list[float]:
@@ -135,7 +141,7 @@ def _init_from_horovod(device_request: str, timeout_s: float) -> DistEnv:
         )
         if rank != 0:
             store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = _backend(device)
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
     return DistEnv(rank, world, local_rank, device)

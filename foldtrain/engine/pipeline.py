@@ -59,6 +59,16 @@ from foldtrain.schedules import channels_of, step_policy
 from foldtrain.schedules.layout import tied_halves, validate_layout
 
 
+def compute_sync(profile: bool, device: torch.device) -> Callable[[], None] | None:
+    """With ``--profile`` on a GPU: after each compute action, wait for the compute stream, so that the timeline's
+    spans end when the kernels do. Only that stream: ``torch.cuda.synchronize()`` also waits for NCCL's streams,
+    where a receive posted early (rank 0's half of the tied weight's hand-over) completes only near the iteration's
+    end, and a send only when its peer receives: every pipeline would hang in its first forward."""
+    if not (profile and device.type == "cuda"):
+        return None
+    return lambda: torch.cuda.current_stream(device).synchronize()
+
+
 class PipelineEngine:
     """One rank of a 3D-parallel run (see the module docstring; implements :class:`foldtrain.engine.Engine`)."""
 
@@ -203,7 +213,7 @@ class PipelineEngine:
             act_dtype=self.precision.param_dtype,  # half in the master precisions, as the model computes
             d_model=self.shape.d_model,
             timeline=self.timeline,
-            sync=torch.cuda.synchronize if (self.cfg.profile and self.device.type == "cuda") else None,
+            sync=compute_sync(self.cfg.profile, self.device),
             rank_of=self.pipeline_schedule.rank_of,
         )
 

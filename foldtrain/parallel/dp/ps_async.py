@@ -18,8 +18,8 @@ One server ``train_step`` serves until every worker's gradient for that step has
 applying faster workers' later gradients meanwhile. Receives are posted one per worker, never
 from any source (NCCL has no any-source receive), each right after the reply to that worker (NCCL
 runs a pair's transfers in the order they were posted: a receive posted before the reply would
-wait for a gradient the worker sends only after that reply), on a group of their own. Arrivals are found by polling
-``Work.is_completed``, except on gloo, where a receive reports completion only from ``wait``
+wait for a gradient the worker sends only after that reply), on a group of their own. Arrivals are
+found by polling ``Work.is_completed``, except on gloo, where a receive reports completion only from ``wait``
 (torch 2.13), so there a short-lived thread waits on each and reports through a queue. (Only the
 gloo path is exercised by the tests, which run on CPU.)
 

@@ -15,8 +15,8 @@ other lacks, within the replica, over ``topo.tie_group`` (pipeline ranks 0 and P
 * **head** (``launch`` at the last segment's ``LR``, or with per-chunk sync right after its last
   forward, where the fused head made it final): its dense gradient, averaged over dp, in one
   all-reduce issued at once; the moment it lands (``progress``, polled after every action) it is
-  sent to the embedding end, which posted its receive when the iteration started (gloo delivers a
-  send only into a posted receive);
+  sent to the embedding end, which on gloo posted its receive when the iteration started (gloo delivers
+  a send only into a posted receive) and on NCCL posts it at its own hand-over (:func:`post_early`);
 * **embedding** (``launch`` at segment 0's ``LR``): only the union's rows are packed, averaged over
   dp and all-reduced (dense when the union is more than half the rows); once they land they are
   sent to the head end (their count, their indices, their values);
@@ -38,8 +38,8 @@ On a commodity network this moves the dense tied gradient off the end of the ite
 crosses the data-parallel link after segment 0's backward is the rows only, and the head's dense
 copy crosses the pipeline's link during the backward, not after it. Deadlock-free: an end's sends
 need nothing beyond its own ``LR`` and its dp peers (which run the same actions); the embedding
-end posts its receive (at ``begin``) before its sends, and the head its send before its receives, so even
-NCCL's one stream per pair (operations in posting order) matches them.
+end posts its receive (at ``begin`` or at its hand-over) before its sends, and the head its send before its
+receives, so even NCCL's one stream per pair (operations in posting order) matches them.
 """
 
 from __future__ import annotations

@@ -62,8 +62,8 @@ from foldtrain.schedules.layout import tied_halves, validate_layout
 def compute_sync(profile: bool, device: torch.device) -> Callable[[], None] | None:
     """With ``--profile`` on a GPU: after each compute action, wait for the compute stream, so that the timeline's
     spans end when the kernels do. Only that stream: ``torch.cuda.synchronize()`` also waits for NCCL's streams,
-    where a receive posted early (rank 0's half of the tied weight's hand-over) completes only near the iteration's
-    end, and a send only when its peer receives: every pipeline would hang in its first forward."""
+    where a send completes only when its peer receives, and the schedules leave their sends unwaited until the
+    iteration's end: the ranks would wait for each other's next actions."""
     if not (profile and device.type == "cuda"):
         return None
     return lambda: torch.cuda.current_stream(device).synchronize()

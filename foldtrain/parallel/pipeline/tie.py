@@ -15,8 +15,8 @@ other lacks, within the replica, over ``topo.tie_group`` (pipeline ranks 0 and P
 * **head** (``launch`` at the last segment's ``LR``, or with per-chunk sync right after its last
   forward, where the fused head made it final): its dense gradient, averaged over dp, in one
   all-reduce issued at once; the moment it lands (``progress``, polled after every action) it is
-  sent to the embedding end, which on gloo posted its receive when the iteration started (gloo delivers
-  a send only into a posted receive) and on NCCL posts it at its own hand-over (:func:`post_early`);
+  sent to the embedding end, which posted its receive when the iteration started (gloo delivers a
+  send only into a posted receive);
 * **embedding** (``launch`` at segment 0's ``LR``): only the union's rows are packed, averaged over
   dp and all-reduced (dense when the union is more than half the rows); once they land they are
   sent to the head end (their count, their indices, their values);
@@ -38,28 +38,18 @@ On a commodity network this moves the dense tied gradient off the end of the ite
 crosses the data-parallel link after segment 0's backward is the rows only, and the head's dense
 copy crosses the pipeline's link during the backward, not after it. Deadlock-free: an end's sends
 need nothing beyond its own ``LR`` and its dp peers (which run the same actions); the embedding
-end posts its receive (at ``begin`` or at its hand-over) before its sends, and the head its send before its
-receives, so even NCCL's one stream per pair (operations in posting order) matches them.
+end posts its receive (at ``begin``) before its sends, and the head its send before its receives, so even
+NCCL's one stream per pair (operations in posting order) matches them.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from foldtrain import collectives
 from foldtrain.parallel.pipeline.zero import reduce_scatter_mean
 from foldtrain.parallel.scatter import summed_row
 from foldtrain.parallel.wire import mean_all_reduce
-
-
-def post_early(group) -> bool:
-    """Whether the embedding end posts its receive of the head's copy at the iteration's start. gloo delivers a send
-    only into a posted receive: posted early, the head's copy crosses while this rank still computes, not after its
-    own rows have landed. Not on NCCL, which delivers in posting order whenever the receive is posted, and where a
-    receive pending for the whole iteration would hang any device-wide synchronisation on this rank meanwhile (the
-    caching allocator's ``cudaFree`` under memory pressure, a ``torch.cuda.synchronize()``)."""
-    return dist.get_backend(group) == "gloo"
 
 
 class Slices:
@@ -157,9 +147,11 @@ class TieSide:
         already, by the distributed optimizer's embedding copy, :meth:`.zero.ChunkShards.start_rows`)."""
         if self.head:
             return
-        group = self.topo.tie_group
-        if self.like is not None and group is not None and self.early_recv is None and post_early(group):
-            self.early_recv = self._post_recv()
+        if self.like is not None and self.topo.tie_group is not None and self.early_recv is None:
+            # gloo delivers a send only into a posted receive: posted now, the head's dense copy crosses
+            # while this rank still computes, not after its own rows have landed
+            buf = torch.empty_like(self.like) if self.slices is None else self.like.new_empty(self.slices.length)
+            self.early_recv = (collectives.irecv(buf, src=self.other, group=self.topo.tie_group), buf)
         tokens = torch.cat([x.reshape(-1) for x in xs])
         if self.tokens_per_step is not None and tokens.numel() * self.dp > self.tokens_per_step:
             raise ValueError(
@@ -182,11 +174,6 @@ class TieSide:
         self.tokens = None
         rows = torch.unique(tokens) - self.row_offset  # sorted: the same order on every replica
         return rows[(rows >= 0) & (rows < n_rows)]
-
-    def _post_recv(self) -> tuple:
-        """Post the receive of the head's dense copy (or this rank's slice of it): (work, buffer)."""
-        buf = torch.empty_like(self.like) if self.slices is None else self.like.new_empty(self.slices.length)
-        return collectives.irecv(buf, src=self.other, group=self.topo.tie_group), buf
 
     # ------------------------------------------------------------------ the protocol
     def launch(self, g: torch.Tensor) -> None:
@@ -234,7 +221,7 @@ class TieSide:
             self.works += [collectives.irecv(b, src=peer, group=group) for b in recv]
             self.bufs = recv + [sent]  # (the sent tensor alive until the send is done)
         else:  # receive the head's dense copy, then send the rows (or the dense copy)
-            (work, dense), self.early_recv = self.early_recv or self._post_recv(), None  # gloo: posted by begin
+            (work, dense), self.early_recv = self.early_recv, None  # posted by begin
             self.works = [work]
             if self.sparse(n_rows):
                 if self.rows is None:

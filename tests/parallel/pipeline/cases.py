@@ -150,18 +150,6 @@ def equivalence_cases(world: int) -> list[dict]:
             # Adam-amplified float noise of that draw, not the tie; 300 words: 3e-6.)
             _one((2, 2, 1, 2), "fold", "per-chunk", "sparsetie", vocab=300),
             _one((2, 2, 1, 2), "fold", "per-chunk", "sparsetie", defer=True, vocab=300),
-            # the embedding end's receive of the head's copy posted at the hand-over, as on NCCL (tie.post_early),
-            # dense and in dp slices (--optim.shard_tied)
-            _one((2, 2, 1, 2), "fold", "per-chunk", "tie-late-recv", defer=True, late_tie_recv=True),
-            _one(
-                (2, 2, 1, 2),
-                "fold",
-                "per-chunk",
-                "tie-late-recv-sliced",
-                zero=True,
-                shard_tied=True,
-                late_tie_recv=True,
-            ),
             # the master precisions with dp: deferred half-precision reductions, early steps; pp x tp
             _one((2, 2, 1, 2), "fold", "per-chunk", "bf16m", defer=True, precision="bf16-master"),
             _one((2, 2, 1, 2), "fold", "per-chunk", "m32", defer=True, **M32),

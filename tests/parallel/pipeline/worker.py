@@ -124,31 +124,9 @@ def masters_in_fp32(on: bool):
         eq._REF.clear()
 
 
-@contextlib.contextmanager
-def tie_recv_at_handoff(on: bool):
-    """The embedding end's receive of the head's tied copy posted at the hand-over, as on NCCL, not at the
-    iteration's start as on gloo (``tie.post_early``)."""
-    from foldtrain.parallel.pipeline import tie
-
-    saved, asked = tie.post_early, [0]
-
-    def never(group) -> bool:
-        asked[0] += 1
-        return False
-
-    if on:
-        tie.post_early = never
-    try:
-        yield asked
-    finally:
-        tie.post_early = saved
-
-
 def equivalence_case(case: dict) -> dict | None:
-    late = case.get("late_tie_recv", False)
-    with masters_in_fp32(case.get("masters_in_fp32", False)), tie_recv_at_handoff(late) as asked:
-        result = _equivalence_case(case)
-    return {**result, "tie_recv_late": asked[0]} if result is not None and late else result
+    with masters_in_fp32(case.get("masters_in_fp32", False)):
+        return _equivalence_case(case)
 
 
 @contextlib.contextmanager

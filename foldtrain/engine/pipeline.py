@@ -62,8 +62,9 @@ from foldtrain.schedules.layout import tied_halves, validate_layout
 def compute_sync(profile: bool, device: torch.device) -> Callable[[], None] | None:
     """With ``--profile`` on a GPU: after each compute action, wait for the compute stream, so that the timeline's
     spans end when the kernels do. Only that stream: ``torch.cuda.synchronize()`` also waits for NCCL's streams,
-    where a send completes only when its peer receives, and the schedules leave their sends unwaited until the
-    iteration's end: the ranks would wait for each other's next actions."""
+    where a send completes only when its peer receives and a receive when its peer sends, and the schedules leave
+    sends (and rank 0 its receive of the tied copy, posted at the iteration's start) pending across actions: the
+    ranks would wait for each other's next actions."""
     if not (profile and device.type == "cuda"):
         return None
     return lambda: torch.cuda.current_stream(device).synchronize()

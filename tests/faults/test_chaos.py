@@ -1,7 +1,7 @@
 """Chaos at small size: under ``torchrun --max-restarts K``, K kills (SIGKILL) of a seeded random rank at a
 seeded random step and point (forward, backward, a collective, a checkpoint save; this seed: a backward and a
-forward), for the layout pp 2 x tp 2;
-with root and iproute2 also a whole emulated node (all its ranks at once) lost on a 2 nodes x 2 ranks cluster.
+forward), for the layout pp 2 x tp 2; with root and iproute2 also a whole emulated node (all its ranks at once)
+lost on a 2 nodes x 2 ranks cluster.
 The bench's other layouts restart through the same path, which tests/faults/test_kill_and_restart.py covers
 with kills it places by hand: the data-parallel engines (allreduce, sharded-ps) and dp 2 x pp 2 with fold,
 per-chunk dp_sync and deferred reductions (a kill before the first checkpoint and one in a reduction, as

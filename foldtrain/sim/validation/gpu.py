@@ -182,11 +182,11 @@ class Row:
         return tokens * flops_per_token(self.run, "palm") / 1e12
 
 
-def evaluate(runs: list[dict], workers: int | None = None) -> list[Row]:
+def evaluate(runs: list[dict]) -> list[Row]:
     """Every run's prediction against its published figure, in ``runs``' order. The simulations are independent
-    and pure Python, so they run in ``workers`` processes (default: one per core, at most one per run); the
-    predictions are the same either way, bit for bit."""
-    workers = min(len(runs), os.cpu_count() or 1) if workers is None else workers
+    and pure Python, so they run in one process per core (at most one per run); the predictions are the same as
+    in one process, bit for bit."""
+    workers = min(len(runs), os.cpu_count() or 1)
     if workers > 1:  # spawned: a forked copy of a process that runs torch's threads may deadlock
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             results = list(pool.map(predict, runs))

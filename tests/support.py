@@ -17,20 +17,33 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def torchrun(
-    n: int, *args: str, timeout: float, monitor_s: float | None = None, env: dict[str, str] | None = None
+    n: int,
+    *args: str,
+    timeout: float,
+    monitor_s: float | None = None,
+    env: dict[str, str] | None = None,
+    fork: bool = True,
 ) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node n ARGS`` from the repository root, one OpenMP thread per
-    rank, this checkout first on the path; output captured."""
-    full_env = {
+    rank, this checkout first on the path; output captured. With ``fork`` (the default) the ranks are
+    forked from one interpreter that has imported torch already (:mod:`tests.launch`: torchrun's own
+    agent, about half the CPU time of a short run); ``fork=False`` launches torchrun itself."""
+    cmd = [sys.executable, "-m", "tests.launch" if fork else "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc-per-node", str(n)]
+    if monitor_s is not None:
+        cmd += ["--monitor-interval", str(monitor_s)]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=launch_env(env), cwd=ROOT)
+
+
+def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a launch: this one with one OpenMP thread, this checkout first on the path and
+    ``extra``."""
+    return {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        **(env or {}),
+        **(extra or {}),
     }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
-    if monitor_s is not None:
-        cmd += ["--monitor-interval", str(monitor_s)]
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(ROOT))
 
 
 def failed(proc: subprocess.CompletedProcess) -> str:

@@ -127,6 +127,9 @@ def run_args(data: str, out: Path, layout: str, steps: int, every: int) -> list[
     ]
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the launcher (the tests fork their ranks instead)
+
+
 def launch(world: int, args: list[str], fault: str = "", restarts: int = 0, timeout_s: float = 600):
     """``torchrun --standalone --max-restarts`` of ``foldtrain train ARGS``: (exit code, output, wall seconds)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "FOLDTRAIN_FAULT"))}
@@ -134,8 +137,8 @@ def launch(world: int, args: list[str], fault: str = "", restarts: int = 0, time
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]))
     if fault:
         env["FOLDTRAIN_FAULT"] = fault
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
-    cmd += ["--max-restarts", str(restarts), "-m", "foldtrain", "train", *args]
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", str(world), "--max-restarts", str(restarts)]
+    cmd += ["-m", "foldtrain", "train", *args]
     t0 = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=root)
     return p.returncode, p.stdout + p.stderr, time.monotonic() - t0

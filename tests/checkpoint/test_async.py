@@ -6,10 +6,7 @@ resumed from a checkpoint written in the background ends bit for bit where the u
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from concurrent.futures import Future
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +15,7 @@ from safetensors.torch import load_file
 from foldtrain.checkpoint import CheckpointManager
 from foldtrain.errors import CheckpointError
 from tests.conftest import tiny_run_args
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import failed, torchrun
 
 
 def _state(value: float) -> dict:
@@ -74,23 +70,19 @@ def test_a_failed_background_write_is_one_line_at_the_wait(tmp_path, monkeypatch
 
 @pytest.mark.timeout(600)
 def test_two_ranks_resume_from_a_background_checkpoint_bit_for_bit(small_data, tmp_path):
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     out = tmp_path / "run"
     args = tiny_run_args(small_data, out, "--train.steps", "6", "--checkpoint.every", "2", "--checkpoint.keep", "5")
     args += ["--dp.strategy", "ddp", "--train.device", "cpu", "--checkpoint.async"]
-    r = subprocess.run([*run, "-m", "foldtrain", "train", *args], capture_output=True, text=True, env=env, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = torchrun(2, "-m", "foldtrain", "train", *args, timeout=300)
+    assert r.returncode == 0, failed(r)
     ckpt = CheckpointManager(out / "checkpoints")
     assert [p.name for p in ckpt.checkpoints()] == ["step_00000002", "step_00000004", "step_00000006"]
     assert all(ckpt.damage(p) is None for p in ckpt.checkpoints())
     uninterrupted = load_file(str(out / "model.safetensors"))
 
     shutil.rmtree(out / "checkpoints" / "step_00000006")  # resume from step 4, written in the background
-    r = subprocess.run(
-        [*run, "-m", "foldtrain", "train", *args, "--resume"], capture_output=True, text=True, env=env, cwd=ROOT
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = torchrun(2, "-m", "foldtrain", "train", *args, "--resume", timeout=300)
+    assert r.returncode == 0, failed(r)
     resumed = load_file(str(out / "model.safetensors"))
     assert resumed.keys() == uninterrupted.keys()
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)

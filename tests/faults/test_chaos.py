@@ -15,6 +15,8 @@ longer with more kills. Two launches per layout (reference and chaos).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from foldtrain.bench import chaos
@@ -66,7 +68,8 @@ TESTED = ("pp2xtp2",)
 
 
 @pytest.mark.parametrize("layout", TESTED)
-def test_random_kills_lose_nothing(small_data, tmp_path, layout):
+def test_random_kills_lose_nothing(small_data, tmp_path, layout, monkeypatch):
+    monkeypatch.setattr(chaos, "TORCHRUN", [sys.executable, "-m", "tests.launch"])  # its ranks forked: tests/launch.py
     seed = SEED + list(chaos.LAYOUTS).index(layout)
     row = chaos.chaos_layout(layout, str(small_data), tmp_path, KILLS, STEPS, EVERY, seed)
     assert row["faults"] == chaos.fault_env(plans()[layout])

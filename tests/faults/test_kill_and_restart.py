@@ -29,7 +29,7 @@ LAUNCH_TIMEOUT = 450  # a hang fails the test instead of the suite (generous: CI
 
 
 def torchrun(
-    world: int, args: list[str], fault: str = "", restarts: int = 0, monitor_s: float | None = None
+    world: int, args: list[str], fault: str = "", restarts: int = 0, monitor_s: float | None = None, fork=True
 ) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "FOLDTRAIN_FAULT"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
@@ -39,7 +39,7 @@ def torchrun(
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "tests.launch" if fork else "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
         str(world),
@@ -140,7 +140,8 @@ def test_allreduce_survives_kills_in_forward_reduction_save_and_export(small_dat
     (step 5), in the save of step 6 (leaves step_00000006.tmp) and in the final export."""
     out = tmp_path / "run"
     fault = "0:1:2:forward;1:0:5:reduce;2:1:6:save;3:0:8:export"
-    r = torchrun(2, run_args(small_data, out, LAYOUTS["allreduce"][1]), fault=fault, restarts=4)
+    # torchrun itself (the other tests fork their ranks from a warm interpreter, tests/launch.py)
+    r = torchrun(2, run_args(small_data, out, LAYOUTS["allreduce"][1]), fault=fault, restarts=4, fork=False)
     assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
     assert r.stderr.count("exitcode: -9") == 4  # torchrun saw four SIGKILLed workers
     ck = out / "checkpoints"

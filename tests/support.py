@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from tests import launch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,14 +27,16 @@ def torchrun(
     fork: bool = True,
 ) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node n ARGS`` from the repository root, one OpenMP thread per
-    rank, this checkout first on the path; output captured. With ``fork`` (the default) the ranks are
-    forked from one interpreter that has imported torch already (:mod:`tests.launch`: torchrun's own
-    agent, about half the CPU time of a short run); ``fork=False`` launches torchrun itself."""
-    cmd = [sys.executable, "-m", "tests.launch" if fork else "torch.distributed.run", "--standalone"]
-    cmd += ["--nproc-per-node", str(n)]
+    rank, this checkout first on the path; output captured. With ``fork`` (the default) the agent and
+    its ranks are forked from an interpreter that has imported torch already (:mod:`tests.launch`:
+    torchrun's own agent, about half the CPU time of a short run); ``fork=False`` runs torchrun itself."""
+    argv = ["--standalone", "--nproc-per-node", str(n)]
     if monitor_s is not None:
-        cmd += ["--monitor-interval", str(monitor_s)]
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=launch_env(env), cwd=ROOT)
+        argv += ["--monitor-interval", str(monitor_s)]
+    if fork:
+        return launch.run([*argv, *args], launch_env(env), ROOT, timeout)
+    cmd = [sys.executable, "-m", "torch.distributed.run", *argv, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=launch_env(env), cwd=ROOT)
 
 
 def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:

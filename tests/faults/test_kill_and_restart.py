@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests import launch
 from tests.conftest import tiny_run_args
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(1000)]  # a reference and a faulted launch per test
@@ -31,26 +32,18 @@ LAUNCH_TIMEOUT = 450  # a hang fails the test instead of the suite (generous: CI
 def torchrun(
     world: int, args: list[str], fault: str = "", restarts: int = 0, monitor_s: float | None = None, fork=True
 ) -> subprocess.CompletedProcess:
+    """``torchrun --max-restarts RESTARTS`` of ``foldtrain train ARGS`` with ``FOLDTRAIN_FAULT=FAULT``; with
+    ``fork`` its agent and ranks forked from a warm interpreter (:mod:`tests.launch`), else torchrun itself."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "FOLDTRAIN_FAULT"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     if fault:
         env["FOLDTRAIN_FAULT"] = fault
     monitor = ["--monitor-interval", str(monitor_s)] if monitor_s else []
-    cmd = [
-        sys.executable,
-        "-m",
-        "tests.launch" if fork else "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(world),
-        "--max-restarts",
-        str(restarts),
-        *monitor,
-        "-m",
-        "foldtrain",
-        "train",
-        *args,
-    ]
+    argv = ["--standalone", "--nproc-per-node", str(world), "--max-restarts", str(restarts), *monitor]
+    argv += ["-m", "foldtrain", "train", *args]
+    if fork:
+        return launch.run(argv, env, ROOT, LAUNCH_TIMEOUT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", *argv]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env, cwd=str(ROOT))
 
 

@@ -310,13 +310,16 @@ def profile_case(case: dict, out: Path) -> dict | None:
     }
 
 
-def deadline_case(case: dict, out: Path) -> dict | None:
-    """Train STEPS profiled steps (fold, deferral, dp 2, bucket 1 KB): equivalence, and every rank's
-    reduction buckets (issue -> completion, deadline, issue order) and reduction launches."""
+def deadline_case(case: dict) -> dict | None:
+    """Train STEPS profiled steps (fold, deferral, dp 2, a bucket per tensor): equivalence, and every rank's
+    reduction buckets (issue -> completion, deadline, issue order) and reduction launches. A bucket per
+    tensor (12 a block) outnumbers the actions between a chunk's backward and the iteration's end, each of
+    which issues at most one: the buckets of several chunks are left for the end-of-iteration sort however
+    fast the ranks run (with a few per chunk, a fast run had issued all but one chunk's)."""
     from foldtrain.engine.pipeline import PipelineEngine
 
-    root = out / case["id"]
-    cfg = make_cfg(case, out=str(root), profile=True, **{"fold.bucket_mb": 0.001})
+    # no run directory: the events are kept in memory, and no timeline.json or gantt.png (a second) is written
+    cfg = make_cfg(case, profile=True, **{"fold.bucket_mb": 1e-9})  # one tensor per bucket
     engine, losses, norms = run_engine(cfg, range(STEPS), PipelineEngine(build_model(cfg), cfg, DEVICE))
     ev = engine.eval_loss(val_data(cfg.model.vocab_size))
     full = engine.eval_model()
@@ -342,10 +345,9 @@ def launch_labels(events: list[dict], step: int) -> list[str]:
     return [e["name"] for e in sorted(launches, key=lambda e: e["start"])]
 
 
-def order_case(case: dict, out: Path) -> dict | None:
+def order_case(case: dict) -> dict | None:
     """Train ORDER_STEPS profiled steps; on rank 0 every global rank's launch order per step."""
-    root = out / case["id"]
-    cfg = make_cfg(case, steps=ORDER_STEPS, out=str(root), profile=True)
+    cfg = make_cfg(case, steps=ORDER_STEPS, profile=True)  # the events in memory, no files (as deadline_case)
     engine, _, _ = run_engine(cfg, range(ORDER_STEPS))
     if dist.get_rank() != 0:
         return None
@@ -408,8 +410,8 @@ def main() -> None:
                 "equiv": equivalence_case,
                 "ckpt": lambda c: checkpoint_case(c, out),
                 "profile": lambda c: profile_case(c, out),
-                "deadline": lambda c: deadline_case(c, out),
-                "order": lambda c: order_case(c, out),
+                "deadline": deadline_case,
+                "order": order_case,
             }[kind]
             r = fn(c)
             ok = True

@@ -30,7 +30,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from foldtrain.hostmem import restart_with_glibc_tunables, with_glibc_tunables
@@ -195,6 +194,14 @@ def _server_path() -> str:
     return _SERVER["path"]
 
 
+def _kill_group(pid: int) -> None:
+    """SIGKILL the agent ``pid`` and every rank it started (its process group)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run(argv: list[str], env: dict[str, str], cwd: str | Path, timeout: float) -> subprocess.CompletedProcess:
     """``torchrun ARGV`` (torchrun's arguments, then the script's) as the forked agent of the session's
     server: its exit code and output, as ``subprocess.run(capture_output=True, text=True)`` gives them (a
@@ -209,19 +216,16 @@ def run(argv: list[str], env: dict[str, str], cwd: str | Path, timeout: float) -
             f.flush()
             pid = json.loads(f.readline())["pid"]
             s.settimeout(max(timeout, 0.001))
-            deadline = time.monotonic() + timeout
             try:
                 line = f.readline()
             except TimeoutError:
-                line = ""
-            if not line:  # timed out (or the monitor died): end the launch and everything it started
-                with_timeout = time.monotonic() >= deadline
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                if with_timeout:
-                    raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(), err.read_text())
+                _kill_group(pid)
+                raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(), err.read_text()) from None
+            except BaseException:  # the test's own time limit, ^C: nothing of the launch outlives the call
+                _kill_group(pid)
+                raise
+            if not line:
+                _kill_group(pid)
                 raise RuntimeError(
                     f"tests.launch: the launch's monitor ended without its exit code:\n{err.read_text()}"
                 )

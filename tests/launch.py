@@ -20,6 +20,7 @@ commands) launch the real one.
 from __future__ import annotations
 
 import atexit
+import io
 import json
 import os
 import runpy
@@ -30,6 +31,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 from foldtrain.hostmem import restart_with_glibc_tunables, with_glibc_tunables
@@ -38,14 +40,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def worker(*cmd_args: str) -> None:
-    """One rank: torchrun's command line (``-u [-m] TARGET ARGV``) run in this forked process. A zero exit
-    returns (the agent waits for every worker's return value); any other exit code ends the process."""
+    """One rank: torchrun's command line (``-u [-m] TARGET ARGV``) run in this forked process, as a fresh
+    ``python -u`` would run it. A zero exit returns (the agent waits for every worker's return value: a rank
+    must end by returning or ``sys.exit``, as foldtrain's do, not ``os._exit(0)``); any other exit code ends
+    the process, and an exception prints its traceback first, as an interpreter would."""
     args = list(cmd_args[1:] if cmd_args[:1] == ("-u",) else cmd_args)
     module = args[0] == "-m"
     target, *argv = args[module:]
     sys.argv = [target, *argv]
-    for stream in (sys.stdout, sys.stderr):  # torchrun runs `python -u`: nothing is lost when a rank is killed
-        stream.reconfigure(write_through=True)
+    _as_fresh_interpreter()
     try:
         if module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -55,6 +58,23 @@ def worker(*cmd_args: str) -> None:
     except SystemExit as e:
         if e.code not in (0, None):
             raise
+    except BaseException:
+        traceback.print_exc()
+        raise
+
+
+def _as_fresh_interpreter() -> None:
+    """What a rank inherits from the agent but a fresh ``python -u`` would not have: the agent's handlers of
+    SIGTERM, SIGINT, SIGHUP and SIGQUIT (a rank that torchrun terminates dies of the signal, it does not raise
+    in the middle of foldtrain's code), and buffered output (a rank killed with SIGKILL loses nothing)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        stream.flush()
+        raw = io.FileIO(stream.fileno(), "w", closefd=False)
+        setattr(sys, name, io.TextIOWrapper(raw, encoding=stream.encoding, errors=stream.errors, write_through=True))
 
 
 def preload() -> None:
@@ -90,8 +110,6 @@ def _agent_exit_code(argv: list[str]) -> int:
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
-        import traceback
-
         traceback.print_exc()
         return 1
 
@@ -103,7 +121,7 @@ def _start_agent(req: dict, conn: socket.socket) -> int:
         return pid
     code = 1
     try:
-        conn.close()
+        os.close(conn.detach())  # the monitor's end only: the client sees the end of the connection if it dies
         os.setsid()
         os.chdir(req["cwd"])
         os.environ.clear()
@@ -214,6 +232,7 @@ def run(argv: list[str], env: dict[str, str], cwd: str | Path, timeout: float) -
             s.connect(_server_path())
             f.write(json.dumps(req) + "\n")
             f.flush()
+            s.settimeout(60)  # a fork: the pid comes at once
             pid = json.loads(f.readline())["pid"]
             s.settimeout(max(timeout, 0.001))
             try:

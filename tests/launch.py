@@ -58,6 +58,10 @@ def worker(*cmd_args: str) -> None:
     except SystemExit as e:
         if e.code not in (0, None):
             raise
+    except KeyboardInterrupt:  # die of SIGINT, as python does (torch's wrapper would exit 0 and the agent wait)
+        traceback.print_exc()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     except BaseException:
         traceback.print_exc()
         raise

@@ -191,7 +191,7 @@ def _server_path() -> str:
         tmp = tempfile.mkdtemp(prefix="ft-launch-")
         path = os.path.join(tmp, "socket")
         env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},  # ranks unbuffer their own output
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         }

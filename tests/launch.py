@@ -10,8 +10,8 @@ workers' code, process groups, environment, output and exit codes are what torch
 
 * :func:`run` (``tests.support.torchrun``): the agent is forked from a server that the test session
   starts once (``python -m tests.launch --serve SOCKET``); the call returns a ``CompletedProcess``.
-* ``python -m tests.launch TORCHRUN_ARGS``: the same agent in a process of its own, for tests that
-  signal or time the launcher's process (the kills under ``--max-restarts``, the chaos run).
+* ``python -m tests.launch TORCHRUN_ARGS``: the same agent in a process of its own, for code that builds
+  torchrun's command line itself (the chaos bench's launch, in ``tests/faults/test_chaos.py``).
 
 The tests of torchrun itself (its restarts of fresh interpreters, its signal handling, the docs'
 commands) launch the real one.
@@ -132,10 +132,14 @@ def _start_agent(req: dict, conn: socket.socket) -> int:
         os.environ.update(with_glibc_tunables(req["env"]) or req["env"])
         paths = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
         sys.path[1:1] = paths  # as a fresh interpreter would have them (the rest is this one's)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        for fd, path, flags in (
+            (0, os.devnull, os.O_RDONLY),
+            (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+            (2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+        ):
+            opened = os.open(path, flags, 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)  # only 0, 1 and 2 reach the ranks, as with a subprocess
         sys.argv = [sys.executable, *req["argv"]]
         code = _agent_exit_code(req["argv"])
     finally:
@@ -185,16 +189,25 @@ def serve(path: str) -> None:
 _SERVER: dict = {}
 
 
+def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a launch: this one with one OpenMP thread, this checkout first on the path, nothing
+    of an enclosing torchrun (``TORCHELASTIC_*``) or fault injection (``FOLDTRAIN_FAULT``), and ``extra``."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "FOLDTRAIN_FAULT"))}
+    return {
+        **inherited,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        **(extra or {}),
+    }
+
+
 def _server_path() -> str:
     """The running server's socket (started at the first call of the session, ended with it)."""
     if "path" not in _SERVER:
         tmp = tempfile.mkdtemp(prefix="ft-launch-")
         path = os.path.join(tmp, "socket")
-        env = {
-            **{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},  # ranks unbuffer their own output
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        }
+        env = launch_env()
+        env.pop("PYTHONUNBUFFERED", None)  # the ranks unbuffer their own output (tests/test_launch.py checks it)
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.launch", "--serve", path],
             stdin=subprocess.PIPE,

@@ -6,7 +6,6 @@ batches, the single-process reference run) is in ``tests.equivalence``."""
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import torch
 
 from tests import launch
+from tests.launch import launch_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,10 +26,10 @@ def torchrun(
     env: dict[str, str] | None = None,
     fork: bool = True,
 ) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node n ARGS`` from the repository root, one OpenMP thread per
-    rank, this checkout first on the path; output captured. With ``fork`` (the default) the agent and
-    its ranks are forked from an interpreter that has imported torch already (:mod:`tests.launch`:
-    torchrun's own agent, about half the CPU time of a short run); ``fork=False`` runs torchrun itself."""
+    """``torchrun --standalone --nproc-per-node n ARGS`` from the repository root in :func:`launch_env` with
+    ``env`` added; output captured. With ``fork`` (the default) the agent and its ranks are forked from an
+    interpreter that has imported torch already (:mod:`tests.launch`: torchrun's own agent, about half the CPU
+    time of a short run); ``fork=False`` runs torchrun itself."""
     argv = ["--standalone", "--nproc-per-node", str(n)]
     if monitor_s is not None:
         argv += ["--monitor-interval", str(monitor_s)]
@@ -37,17 +37,6 @@ def torchrun(
         return launch.run([*argv, *args], launch_env(env), ROOT, timeout)
     cmd = [sys.executable, "-m", "torch.distributed.run", *argv, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=launch_env(env), cwd=ROOT)
-
-
-def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a launch: this one with one OpenMP thread, this checkout first on the path and
-    ``extra``."""
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        **(extra or {}),
-    }
 
 
 def failed(proc: subprocess.CompletedProcess) -> str:

@@ -9,22 +9,19 @@ intact checkpoint always loads. Nine torchrun launches in all: four references, 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests import launch
+from tests import support
 from tests.conftest import tiny_run_args
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(1000)]  # a reference and a faulted launch per test
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS, EVERY, TIMEOUT_S = 8, 3, 10
 LAUNCH_TIMEOUT = 450  # a hang fails the test instead of the suite (generous: CI machines may be shared)
 
@@ -34,17 +31,9 @@ def torchrun(
 ) -> subprocess.CompletedProcess:
     """``torchrun --max-restarts RESTARTS`` of ``foldtrain train ARGS`` with ``FOLDTRAIN_FAULT=FAULT``; with
     ``fork`` its agent and ranks forked from a warm interpreter (:mod:`tests.launch`), else torchrun itself."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "FOLDTRAIN_FAULT"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    if fault:
-        env["FOLDTRAIN_FAULT"] = fault
-    monitor = ["--monitor-interval", str(monitor_s)] if monitor_s else []
-    argv = ["--standalone", "--nproc-per-node", str(world), "--max-restarts", str(restarts), *monitor]
-    argv += ["-m", "foldtrain", "train", *args]
-    if fork:
-        return launch.run(argv, env, ROOT, LAUNCH_TIMEOUT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env, cwd=str(ROOT))
+    env = {"FOLDTRAIN_FAULT": fault} if fault else None
+    argv = ["--max-restarts", str(restarts), "-m", "foldtrain", "train", *args]
+    return support.torchrun(world, *argv, timeout=LAUNCH_TIMEOUT, monitor_s=monitor_s, env=env, fork=fork)
 
 
 def run_args(data: Path, out: Path, layout: list[str]) -> list[str]:

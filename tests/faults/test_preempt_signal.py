@@ -6,7 +6,6 @@ plain process (the exit code, and an unknown signal name refused as one line).""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -19,17 +18,12 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import tiny_run_args
+from tests.launch import launch_env
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40  # enough steps that the signal, sent after step 2 is logged, arrives well before the end
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "FOLDTRAIN_FAULT"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return env
 
 
 def _cmd(world: int | None, args: list[str]) -> list[str]:
@@ -51,7 +45,7 @@ def _steps(out: Path) -> list[int]:
 
 def _signal_after_step(cmd: list[str], out: Path, step: int, sig: signal.Signals) -> subprocess.CompletedProcess:
     """Start ``cmd``, send ``sig`` to it once metrics.jsonl holds ``step``, wait for it to end."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env(), cwd=ROOT)
     deadline = time.monotonic() + 300
     while (not _steps(out) or _steps(out)[-1] < step) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -70,7 +64,7 @@ def _preempted_at(out: Path, sig: str) -> int:
 
 def test_sigterm_under_torchrun_saves_and_resume_is_exact(small_data, tmp_path):
     ref, out = tmp_path / "ref", tmp_path / "run"
-    r = subprocess.run(_cmd(2, _args(small_data, ref)), capture_output=True, text=True, env=_env(), cwd=ROOT)
+    r = subprocess.run(_cmd(2, _args(small_data, ref)), capture_output=True, text=True, env=launch_env(), cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
 
     r = _signal_after_step(_cmd(2, _args(small_data, out)), out, 2, signal.SIGTERM)
@@ -85,7 +79,7 @@ def test_sigterm_under_torchrun_saves_and_resume_is_exact(small_data, tmp_path):
     assert _steps(out) == list(range(1, stopped + 1))
 
     r = subprocess.run(
-        _cmd(2, _args(small_data, out, "--resume")), capture_output=True, text=True, env=_env(), cwd=ROOT
+        _cmd(2, _args(small_data, out, "--resume")), capture_output=True, text=True, env=launch_env(), cwd=ROOT
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert _steps(out) == list(range(1, STEPS + 1))

@@ -107,7 +107,8 @@ DEVICE = torch.device("cpu")
 
 
 def make_cfg(c: dict, steps: int = STEPS, out: str = "", **over):
-    """The config of case ``c``: its layout, schedule and options on the small model, ``over`` on top."""
+    """The config of case ``c``: its layout, schedule and options on the small model, ``over`` on top; ``out``: the
+    run directory (none by default)."""
     from foldtrain.config import build_config
 
     dp, pp, tp, v = c["layout"]
@@ -146,8 +147,7 @@ def make_cfg(c: dict, steps: int = STEPS, out: str = "", **over):
     }
     if c.get("layers_per_chunk"):
         args["parallel.layers_per_chunk"] = ",".join(map(str, c["layers_per_chunk"]))
-    if out:
-        args["out"] = out
+    args["out"] = out  # "": no run directory (the profiled cases keep their events in memory, write no files)
     args.update(over)
     flat = []
     for k, v in args.items():

@@ -21,6 +21,7 @@ gained over reducing after the flush. Undefined when ``T_after_flush <= T_bound`
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from foldtrain.bench.results import RunResult
 from foldtrain.bench.tables import Ratio, _ratio
@@ -280,4 +281,48 @@ def bound_ratios(runs: list[RunResult]) -> list[Ratio]:
         run = next((r for r in same if _same_config(r, replace(b, network=net), CONFIG_KEYS)), None)
         v, why = _ratio(run, b, names=(_name(b), f"{_name(b)} at {b.network}"))
         out.append(Ratio(f"{_name(b)} [{net}] / the same at {b.network} (its limit) tokens/s", v, why))
+    return out
+
+
+def order_bounds(runs: list[RunResult]) -> list[Ratio]:
+    """Each foldtrain run with ``--fold.defer_reduce`` on a throttled network against the shortest step its order
+    of actions allows there: ``T_link`` plus the time a step leaves the busier link nothing to carry
+    (:func:`foldtrain.profile.analysis.link_windows`, the median over its profiled twin's kept steps and nodes): the
+    previous step's deferred bytes must have crossed before the waits for them, this step's exist only once its first
+    reduction is launched. The value is that bound over the run's step; with a ``--bound`` twin the detail also
+    gives the twin's step (the compute-bound limit) over it: at most that share of its limit is reachable."""
+    import statistics
+
+    from foldtrain.profile import link_windows, read_chrome_trace
+
+    out: list[Ratio] = []
+    for r in runs:
+        if r.bench != "pipeline" or r.impl != "foldtrain" or not r.info.get("defer") or r.info.get("bound_of"):
+            continue
+        name = f"{_name(r)} V={r.info.get('virtual')} [{r.network}]: its order's bound / its step"
+        trace = Path(r.info.get("profiled_out", "")) / "timeline.json"
+        t_link, t_run = link_s(r), r.metrics.get("step_time_s")
+        if t_link is None or t_run is None or not r.info.get("profiled_out") or not trace.is_file():
+            out.append(Ratio(name, None, "needs a profiled twin (its timeline.json) and an emulated network"))
+            continue
+        per_node = r.ranks // len(r.wire)
+        nodes = [list(range(n * per_node, (n + 1) * per_node)) for n in range(len(r.wire))]
+        windows = link_windows(read_chrome_trace(trace), nodes)
+        if not windows:
+            out.append(Ratio(name, None, "its timeline has no step with a deferred wait and a launch on a node"))
+            continue
+        bound = t_link + statistics.median(windows)
+        detail = (
+            f"step >= link {1e3 * t_link:.0f} ms + idle window {1e3 * statistics.median(windows):.0f} ms "
+            f"(median of {len(windows)}: {1e3 * min(windows):.0f}-{1e3 * max(windows):.0f}) = {1e3 * bound:.0f} ms; "
+            f"measured {1e3 * t_run:.0f} ms"
+        )
+        limit = next(
+            (b for b in runs if b.info.get("bound_of") == r.network and _same_config(r, replace(b, network=r.network))),
+            None,
+        )
+        if limit is not None and limit.metrics.get("step_time_s"):
+            t_lim = limit.metrics["step_time_s"]
+            detail += f"; its limit at {limit.network} {1e3 * t_lim:.0f} ms = {t_lim / bound:.3f} of this bound"
+        out.append(Ratio(name, bound / t_run, detail))
     return out

@@ -12,7 +12,9 @@ DeepSpeed's PipelineModule when installed. The zero-bubble schedules (``zb-h1``,
 
 ``--bound RATE`` measures each foldtrain configuration's compute-bound limit in the same invocation: right
 after each run on a throttled network the same run again with the links' rate changed in place to RATE
-(e.g. 40gbit), then back; the ratio of the two says how much of the limit the slow link leaves.
+(e.g. 40gbit), then back; the ratio of the two says how much of the limit the slow link leaves. Each run with
+``--fold.defer_reduce`` and a profiled twin also gets the shortest step its order allows on the throttled link
+(:func:`~foldtrain.bench.overlap.order_bounds`), which may lie above that limit.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from foldtrain.bench.overlap import (
     bound_ratios,
     defer_ratios,
     merge_profiled,
+    order_bounds,
     pipeline_overlap,
     zero_bubble_ratios,
     zero_ratios,
@@ -260,7 +263,7 @@ def main(argv: list[str]) -> int:
                     r.info["gantt"] = str(dst)
         rows = pipeline_rows(results)
         ratios = pipeline_ratios(results) + defer_ratios(results) + zero_ratios(results) + pipeline_overlap(results)
-        ratios += zero_bubble_ratios(results) + bound_ratios(results)
+        ratios += zero_bubble_ratios(results) + bound_ratios(results) + order_bounds(results)
         notes += common.run_notes(a, load_before)
         notes += [
             f"world {a.dp * a.pp}: dp={a.dp} across emulated nodes x pp={a.pp} inside each; micro-batches per dp rank: "

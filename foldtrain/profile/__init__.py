@@ -16,13 +16,22 @@ from .analysis import (
     as_rank_lists,
     format_summary,
     idle_intervals,
+    link_windows,
     mean_summary,
     merge_intervals,
     step_summary,
     step_windows,
     summarize,
 )
-from .export import TRACE_ROWS, chrome_trace, load_events, plot_gantt, save_events, write_chrome_trace
+from .export import (
+    TRACE_ROWS,
+    chrome_trace,
+    load_events,
+    plot_gantt,
+    read_chrome_trace,
+    save_events,
+    write_chrome_trace,
+)
 from .recorder import StepProfiler
 from .timeline import KINDS, NULL_SPAN, Timeline, gather_steps, gather_timelines, shifted_events
 
@@ -38,10 +47,12 @@ __all__ = [
     "gather_steps",
     "gather_timelines",
     "idle_intervals",
+    "link_windows",
     "load_events",
     "mean_summary",
     "merge_intervals",
     "plot_gantt",
+    "read_chrome_trace",
     "save_events",
     "shifted_events",
     "step_summary",

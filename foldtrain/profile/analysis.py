@@ -214,6 +214,26 @@ def summarize(events_by_rank: Any, skip_first: bool = True) -> list[dict[str, An
     return per_step + [mean_summary(per_step, skip_first)]
 
 
+def link_windows(events_by_rank: Any, nodes: list[list[int]]) -> list[float]:
+    """Seconds per step and node during which a schedule that defers reductions into the next step (fold with
+    ``--fold.defer_reduce``) leaves the node's data-parallel link nothing to carry, in whatever order it reduced:
+    from the node's last wait for a deferred chunk (``reduce_wait`` with ``deferred``: that chunk's bytes of the
+    previous step must have crossed when it starts) to the step's first reduction launched on the node
+    (``reduce_launch``: until then no gradient of this step is complete), 0 when that launch comes first. Counted
+    from the wait's end: a wait the link made longer delays what follows it, not the computation in between.
+    ``nodes``: the ranks sharing each link. Steps of a node without both events are left out."""
+    ranks = as_rank_lists(events_by_rank)
+    out = []
+    for step, _, _ in step_windows(ranks):
+        for node in nodes:
+            evs = [ev for r in node if r < len(ranks) for ev in ranks[r] if ev.get("step") == step]
+            needed = [e["end"] for e in evs if e["kind"] == "reduce_wait" and (e.get("args") or {}).get("deferred")]
+            launched = [e["start"] for e in evs if e["kind"] == "reduce_launch"]
+            if needed and launched:
+                out.append(max(0.0, min(launched) - max(needed)))
+    return out
+
+
 def format_summary(summaries: list[dict[str, Any]], unit: str = "ms") -> str:
     """A small text table of :func:`summarize`'s output."""
     scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]

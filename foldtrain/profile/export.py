@@ -86,6 +86,32 @@ def write_chrome_trace(path: str | os.PathLike, events_by_rank: Any, steps: Iter
     return path
 
 
+def read_chrome_trace(path: str | os.PathLike) -> list[list[dict[str, Any]]]:
+    """Per-rank events back from a file :func:`write_chrome_trace` wrote (``timeline.json``), in seconds from the
+    trace's first event: what :mod:`.analysis` reads."""
+    with open(path) as f:
+        records = json.load(f)["traceEvents"]
+    flat = []
+    for rec in records:
+        if rec.get("ph") not in ("X", "i"):
+            continue
+        args = dict(rec.get("args") or {})
+        start = rec["ts"] / 1e6
+        end = start + rec.get("dur", 0.0) / 1e6
+        flat.append(
+            {
+                "name": rec["name"],
+                "kind": rec["cat"],
+                "rank": rec["pid"],
+                "start": start,
+                "end": end,
+                "step": args.pop("step", None),
+                "args": args,
+            }
+        )
+    return as_rank_lists(flat)
+
+
 # --------------------------------------------------------------------------- Gantt chart
 
 _COLORS = {

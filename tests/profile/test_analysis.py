@@ -9,6 +9,7 @@ from foldtrain.profile import (
     as_rank_lists,
     format_summary,
     idle_intervals,
+    link_windows,
     merge_intervals,
     step_windows,
     summarize,
@@ -210,3 +211,29 @@ def test_per_chunk_reduction_hides_dp_communication():
     s = summarize(evs)[0]
     assert s["reduce_wait"] == approx([3e-3, 3e-3])
     assert len([e for e in evs[0] if e["kind"] == "optim"]) == 1
+
+
+def test_link_windows_from_the_last_deferred_wait_to_the_first_launch():
+    """Per step and node: from the end of the node's last wait for a deferred chunk to the node's first launch;
+    0 when a launch comes first; other nodes' events, undeferred waits and steps without both left out."""
+
+    def node(base, wait_end, launch, step, other_wait=None):
+        r0 = [
+            ev(base, "reduce_wait", wait_end - 0.5, wait_end, step, chunk=2, deferred=True),
+            ev(base, "reduce_wait", 9.0, 9.5, step, chunk=0, deferred=False),  # the step's own WR: no deadline
+            ev(base, "reduce_launch", launch + 1.0, launch + 1.0, step),
+            ev(base, "step", 0, 10, step),
+        ]
+        r1 = [ev(base + 1, "reduce_launch", launch, launch, step), ev(base + 1, "step", 0, 10, step)]
+        if other_wait is not None:
+            r1.append(ev(base + 1, "reduce_wait", other_wait - 0.1, other_wait, step, chunk=3, deferred=True))
+        return [r0, r1]
+
+    step1 = node(0, 2.0, 5.0, 1, other_wait=3.0) + node(2, 1.0, 2.5, 1)  # node 0: 5 - 3; node 1: 2.5 - 1
+    step2 = node(0, 6.0, 5.0, 2) + node(2, 1.0, 1.25, 2)  # node 0 launched before its last wait ended: 0
+    ranks = [a + b for a, b in zip(step1, step2)]
+    assert link_windows(ranks, [[0, 1], [2, 3]]) == approx([2.0, 1.5, 0.0, 0.25])
+    # each rank its own node: rank 0 launches 1 s after rank 1; rank 1 has no deferred wait in step 2
+    assert link_windows(ranks, [[0], [1]]) == approx([4.0, 2.0, 0.0])
+    nothing = [[e for e in evs if e["kind"] != "reduce_launch"] for evs in ranks]
+    assert link_windows(nothing, [[0, 1], [2, 3]]) == []

@@ -11,6 +11,7 @@ from foldtrain.profile import (
     chrome_trace,
     load_events,
     plot_gantt,
+    read_chrome_trace,
     save_events,
     summarize,
     write_chrome_trace,
@@ -90,6 +91,29 @@ def test_chrome_trace_of_recorded_events_and_step_filter():
     assert sum(e["ph"] == "X" for e in one) == n_x // 2
     assert all(e["args"]["step"] == 1 for e in one if e["ph"] in ("X", "i"))
     json.dumps(full)
+
+
+def test_a_written_trace_reads_back_as_the_events(tmp_path):
+    """timeline.json back into events: every event with its rank, kind, name, step, args and duration, the times
+    from the trace's first event (what the analysis reads of a run, e.g. bench pipeline's order bound)."""
+    ranks = recorded_events()
+    back = read_chrome_trace(write_chrome_trace(tmp_path / "timeline.json", ranks))
+    t0 = min(e["start"] for r in ranks for e in r)
+    assert len(back) == len(ranks)
+    for mine, read in zip(ranks, back):
+        assert len(read) == len(mine)
+        key = lambda e: (e["start"], e["name"])  # noqa: E731
+        for a, b in zip(sorted(mine, key=key), sorted(read, key=lambda e: (e["start"] + t0, e["name"]))):
+            assert (b["name"], b["kind"], b["rank"], b["step"], b["args"]) == (
+                a["name"],
+                a["kind"],
+                a["rank"],
+                a["step"],
+                a["args"],
+            )
+            assert b["start"] == pytest.approx(a["start"] - t0, abs=1e-9)
+            assert b["end"] - b["start"] == pytest.approx(a["end"] - a["start"], abs=1e-9)
+    assert summarize(back)[-1]["duration"] == pytest.approx(summarize(ranks)[-1]["duration"])
 
 
 def _png_ok(path, min_bytes=5000):

@@ -286,13 +286,12 @@ def bound_ratios(runs: list[RunResult]) -> list[Ratio]:
 
 def order_bounds(runs: list[RunResult]) -> list[Ratio]:
     """Each foldtrain run with ``--fold.defer_reduce`` on a throttled network against the shortest step its order
-    of actions allows there: ``T_link`` plus the time a step leaves the busier link nothing to carry
-    (:func:`foldtrain.profile.analysis.link_windows`, the median over its profiled twin's kept steps and nodes): the
-    previous step's deferred bytes must have crossed before the waits for them, this step's exist only once its first
-    reduction is launched. The value is that bound over the run's step; with a ``--bound`` twin the detail also
-    gives the twin's step (the compute-bound limit) over it: at most that share of its limit is reachable."""
-    import statistics
-
+    of actions allows there. A node's link cannot carry the previous step's deferred bytes after the waits for them
+    nor this step's before its first reduction is launched (:func:`foldtrain.profile.analysis.link_windows`, from
+    the run's profiled twin), so on average a step lasts at least that node's bytes at the link's rate plus its mean
+    window; the bound is the largest over the nodes. The value is the bound over the run's step; with a ``--bound``
+    twin the detail gives the twin's step (the compute-bound limit) over the bound: at most that share of the limit is
+    reachable. Not with the distributed optimizer or FSDP, whose all-gathers use the link inside that window."""
     from foldtrain.profile import link_windows, read_chrome_trace
 
     out: list[Ratio] = []
@@ -300,27 +299,36 @@ def order_bounds(runs: list[RunResult]) -> list[Ratio]:
         if r.bench != "pipeline" or r.impl != "foldtrain" or not r.info.get("defer") or r.info.get("bound_of"):
             continue
         name = f"{_name(r)} V={r.info.get('virtual')} [{r.network}]: its order's bound / its step"
-        trace = Path(r.info.get("profiled_out", "")) / "timeline.json"
-        t_link, t_run = link_s(r), r.metrics.get("step_time_s")
-        if t_link is None or t_run is None or not r.info.get("profiled_out") or not trace.is_file():
-            out.append(Ratio(name, None, "needs a profiled twin (its timeline.json) and an emulated network"))
+        if r.info.get("zero") or r.info.get("fsdp"):
+            out.append(Ratio(name, None, "not with all-gathers of weights on the link (distributed optimizer, FSDP)"))
             continue
-        per_node = r.ranks // len(r.wire)
-        nodes = [list(range(n * per_node, (n + 1) * per_node)) for n in range(len(r.wire))]
-        windows = link_windows(read_chrome_trace(trace), nodes)
-        if not windows:
+        trace = Path(r.info.get("profiled_out", "")) / "timeline.json"
+        rate, t_run = rate_bytes(r.network), r.metrics.get("step_time_s")
+        if not (rate and r.wire and t_run and trace.is_file()):
+            out.append(
+                Ratio(name, None, "needs the run's step time, a profiled twin (timeline.json), an emulated network")
+            )
+            continue
+        events, per_node = read_chrome_trace(trace), r.ranks // len(r.wire)
+        bounds = []  # per node: (bound, link, mean window, windows)
+        for n, (sent, received) in enumerate(r.wire):
+            windows = link_windows(events, [list(range(n * per_node, (n + 1) * per_node))])
+            if windows:
+                mean = sum(windows) / len(windows)
+                bounds.append((max(sent, received) / rate + mean, max(sent, received) / rate, mean, windows))
+        if not bounds:
             out.append(Ratio(name, None, "its timeline has no step with a deferred wait and a launch on a node"))
             continue
-        bound = t_link + statistics.median(windows)
+        bound, t_link, mean, windows = max(bounds, key=lambda b: b[0])
         detail = (
-            f"step >= link {1e3 * t_link:.0f} ms + idle window {1e3 * statistics.median(windows):.0f} ms "
-            f"(median of {len(windows)}: {1e3 * min(windows):.0f}-{1e3 * max(windows):.0f}) = {1e3 * bound:.0f} ms; "
+            f"step >= the busiest node's link {1e3 * t_link:.0f} ms + its mean idle window {1e3 * mean:.0f} ms "
+            f"(of {len(windows)} steps: {1e3 * min(windows):.0f}-{1e3 * max(windows):.0f}) = {1e3 * bound:.0f} ms; "
             f"measured {1e3 * t_run:.0f} ms"
         )
-        limit = next(
-            (b for b in runs if b.info.get("bound_of") == r.network and _same_config(r, replace(b, network=r.network))),
-            None,
+        same = (
+            b for b in runs if b.info.get("bound_of") == r.network and _same_config(r, replace(b, network=r.network))
         )
+        limit = next(same, None)
         if limit is not None and limit.metrics.get("step_time_s"):
             t_lim = limit.metrics["step_time_s"]
             detail += f"; its limit at {limit.network} {1e3 * t_lim:.0f} ms = {t_lim / bound:.3f} of this bound"

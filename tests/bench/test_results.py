@@ -648,47 +648,31 @@ def test_zero_bubble_and_bound_ratios(tmp_path):
 
 
 def test_order_bound_of_a_deferring_fold_run(tmp_path):
-    """bench pipeline's line for fold + deferral: the link's bytes at its rate plus the median idle window of its
-    profiled twin's timeline.json (per node: the last deferred wait's end to the first launch), over the step; with a
-    --bound twin, that twin's step over the bound."""
+    """bench pipeline's line for fold + deferral: per node, its bytes at the link's rate plus the mean idle window of
+    the profiled twin's timeline.json (the last deferred wait's end to the first launch), the largest over the nodes,
+    over the step; with a --bound twin, that twin's step over the bound."""
     from foldtrain.bench.overlap import merge_profiled, order_bounds
     from foldtrain.profile import write_chrome_trace
 
-    def ranks_of(windows):  # 2 nodes x 2 ranks; one step per window pair (node 0, node 1)
-        out = [[] for _ in range(4)]
-        for step, pair in enumerate(windows, start=1):
+    def ranks_of(windows, pp=2):  # len(windows[0]) nodes x pp ranks (global rank = node * pp + p), a step per row
+        out = [[] for _ in range(len(windows[0]) * pp)]
+        for step, row in enumerate(windows, start=1):
             t = 10.0 * step
-            for n, w in enumerate(pair):
-                a, b = 2 * n, 2 * n + 1
-                out[a].append(
-                    {
-                        "name": "WR c2",
-                        "kind": "reduce_wait",
-                        "start": t,
-                        "end": t + 0.01,
-                        "step": step,
-                        "args": {"deferred": True},
-                    }
-                )
-                out[b].append(
-                    {
-                        "name": "tie c3",
-                        "kind": "reduce_launch",
-                        "start": t + 0.01 + w,
-                        "end": t + 0.02 + w,
-                        "step": step,
-                        "args": {},
-                    }
-                )
-                for r in (a, b):
-                    out[r].append(
-                        {"name": f"step {step}", "kind": "step", "start": t, "end": t + 1, "step": step, "args": {}}
-                    )
+            for n, w in enumerate(row):
+                first, last = n * pp, n * pp + pp - 1
+                wait = {"name": "WR c2", "kind": "reduce_wait", "start": t, "end": t + 0.01, "step": step}
+                out[first].append({**wait, "args": {"deferred": True}})
+                launch = {"name": "tie", "kind": "reduce_launch", "start": t + 0.01 + w, "end": t + 0.02 + w}
+                out[last].append({**launch, "step": step, "args": {}})
+                for r in range(first, last + 1):
+                    out[r].append({"name": "s", "kind": "step", "start": t, "end": t + 1, "step": step, "args": {}})
         return out
 
     twin_dir = tmp_path / "twin"
-    write_chrome_trace(twin_dir / "timeline.json", ranks_of([(0.05, 0.07), (0.10, 0.09)]))  # median 0.08
+    # 3 nodes x 2 ranks (dp 3, pp 2); node windows: 50 and 110 ms (mean 80), 20 ms, 300 ms
+    write_chrome_trace(twin_dir / "timeline.json", ranks_of([(0.05, 0.02, 0.3), (0.11, 0.02, 0.3)]))
     info = {"virtual": 2, "dp_sync": "per-chunk", "defer": True}
+    wire = [(40e6, 50e6), (45e6, 60e6), (5e6, 6e6)]  # at 125 MB/s: 400, 480 and 48 ms
 
     def mk(name, step_s, net="1gbit", **more):
         return run_from(
@@ -696,11 +680,11 @@ def test_order_bound_of_a_deferring_fold_run(tmp_path):
             name,
             [9, 9, step_s, step_s],
             variant="fold-zb",
-            ranks=4,
-            workers=2,
+            ranks=6,
+            workers=3,
             network=net,
             bench="pipeline",
-            wire=[(40e6, 50e6), (45e6, 30e6)],
+            wire=wire,
             info={**info, **more},
         )
 
@@ -708,12 +692,14 @@ def test_order_bound_of_a_deferring_fold_run(tmp_path):
     twin.out_dir = str(twin_dir)
     limit = mk("fzd40", 0.35, net="40gbit", bound_of="1gbit")
     (line,) = order_bounds(merge_profiled([run, twin, limit]))
-    # the busier node's 50 MB at 125 MB/s: 0.4 s, + 0.08 s = 0.48 s against a 0.6 s step; the limit 0.35 / 0.48
-    assert line.value == pytest.approx(0.48 / 0.6)
-    assert "link 400 ms + idle window 80 ms (median of 4: 50-100) = 480 ms" in line.detail, line.detail
-    assert "its limit at 40gbit 350 ms = 0.729 of this bound" in line.detail, line.detail
+    # node 0: 400 + 80 = 480 ms, node 1: 480 + 20 = 500 ms (the bound), node 2: 48 + 300 = 348 ms
+    assert line.value == pytest.approx(0.5 / 0.6)
+    assert "link 480 ms + its mean idle window 20 ms (of 2 steps: 20-20) = 500 ms" in line.detail, line.detail
+    assert "its limit at 40gbit 350 ms = 0.700 of this bound" in line.detail, line.detail
     (missing,) = order_bounds([mk("plain", 0.6)])  # no profiled twin: no value, and why
     assert missing.value is None and "profiled twin" in missing.detail
+    (zero,) = order_bounds([mk("z", 0.6, zero=True)])  # the distributed optimizer's all-gathers use the window
+    assert zero.value is None and "all-gathers" in zero.detail
 
 
 def test_overlap_efficiency_from_the_runs():

@@ -269,6 +269,15 @@ def _fastest(runs: list[RunResult]) -> RunResult | None:
     return max(runs, key=lambda r: r.metrics["tokens_per_s"], default=None)
 
 
+def _is_limit_of(b: RunResult, run: RunResult) -> bool:
+    """Whether ``b`` is ``run``'s ``--bound`` twin: the same configuration with its links at the bound's rate."""
+    return (
+        b.info.get("bound_of") == run.network
+        and not run.info.get("bound_of")
+        and _same_config(run, replace(b, network=run.network))
+    )
+
+
 def bound_ratios(runs: list[RunResult]) -> list[Ratio]:
     """Each foldtrain run on a throttled network against the same run with the links changed in place to the
     ``--bound`` rate (its compute-bound limit)."""
@@ -277,8 +286,7 @@ def bound_ratios(runs: list[RunResult]) -> list[Ratio]:
         net = b.info.get("bound_of")
         if not net:
             continue
-        same = [r for r in runs if not r.info.get("bound_of") and r.network == net]
-        run = next((r for r in same if _same_config(r, replace(b, network=net), CONFIG_KEYS)), None)
+        run = next((r for r in runs if _is_limit_of(b, r)), None)
         v, why = _ratio(run, b, names=(_name(b), f"{_name(b)} at {b.network}"))
         out.append(Ratio(f"{_name(b)} [{net}] / the same at {b.network} (its limit) tokens/s", v, why))
     return out
@@ -314,8 +322,8 @@ def order_bounds(runs: list[RunResult]) -> list[Ratio]:
         for n, (sent, received) in enumerate(r.wire):
             windows = link_windows(events, [list(range(n * per_node, (n + 1) * per_node))])
             if windows:
-                mean = sum(windows) / len(windows)
-                bounds.append((max(sent, received) / rate + mean, max(sent, received) / rate, mean, windows))
+                t_link, mean = max(sent, received) / rate, sum(windows) / len(windows)
+                bounds.append((t_link + mean, t_link, mean, windows))
         if not bounds:
             out.append(Ratio(name, None, "its timeline has no step with a deferred wait and a launch on a node"))
             continue
@@ -325,10 +333,7 @@ def order_bounds(runs: list[RunResult]) -> list[Ratio]:
             f"(of {len(windows)} steps: {1e3 * min(windows):.0f}-{1e3 * max(windows):.0f}) = {1e3 * bound:.0f} ms; "
             f"measured {1e3 * t_run:.0f} ms"
         )
-        same = (
-            b for b in runs if b.info.get("bound_of") == r.network and _same_config(r, replace(b, network=r.network))
-        )
-        limit = next(same, None)
+        limit = next((b for b in runs if _is_limit_of(b, r)), None)
         if limit is not None and limit.metrics.get("step_time_s"):
             t_lim = limit.metrics["step_time_s"]
             detail += f"; its limit at {limit.network} {1e3 * t_lim:.0f} ms = {t_lim / bound:.3f} of this bound"

@@ -292,6 +292,10 @@ def bound_ratios(runs: list[RunResult]) -> list[Ratio]:
     return out
 
 
+def _deferring(r: RunResult) -> bool:
+    return r.bench == "pipeline" and r.impl == "foldtrain" and bool(r.info.get("defer")) and not r.info.get("bound_of")
+
+
 def order_bounds(runs: list[RunResult]) -> list[Ratio]:
     """Each foldtrain run with ``--fold.defer_reduce`` on a throttled network against the shortest step its order
     of actions allows there. A node's link cannot carry the previous step's deferred bytes after the waits for them
@@ -300,42 +304,58 @@ def order_bounds(runs: list[RunResult]) -> list[Ratio]:
     window; the bound is the largest over the nodes. The value is the bound over the run's step; with a ``--bound``
     twin the detail gives the twin's step (the compute-bound limit) over the bound: at most that share of the limit is
     reachable. Not with the distributed optimizer or FSDP, whose all-gathers use the link inside that window."""
-    from foldtrain.profile import link_windows, read_chrome_trace
+    from foldtrain.profile import link_windows
 
-    out: list[Ratio] = []
-    for r in runs:
-        if r.bench != "pipeline" or r.impl != "foldtrain" or not r.info.get("defer") or r.info.get("bound_of"):
-            continue
-        name = f"{_name(r)} V={r.info.get('virtual')} [{r.network}]: its order's bound / its step"
-        if r.info.get("zero") or r.info.get("fsdp"):
-            out.append(Ratio(name, None, "not with all-gathers of weights on the link (distributed optimizer, FSDP)"))
-            continue
-        trace = Path(r.info.get("profiled_out", "")) / "timeline.json"
-        rate, t_run = rate_bytes(r.network), r.metrics.get("step_time_s")
-        if not (rate and r.wire and t_run and trace.is_file()):
-            out.append(
-                Ratio(name, None, "needs the run's step time, a profiled twin (timeline.json), an emulated network")
-            )
-            continue
-        events, per_node = read_chrome_trace(trace), r.ranks // len(r.wire)
-        bounds = []  # per node: (bound, link, mean window, windows)
-        for n, (sent, received) in enumerate(r.wire):
-            windows = link_windows(events, [list(range(n * per_node, (n + 1) * per_node))])
-            if windows:
-                t_link, mean = max(sent, received) / rate, sum(windows) / len(windows)
-                bounds.append((t_link + mean, t_link, mean, windows))
-        if not bounds:
-            out.append(Ratio(name, None, "its timeline has no step with a deferred wait and a launch on a node"))
-            continue
-        bound, t_link, mean, windows = max(bounds, key=lambda b: b[0])
-        detail = (
-            f"step >= the busiest node's link {1e3 * t_link:.0f} ms + its mean idle window {1e3 * mean:.0f} ms "
-            f"(of {len(windows)} steps: {1e3 * min(windows):.0f}-{1e3 * max(windows):.0f}) = {1e3 * bound:.0f} ms; "
-            f"measured {1e3 * t_run:.0f} ms"
-        )
-        limit = next((b for b in runs if _is_limit_of(b, r)), None)
-        if limit is not None and limit.metrics.get("step_time_s"):
-            t_lim = limit.metrics["step_time_s"]
-            detail += f"; its limit at {limit.network} {1e3 * t_lim:.0f} ms = {t_lim / bound:.3f} of this bound"
-        out.append(Ratio(name, bound / t_run, detail))
-    return out
+    def windows(events, node):
+        return link_windows(events, [node])
+
+    return [_link_bound(r, runs, "its order's bound", "its mean idle window", windows) for r in runs if _deferring(r)]
+
+
+def layout_bounds(runs: list[RunResult]) -> list[Ratio]:
+    """As :func:`order_bounds`, with the idle window that ANY order of the run's layout and micro-batches leaves the
+    links, if it reduces every gradient once, complete: the last chunk's forwards after its first
+    (:func:`foldtrain.profile.analysis.last_chunk_forwards`), during which no gradient of the step is complete and
+    every one of the previous step's must have landed. With a ``--bound`` twin: the share of the compute-bound limit
+    that no schedule of this layout can exceed on this link."""
+    from foldtrain.profile import last_chunk_forwards
+
+    def forwards(events, node):
+        return last_chunk_forwards(events)
+
+    what = "the last chunk's forwards after its first"
+    return [_link_bound(r, runs, "any order's bound", what, forwards) for r in runs if _deferring(r)]
+
+
+def _link_bound(r: RunResult, runs: list[RunResult], bound_name: str, window_name: str, windows_of) -> Ratio:
+    """``r``'s line for a bound of the form: per node, its bytes at the link's rate + the mean of
+    ``windows_of(events, node's ranks)`` (seconds per step during which the link idles), the largest over nodes."""
+    from foldtrain.profile import read_chrome_trace
+
+    name = f"{_name(r)} V={r.info.get('virtual')} [{r.network}]: {bound_name} / its step"
+    if r.info.get("zero") or r.info.get("fsdp"):
+        return Ratio(name, None, "not with all-gathers of weights on the link (distributed optimizer, FSDP)")
+    trace = Path(r.info.get("profiled_out", "")) / "timeline.json"
+    rate, t_run = rate_bytes(r.network), r.metrics.get("step_time_s")
+    if not (rate and r.wire and t_run and trace.is_file()):
+        return Ratio(name, None, "needs the run's step time, a profiled twin (timeline.json), an emulated network")
+    events, per_node = read_chrome_trace(trace), r.ranks // len(r.wire)
+    bounds = []  # per node: (bound, link, mean window, windows)
+    for n, (sent, received) in enumerate(r.wire):
+        windows = windows_of(events, list(range(n * per_node, (n + 1) * per_node)))
+        if windows:
+            t_link, mean = max(sent, received) / rate, sum(windows) / len(windows)
+            bounds.append((t_link + mean, t_link, mean, windows))
+    if not bounds:
+        return Ratio(name, None, f"its timeline gives no step a window on any node ({window_name})")
+    bound, t_link, mean, windows = max(bounds, key=lambda b: b[0])
+    detail = (
+        f"step >= the busiest node's link {1e3 * t_link:.0f} ms + {window_name} {1e3 * mean:.0f} ms "
+        f"(of {len(windows)} steps: {1e3 * min(windows):.0f}-{1e3 * max(windows):.0f}) = {1e3 * bound:.0f} ms; "
+        f"measured {1e3 * t_run:.0f} ms"
+    )
+    limit = next((b for b in runs if _is_limit_of(b, r)), None)
+    if limit is not None and limit.metrics.get("step_time_s"):
+        t_lim = limit.metrics["step_time_s"]
+        detail += f"; its limit at {limit.network} {1e3 * t_lim:.0f} ms = {t_lim / bound:.3f} of this bound"
+    return Ratio(name, bound / t_run, detail)

@@ -14,7 +14,8 @@ DeepSpeed's PipelineModule when installed. The zero-bubble schedules (``zb-h1``,
 after each run on a throttled network the same run again with the links' rate changed in place to RATE
 (e.g. 40gbit), then back; the ratio of the two says how much of the limit the slow link leaves. Each run with
 ``--fold.defer_reduce`` and a profiled twin also gets the shortest step its order allows on the throttled link
-(:func:`~foldtrain.bench.overlap.order_bounds`), which may lie above that limit.
+(:func:`~foldtrain.bench.overlap.order_bounds`), which may lie above that limit, and the shortest any order of
+its layout allows (:func:`~foldtrain.bench.overlap.layout_bounds`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from foldtrain.bench import common
 from foldtrain.bench.overlap import (
     bound_ratios,
     defer_ratios,
+    layout_bounds,
     merge_profiled,
     order_bounds,
     pipeline_overlap,
@@ -264,6 +266,7 @@ def main(argv: list[str]) -> int:
         rows = pipeline_rows(results)
         ratios = pipeline_ratios(results) + defer_ratios(results) + zero_ratios(results) + pipeline_overlap(results)
         ratios += zero_bubble_ratios(results) + bound_ratios(results) + order_bounds(results)
+        ratios += layout_bounds(results)
         notes += common.run_notes(a, load_before)
         notes += [
             f"world {a.dp * a.pp}: dp={a.dp} across emulated nodes x pp={a.pp} inside each; micro-batches per dp rank: "

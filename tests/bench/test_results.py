@@ -648,10 +648,11 @@ def test_zero_bubble_and_bound_ratios(tmp_path):
 
 
 def test_order_bound_of_a_deferring_fold_run(tmp_path):
-    """bench pipeline's line for fold + deferral: per node, its bytes at the link's rate plus the mean idle window of
-    the profiled twin's timeline.json (the last deferred wait's end to the first launch), the largest over the nodes,
-    over the step; with a --bound twin, that twin's step over the bound."""
-    from foldtrain.bench.overlap import merge_profiled, order_bounds
+    """bench pipeline's lines for fold + deferral: per node, its bytes at the link's rate plus the mean idle window of
+    the profiled twin's timeline.json (its order's: the last deferred wait's end to the first launch; any order's:
+    the last chunk's forwards after its first), the largest over the nodes, over the step; with a --bound twin, that
+    twin's step over the bound."""
+    from foldtrain.bench.overlap import layout_bounds, merge_profiled, order_bounds
     from foldtrain.profile import write_chrome_trace
 
     def ranks_of(windows, pp=2):  # len(windows[0]) nodes x pp ranks (global rank = node * pp + p), a step per row
@@ -666,6 +667,18 @@ def test_order_bound_of_a_deferring_fold_run(tmp_path):
                 out[last].append({**launch, "step": step, "args": {}})
                 for r in range(first, last + 1):
                     out[r].append({"name": "s", "kind": "step", "start": t, "end": t + 1, "step": step, "args": {}})
+                # the last chunk's forwards on the node's last rank: 10, 20, 30 ms x (node + 1), the first left out
+                # of the layout's window (node 0's 50 ms, the least); another chunk's F and a W do not count
+                s0 = t + 0.1
+                for m, (op, c, d) in enumerate(
+                    [("F", 3, 0.01), ("F", 1, 0.5), ("F", 3, 0.02), ("W", 3, 0.2), ("F", 3, 0.03)]
+                ):
+                    d *= n + 1
+                    args = {"op": op, "chunk": c, "mb": m}
+                    out[last].append(
+                        {"name": op, "kind": "compute", "start": s0, "end": s0 + d, "step": step, "args": args}
+                    )
+                    s0 += d
         return out
 
     twin_dir = tmp_path / "twin"
@@ -696,6 +709,11 @@ def test_order_bound_of_a_deferring_fold_run(tmp_path):
     assert line.value == pytest.approx(0.5 / 0.6)
     assert "link 480 ms + its mean idle window 20 ms (of 2 steps: 20-20) = 500 ms" in line.detail, line.detail
     assert "its limit at 40gbit 350 ms = 0.700 of this bound" in line.detail, line.detail
+    # any order of the layout: the same links + the last chunk's forwards after its first, 50 ms on every node
+    (layout,) = layout_bounds(merge_profiled([run, twin, limit]))
+    assert layout.value == pytest.approx(0.53 / 0.6), layout.detail  # node 1: 480 + 50 ms
+    assert "480 ms + the last chunk's forwards after its first 50 ms (of 2 steps: 50-50) = 530 ms" in layout.detail
+    assert "its limit at 40gbit 350 ms = 0.660 of this bound" in layout.detail, layout.detail
     (missing,) = order_bounds([mk("plain", 0.6)])  # no profiled twin: no value, and why
     assert missing.value is None and "profiled twin" in missing.detail
     (zero,) = order_bounds([mk("z", 0.6, zero=True)])  # the distributed optimizer's all-gathers use the window

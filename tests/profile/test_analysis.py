@@ -9,6 +9,7 @@ from foldtrain.profile import (
     as_rank_lists,
     format_summary,
     idle_intervals,
+    last_chunk_forwards,
     link_windows,
     merge_intervals,
     step_windows,
@@ -237,3 +238,20 @@ def test_link_windows_from_the_last_deferred_wait_to_the_first_launch():
     assert link_windows(ranks, [[0], [1]]) == approx([4.0, 2.0, 0.0])
     nothing = [[e for e in evs if e["kind"] != "reduce_launch"] for evs in ranks]
     assert link_windows(nothing, [[0, 1], [2, 3]]) == []
+
+
+def test_last_chunk_forwards_after_the_first_least_over_the_ranks_holding_it():
+    """Per step: the durations of the highest chunk's forwards after the first to start, summed per rank, the least
+    over the ranks holding that chunk; other chunks, other ops and steps with one such forward left out."""
+
+    def fwd(rank, chunk, start, dur, step, op="F"):
+        return ev(rank, "compute", start, start + dur, step, op=op, chunk=chunk, mb=0)
+
+    r1 = [fwd(1, 3, 0.5, 1.0, 1), fwd(1, 3, 0.0, 4.0, 1), fwd(1, 3, 6.0, 2.0, 1), fwd(1, 1, 9.0, 9.0, 1)]
+    r1 += [fwd(1, 3, 20.0, 1.0, 1, op="W"), fwd(1, 3, 30.0, 1.0, 2)]  # a W; step 2: one forward only
+    r3 = [fwd(3, 3, 0.0, 1.0, 1), fwd(3, 3, 1.0, 5.0, 1), fwd(3, 3, 6.0, 5.0, 1)]  # another replica's: 10 s
+    r0 = [fwd(0, 2, 0.0, 50.0, 1), fwd(0, 2, 50.0, 50.0, 1), fwd(0, 2, 30.0, 1.0, 2), fwd(0, 2, 31.0, 1.0, 2)]
+    ranks = [r0, r1, [], r3]
+    # rank 1 started with the 4 s forward: 1 + 2 = 3 s after it (less than rank 3's 10); step 2's last chunk is
+    # chunk 3 (one forward): no value, though chunk 2 has two there
+    assert last_chunk_forwards(ranks) == approx([3.0])

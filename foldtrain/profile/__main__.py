@@ -1,9 +1,8 @@
 """``python -m foldtrain.profile report FILES``: Gantt chart, Chrome trace and idle metrics of recorded events.
 
-``FILES`` are ``save_events`` / ``Timeline.to_json`` files. A simulated run writes the same
-``timeline.json`` / ``gantt.png`` as a real ``--profile`` run with
-``foldtrain simulate ... --profile DIR`` (the former ``python -m foldtrain.profile sim`` is gone:
-its unit-cost model is :func:`foldtrain.sim.simulate_order`).
+``FILES`` are ``save_events`` / ``Timeline.to_json`` files or a ``--profile`` run's ``timeline.json``. A simulated
+run writes the same ``timeline.json`` / ``gantt.png`` as a real ``--profile`` run with ``foldtrain simulate ...
+--profile DIR``.
 """
 
 from __future__ import annotations

@@ -419,7 +419,8 @@ def save_events(path: str | os.PathLike, events_by_rank: Any) -> str:
 
 
 def load_events(*paths: str | os.PathLike) -> list[list[dict[str, Any]]]:
-    """Per-rank events from files written by :func:`save_events` or ``Timeline.to_json`` (one per rank).
+    """Per-rank events from files written by :func:`save_events`, ``Timeline.to_json`` (one per rank) or
+    :func:`write_chrome_trace` (a ``--profile`` run's ``timeline.json``, read by :func:`read_chrome_trace`).
 
     Events of a ``Timeline.to_json`` file go to that timeline's rank; the files
     must already share a time base (e.g. events gathered and saved by rank 0).
@@ -433,9 +434,12 @@ def load_events(*paths: str | os.PathLike) -> list[list[dict[str, Any]]]:
                 flat += [dict(ev, rank=r) for ev in evs]
         elif isinstance(d, dict) and "events" in d:
             flat += [dict(ev, rank=d["rank"]) for ev in d["events"]]
+        elif isinstance(d, dict) and "traceEvents" in d:
+            flat += [ev for evs in read_chrome_trace(p) for ev in evs]
         elif isinstance(d, dict):
             raise ValueError(
-                f"{p}: not an events file (want save_events or Timeline.to_json output, e.g. not a Chrome trace)"
+                f"{p}: not an events file (want the output of save_events, Timeline.to_json or a --profile run's "
+                "timeline.json)"
             )
         else:  # a bare list of per-rank lists, or of events
             flat += [dict(ev, rank=r) for r, evs in enumerate(as_rank_lists(d)) for ev in evs]

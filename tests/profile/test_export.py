@@ -143,9 +143,16 @@ def test_save_load_round_trip(tmp_path):
         p.write_text(Timeline.from_dict({"rank": r, "events": evs}).to_json())
         paths.append(p)
     assert summarize(load_events(*paths)) == summarize(ranks)
+    # a --profile run's timeline.json (a Chrome trace) reads back as read_chrome_trace reads it
     trace = write_chrome_trace(tmp_path / "t.json", ranks)
+    assert load_events(trace) == read_chrome_trace(trace)
+    for got, want in zip(summarize(load_events(trace)), summarize(ranks), strict=True):  # to the trace's 1 us
+        for key in ("duration", "all_idle", "bubble", "compute", "reduce_wait"):
+            assert got[key] == pytest.approx(want[key], abs=1e-5), key
+    other = tmp_path / "other.json"
+    other.write_text('{"format": 3}')
     with pytest.raises(ValueError, match="not an events file"):
-        load_events(trace)
+        load_events(other)
 
 
 def test_cli_report(tmp_path, capsys):
@@ -153,3 +160,7 @@ def test_cli_report(tmp_path, capsys):
     save_events(ev, recorded_events())
     assert main(["report", str(ev), "--trace", str(trace2), "--steps", "1"]) == 0
     assert len(json.loads(trace2.read_text())["traceEvents"]) > 10
+    capsys.readouterr()
+    assert main(["report", str(trace2)]) == 0  # a --profile run's timeline.json: the same table for step 1
+    table = capsys.readouterr().out
+    assert "bubble" in table and len(table.splitlines()) >= 3, table

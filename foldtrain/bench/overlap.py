@@ -306,25 +306,24 @@ def order_bounds(runs: list[RunResult]) -> list[Ratio]:
     reachable. Not with the distributed optimizer or FSDP, whose all-gathers use the link inside that window."""
     from foldtrain.profile import link_windows
 
-    def windows(events, node):
+    def node_windows(events, node):
         return link_windows(events, [node])
 
-    return [_link_bound(r, runs, "its order's bound", "its mean idle window", windows) for r in runs if _deferring(r)]
+    what = "its mean idle window"
+    return [_link_bound(r, runs, "its order's bound", what, node_windows) for r in runs if _deferring(r)]
 
 
 def layout_bounds(runs: list[RunResult]) -> list[Ratio]:
-    """As :func:`order_bounds`, with the idle window that ANY order of the run's layout and micro-batches leaves the
-    links, if it reduces every gradient once, complete: the last chunk's forwards after its first
-    (:func:`foldtrain.profile.analysis.last_chunk_forwards`), during which no gradient of the step is complete and
-    every one of the previous step's must have landed. With a ``--bound`` twin: the share of the compute-bound limit
-    that no schedule of this layout can exceed on this link."""
+    """As :func:`order_bounds`, with the window ANY order of the run's layout and micro-batches leaves every link
+    (:func:`foldtrain.profile.analysis.last_chunk_forwards`, the same for all nodes): with a ``--bound`` twin, the
+    share of the compute-bound limit that no such order passes on this link."""
     from foldtrain.profile import last_chunk_forwards
 
-    def forwards(events, node):
+    def run_windows(events, node):
         return last_chunk_forwards(events)
 
     what = "the last chunk's forwards after its first"
-    return [_link_bound(r, runs, "any order's bound", what, forwards) for r in runs if _deferring(r)]
+    return [_link_bound(r, runs, "any order's bound", what, run_windows) for r in runs if _deferring(r)]
 
 
 def _link_bound(r: RunResult, runs: list[RunResult], bound_name: str, window_name: str, windows_of) -> Ratio:
@@ -339,13 +338,7 @@ def _link_bound(r: RunResult, runs: list[RunResult], bound_name: str, window_nam
     rate, t_run = rate_bytes(r.network), r.metrics.get("step_time_s")
     if not (rate and r.wire and t_run and trace.is_file()):
         return Ratio(name, None, "needs the run's step time, a profiled twin (timeline.json), an emulated network")
-    events, per_node = read_chrome_trace(trace), r.ranks // len(r.wire)
-    bounds = []  # per node: (bound, link, mean window, windows)
-    for n, (sent, received) in enumerate(r.wire):
-        windows = windows_of(events, list(range(n * per_node, (n + 1) * per_node)))
-        if windows:
-            t_link, mean = max(sent, received) / rate, sum(windows) / len(windows)
-            bounds.append((t_link + mean, t_link, mean, windows))
+    bounds = _node_bounds(read_chrome_trace(trace), r.wire, r.ranks // len(r.wire), rate, windows_of)
     if not bounds:
         return Ratio(name, None, f"its timeline gives no step a window on any node ({window_name})")
     bound, t_link, mean, windows = max(bounds, key=lambda b: b[0])
@@ -359,3 +352,14 @@ def _link_bound(r: RunResult, runs: list[RunResult], bound_name: str, window_nam
         t_lim = limit.metrics["step_time_s"]
         detail += f"; its limit at {limit.network} {1e3 * t_lim:.0f} ms = {t_lim / bound:.3f} of this bound"
     return Ratio(name, bound / t_run, detail)
+
+
+def _node_bounds(events, wire, per_node: int, rate: float, windows_of) -> list[tuple[float, float, float, list]]:
+    """Per node with windows: (its bytes at ``rate`` + its mean window, those bytes' seconds, the mean, the windows)."""
+    out = []
+    for n, (sent, received) in enumerate(wire):
+        windows = windows_of(events, list(range(n * per_node, (n + 1) * per_node)))
+        if windows:
+            t_link, mean = max(sent, received) / rate, sum(windows) / len(windows)
+            out.append((t_link + mean, t_link, mean, windows))
+    return out

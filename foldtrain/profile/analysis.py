@@ -236,31 +236,27 @@ def link_windows(events_by_rank: Any, nodes: list[list[int]]) -> list[float]:
 
 def last_chunk_forwards(events_by_rank: Any) -> list[float]:
     """Seconds per step during which no schedule of the same layout and micro-batches can use a data-parallel link,
-    if it reduces every gradient once, complete (no partial sums, which would add bytes): each parameter takes part
-    in every micro-batch's forward, so the previous step's reductions must have landed by the end of the last chunk's
-    first forward (``F`` of the highest ``chunk``), and depends on every micro-batch's loss, so none of this step's
-    is complete before the end of that chunk's last forward (the head's gradient, computed with the loss, the
-    first). In between, the chunk's rank runs its other forwards: the sum of their durations, the least over the
-    ranks holding the chunk (its tensor-parallel ranks, its data-parallel replicas, which wait for each other at
-    every reduction). Steps without two such forwards are left out."""
+    if it reduces every gradient once, complete (partial sums would add bytes) and updates synchronously. Every
+    parameter takes part in every micro-batch's forward, so the previous step's reductions must have landed when
+    the last chunk's first forward ends (``F`` of the highest ``chunk`` in the trace); every gradient depends on
+    every micro-batch's loss, so none of this step's is complete before that chunk's last forward ends (the
+    head's gradient comes first, with the loss, inside that forward). In between, the chunk's rank runs its other
+    forwards: the sum of their measured durations, the least over the ranks holding the chunk (the conservative
+    choice). Steps without two such forwards, and traces without steps, give nothing."""
     ranks = as_rank_lists(events_by_rank)
+    forwards = [[e for e in evs if e["kind"] == "compute" and (e.get("args") or {}).get("op") == "F"] for evs in ranks]
+    chunks = [e["args"].get("chunk") for evs in forwards for e in evs]
+    last = max((c for c in chunks if c is not None), default=None)
     out = []
     for step, _, _ in step_windows(ranks):
-        fwd = [
-            [
-                e
-                for e in evs
-                if e.get("step") == step and e["kind"] == "compute" and (e.get("args") or {}).get("op") == "F"
-            ]
-            for evs in ranks
-        ]
-        last = max((e["args"].get("chunk", -1) for evs in fwd for e in evs), default=None)
         sums = []
-        for evs in fwd:
-            mine = sorted((e for e in evs if e["args"].get("chunk") == last), key=lambda e: e["start"])
+        for evs in forwards:
+            mine = sorted(
+                (e for e in evs if e.get("step") == step and e["args"].get("chunk") == last), key=lambda e: e["start"]
+            )
             if len(mine) >= 2:
                 sums.append(sum(e["end"] - e["start"] for e in mine[1:]))
-        if sums:
+        if step is not None and sums:
             out.append(min(sums))
     return out
 

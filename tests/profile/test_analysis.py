@@ -255,3 +255,9 @@ def test_last_chunk_forwards_after_the_first_least_over_the_ranks_holding_it():
     # rank 1 started with the 4 s forward: 1 + 2 = 3 s after it (less than rank 3's 10); step 2's last chunk is
     # chunk 3 (one forward): no value, though chunk 2 has two there
     assert last_chunk_forwards(ranks) == approx([3.0])
+    # the last chunk is the trace's: a step whose last-chunk forwards are missing gives nothing, not chunk 2's
+    assert last_chunk_forwards([r0, [e for e in r1 if e["step"] != 1], [], [e for e in r3 if e["step"] != 1]]) == []
+    untagged = [[dict(e, step=None) for e in evs] for evs in ranks]  # no steps: no window (not one over all)
+    assert last_chunk_forwards(untagged) == []
+    odd = [[ev(0, "compute", 0.0, 1.0, 1, op="F", chunk=None), ev(0, "compute", 1.0, 2.0, 1)], r1]  # no chunk, no args
+    assert last_chunk_forwards(odd) == approx([3.0])

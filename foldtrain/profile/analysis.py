@@ -247,6 +247,8 @@ def last_chunk_forwards(events_by_rank: Any) -> list[float]:
     forwards = [[e for e in evs if e["kind"] == "compute" and (e.get("args") or {}).get("op") == "F"] for evs in ranks]
     chunks = [e["args"].get("chunk") for evs in forwards for e in evs]
     last = max((c for c in chunks if c is not None), default=None)
+    if last is None:
+        return []
     out = []
     for step, _, _ in step_windows(ranks):
         sums = []

@@ -261,3 +261,5 @@ def test_last_chunk_forwards_after_the_first_least_over_the_ranks_holding_it():
     assert last_chunk_forwards(untagged) == []
     odd = [[ev(0, "compute", 0.0, 1.0, 1, op="F", chunk=None), ev(0, "compute", 1.0, 2.0, 1)], r1]  # no chunk, no args
     assert last_chunk_forwards(odd) == approx([3.0])
+    nameless = [ev(0, "compute", t, t + 1.0, 1, op="F", chunk=None) for t in (0.0, 1.0, 2.0)]
+    assert last_chunk_forwards([nameless]) == []  # no forward names its chunk

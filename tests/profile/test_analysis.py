@@ -263,3 +263,11 @@ def test_last_chunk_forwards_after_the_first_least_over_the_ranks_holding_it():
     assert last_chunk_forwards(odd) == approx([3.0])
     nameless = [ev(0, "compute", t, t + 1.0, 1, op="F", chunk=None) for t in (0.0, 1.0, 2.0)]
     assert last_chunk_forwards([nameless]) == []  # no forward names its chunk
+
+
+@pytest.mark.parametrize("name,v", [("fold-zb", 2), ("zbv", 2), ("1f1b", 1)])
+def test_last_chunk_forwards_of_a_simulated_step(name, v):
+    """On the simulator's events (the same format as a run's): M - 1 forwards of the last chunk, wherever it sits
+    (zbv: rank 0)."""
+    _, _, evs, _ = _summary(name, 2, v, 4, t_f=1.5, dp_sync="per-chunk")
+    assert last_chunk_forwards(evs) == approx([3 * 1.5e-3])

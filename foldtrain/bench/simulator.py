@@ -369,7 +369,9 @@ def intro_lines(repeats: int, cores: int, load: tuple, minutes: int) -> list[str
         f"Conditions: {cores} CPU cores (load average {load[0]:.1f} at the start, "
         f"{load[1]:.1f} at the end of the runs); "
         "calibration and runs were made in the same invocation, minutes apart, "
-        "so both see similar contention, but contention changes from run to run.",
+        "so both see similar contention, but contention changes from run to run. The machine's own speed changes "
+        "too, by up to twice in minutes on a shared VM ([benchmarks](benchmarks.md#pipeline-schedules-and-fold)): "
+        "compare a prediction only with runs of the calibration's minutes.",
         "",
     ]
 

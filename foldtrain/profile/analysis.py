@@ -251,6 +251,8 @@ def last_chunk_forwards(events_by_rank: Any) -> list[float]:
         return []
     out = []
     for step, _, _ in step_windows(ranks):
+        if step is None:  # no steps in the trace: no window (not one over the whole recording)
+            continue
         sums = []
         for evs in forwards:
             mine = sorted(
@@ -258,7 +260,7 @@ def last_chunk_forwards(events_by_rank: Any) -> list[float]:
             )
             if len(mine) >= 2:
                 sums.append(sum(e["end"] - e["start"] for e in mine[1:]))
-        if step is not None and sums:
+        if sums:
             out.append(min(sums))
     return out
 

@@ -90,9 +90,13 @@ def read_chrome_trace(path: str | os.PathLike) -> list[list[dict[str, Any]]]:
     """Per-rank events back from a file :func:`write_chrome_trace` wrote (``timeline.json``), in seconds from the
     trace's first event: what :mod:`.analysis` reads."""
     with open(path) as f:
-        records = json.load(f)["traceEvents"]
+        return _trace_events(json.load(f))
+
+
+def _trace_events(trace: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """:func:`read_chrome_trace` of a trace already parsed."""
     flat = []
-    for rec in records:
+    for rec in trace["traceEvents"]:
         if rec.get("ph") not in ("X", "i"):
             continue
         args = dict(rec.get("args") or {})
@@ -435,7 +439,7 @@ def load_events(*paths: str | os.PathLike) -> list[list[dict[str, Any]]]:
         elif isinstance(d, dict) and "events" in d:
             flat += [dict(ev, rank=d["rank"]) for ev in d["events"]]
         elif isinstance(d, dict) and "traceEvents" in d:
-            flat += [ev for evs in read_chrome_trace(p) for ev in evs]
+            flat += [ev for evs in _trace_events(d) for ev in evs]
         elif isinstance(d, dict):
             raise ValueError(
                 f"{p}: not an events file (want the output of save_events, Timeline.to_json or a --profile run's "

@@ -43,3 +43,51 @@ def test_causal():
     b = a.clone()
     b[0, 8:] = (b[0, 8:] + 1) % 50  # changing the future must not change the past
     torch.testing.assert_close(model(a)[:, :8], model(b)[:, :8])
+
+
+def _stock_embeddings(model):
+    """``model`` with its embeddings' stock ``nn.Embedding`` backward (a dense table a micro-batch)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding):
+            m.forward = torch.nn.Embedding.forward.__get__(m)
+    return model
+
+
+def test_row_embedding_gradient_is_the_stock_one():
+    """The row lookup's gradient, accumulated over micro-batches into the tied weight (the head's dense part
+    and the rows of repeated tokens too), is nn.Embedding's; ``.grad`` stays one dense tensor and the
+    post-accumulate hooks data-parallel strategies wait on fire once a micro-batch."""
+    torch.manual_seed(0)
+    ours = GPT(GPTShape(2, 2, 16, 32, 50))
+    stock = _stock_embeddings(GPT(GPTShape(2, 2, 16, 32, 50)))
+    stock.load_state_dict(ours.state_dict())
+    batches = [torch.randint(0, 50, (2, 9)) for _ in range(3)]
+    batches[1][0, :4] = 7  # one token read four times
+    wte = ours.embedding.wte.weight
+    fired = []
+    wte.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.layout))
+    grads = []
+    for model in (ours, stock):
+        for b in batches:
+            model(b[:, :-1], b[:, 1:]).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert fired == [torch.strided] * len(batches)
+    for name, g in grads[0].items():
+        assert g.layout == torch.strided
+        torch.testing.assert_close(g, grads[1][name], rtol=1e-6, atol=1e-7)
+    assert type(ours.embedding.wte.weight.grad) is torch.Tensor and not ours.embedding.wte.weight.grad.is_sparse
+
+
+def test_row_embedding_adds_rows_only_once_grad_exists():
+    """After the first micro-batch the weight's gradient is the looked-up rows (what makes the backward cheap),
+    before it a dense tensor (``.grad`` must be dense for the optimizer, clipping and reductions)."""
+    emb = GPT(GPTShape(1, 2, 16, 32, 50)).embedding.wte
+    seen = []
+    emb.weight.register_hook(lambda g: seen.append(g.layout))
+    idx = torch.tensor([[3, 4, 3]])
+    emb(idx).sum().backward()
+    emb(idx).sum().backward()
+    assert seen == [torch.strided, torch.sparse_coo]
+    expected = torch.zeros(50, 16)
+    expected[3], expected[4] = 4.0, 2.0
+    torch.testing.assert_close(emb.weight.grad, expected)

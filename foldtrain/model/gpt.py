@@ -60,6 +60,9 @@ class _RowsLookup(torch.autograd.Function):
         rows = grad.reshape(-1, w.shape[1])
         if w.grad is None or w.grad.layout != torch.strided:  # this gradient becomes .grad: it must be dense
             return None, grad.new_zeros(w.shape).index_add_(0, idx.reshape(-1), rows)
+        if not torch.sparse.check_sparse_tensor_invariants.is_enabled():
+            # the default made explicit: torch 2.11 warns at a process's first sparse tensor otherwise
+            torch.sparse.check_sparse_tensor_invariants.disable()
         return None, torch.sparse_coo_tensor(idx.reshape(1, -1), rows, w.shape, check_invariants=False)
 
 

@@ -71,7 +71,7 @@ class RowEmbedding(nn.Embedding):
 
     The stock backward builds a dense (rows, d) gradient for every micro-batch and autograd then adds it to
     ``.grad``: three passes over the whole table for the few rows a micro-batch reads. On a CPU that is
-    most of the embedding segment's backward (about 8 ms a micro-batch for 8,192 x 256 rows on a few GB/s),
+    most of the embedding segment's backward (3-6 ms a micro-batch for 8,192 x 256 rows on a few GB/s),
     on the critical path of every pipeline schedule, where the table's segment runs the step's last backward.
     Accelerators keep the stock backward: the pass costs them little, and their sparse addition is atomic
     adds (a run-to-run varying sum). A weight that is not a plain tensor (tensor parallelism's DTensor)

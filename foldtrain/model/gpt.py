@@ -45,7 +45,8 @@ class GPTShape:
 
 class _RowsLookup(torch.autograd.Function):
     """``F.embedding`` whose weight gradient, once the weight's ``.grad`` exists, is the looked-up rows: a sparse
-    tensor that autograd's accumulation adds into the dense ``.grad`` in place, row by row."""
+    tensor that autograd's accumulation adds into the dense ``.grad`` in place, row by row. (So
+    ``torch.autograd.grad`` asked for the weight then returns that sparse tensor: nothing in foldtrain asks.)"""
 
     @staticmethod
     def forward(ctx, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -66,6 +67,9 @@ class _RowsLookup(torch.autograd.Function):
         return None, torch.sparse_coo_tensor(idx.reshape(1, -1), rows, w.shape, check_invariants=False)
 
 
+_WIDE = (torch.float32, torch.float64)  # weights whose gradient the row backward adds to row by row
+
+
 class RowEmbedding(nn.Embedding):
     """``nn.Embedding`` whose backward adds only the rows it looked up to an existing gradient, on the CPU.
 
@@ -74,12 +78,14 @@ class RowEmbedding(nn.Embedding):
     most of the embedding segment's backward (3-6 ms a micro-batch for 8,192 x 256 rows on a few GB/s),
     on the critical path of every pipeline schedule, where the table's segment runs the step's last backward.
     Accelerators keep the stock backward: the pass costs them little, and their sparse addition is atomic
-    adds (a run-to-run varying sum). A weight that is not a plain tensor (tensor parallelism's DTensor)
-    keeps it too. The gradient is the same sum in another order (fp32 rounding apart)."""
+    adds (a run-to-run varying sum). So do a weight that is not a plain tensor (tensor parallelism's DTensor)
+    and half-precision weights (``--precision bf16-master``): adding each token's row to a large ``.grad``
+    one at a time would round most of it away in bf16, where the stock backward sums a micro-batch's rows
+    first. The gradient is the same sum in another order (fp32 rounding apart)."""
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if type(w) is nn.Parameter and w.device.type == "cpu" and not self._options():
+        if type(w) is nn.Parameter and w.device.type == "cpu" and w.dtype in _WIDE and not self._options():
             return _RowsLookup.apply(idx, w)
         return super().forward(idx)
 

@@ -91,3 +91,34 @@ def test_row_embedding_adds_rows_only_once_grad_exists():
     expected = torch.zeros(50, 16)
     expected[3], expected[4] = 4.0, 2.0
     torch.testing.assert_close(emb.weight.grad, expected)
+
+
+def test_row_embedding_untied_rows_carry_their_own_gradients():
+    """An untied embedding (a pipeline's segment 0) over micro-batches of repeated tokens and random incoming
+    gradients: the rows added to ``.grad`` are the stock backward's, row for row."""
+    torch.manual_seed(1)
+    ours = GPT(GPTShape(1, 2, 16, 32, 50)).embedding
+    stock = _stock_embeddings(GPT(GPTShape(1, 2, 16, 32, 50)).embedding)
+    stock.load_state_dict(ours.state_dict())
+    for _ in range(4):
+        idx = torch.randint(0, 12, (3, 8))  # few rows, each read several times
+        g = torch.randn(3, 8, 16)
+        ours(idx).backward(g)
+        stock(idx).backward(g)
+    for a, b in zip(ours.parameters(), stock.parameters()):
+        assert a.grad.layout == torch.strided
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_half_precision_weights_keep_the_stock_backward():
+    """bf16 weights (``bf16-master``) sum a micro-batch's rows before adding them to ``.grad``: added one token at a
+    time to a large bf16 gradient most of each would round away."""
+    emb = GPT(GPTShape(1, 2, 16, 32, 50)).embedding.wte.to(torch.bfloat16)
+    seen = []
+    emb.weight.register_hook(lambda g: seen.append(g.layout))
+    idx = torch.full((1, 300), 3)
+    for _ in range(8):
+        emb(idx).backward(torch.full((1, 300, 16), 1e-3, dtype=torch.bfloat16))
+    assert seen == [torch.strided] * 8
+    # 8 x 300 x 1e-3 = 2.4: the stock backward's bf16 sums make 2.72, one row at a time would make 0.5
+    assert abs(emb.weight.grad[3, 0].item() - 2.4) < 0.4

@@ -58,12 +58,12 @@ class _RowsLookup(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (idx,) = ctx.saved_tensors
         w = ctx.weight
-        rows = grad.reshape(-1, w.shape[1])
-        if w.grad is None or w.grad.layout != torch.strided:  # this gradient becomes .grad: it must be dense
-            return None, grad.new_zeros(w.shape).index_add_(0, idx.reshape(-1), rows)
+        if w.grad is None or w.grad.layout != torch.strided:  # this gradient becomes .grad: torch's dense one
+            return None, torch.ops.aten.embedding_dense_backward(grad, idx, w.shape[0], -1, False)
         if not torch.sparse.check_sparse_tensor_invariants.is_enabled():
             # the default made explicit: torch 2.11 warns at a process's first sparse tensor otherwise
             torch.sparse.check_sparse_tensor_invariants.disable()
+        rows = grad.reshape(-1, w.shape[1])
         return None, torch.sparse_coo_tensor(idx.reshape(1, -1), rows, w.shape, check_invariants=False)
 
 

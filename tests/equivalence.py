@@ -125,12 +125,8 @@ def make_cfg(c: dict, steps: int = STEPS, out: str = "", **over):
         "train.micro_batch": MICRO,
         "optim.lr": 1e-2,
         "optim.min_lr": 1e-3,
-        # AdamW divides each entry's moment by its own root mean square: an entry whose gradient sums terms that
-        # nearly cancel turns the rounding of the sum's order (tensor parallelism's partial sums, the CPU's vector
-        # width) into a step of the learning rate's size. eps 1e-8 let one LayerNorm bias entry put its tensor at
-        # 1.3e-5 from the single process at dp 2 x pp 2 x tp 2 on an AVX2 CPU, the same under every schedule, where
-        # other machines' CPUs stayed below 1e-5; 1e-4 bounds that gain (4e-7 to 7e-7 there) and leaves every larger
-        # gradient normalised.
+        # AdamW normalises each entry by its own root mean square: at eps 1e-8 an entry whose gradient nearly
+        # cancels turns a different summation order's rounding into a learning-rate-sized step (docs/testing.md)
         "optim.eps": 1e-4,
         "optim.warmup_steps": 2,
         "optim.grad_clip": clip,

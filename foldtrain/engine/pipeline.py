@@ -156,9 +156,10 @@ class PipelineEngine:
         topo, timeout = self.topo, self.cfg.dp.timeout_s
         reducers = {}
         local_tie = LocalTie(topo, p2p.wait_collective, self.wire) if len(self.tied) == 2 else None  # zbv: both ends
+        fsdp_tie = fsdp.LocalShardTie() if len(self.tied) == 2 else None
         for s, c in self.chunks.items():
             if self.fsdp:
-                reducers[s] = fsdp.FSDPChunkReducer(s, c, self.tied.get(s), topo, p2p.wait_collective)
+                reducers[s] = fsdp.FSDPChunkReducer(s, c, self.tied.get(s), topo, p2p.wait_collective, fsdp_tie)
                 continue
             reducers[s] = ChunkReducer(
                 s, list(c.parameters()), self.tied.get(s), topo, timeout, p2p.cpu_timeout, queue, local_tie, self.wire
@@ -216,6 +217,7 @@ class PipelineEngine:
             timeline=self.timeline,
             sync=compute_sync(self.cfg.profile, self.device),
             rank_of=self.pipeline_schedule.rank_of,
+            gather_for_backward=fsdp.unshard if self.fsdp else None,
         )
 
     @property

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from foldtrain.errors import ConfigError
-from foldtrain.schedules.actions import Op, Schedule
+from foldtrain.schedules.actions import Schedule
 from foldtrain.schedules.generators import build_schedule, placement_of
 from foldtrain.schedules.rules import StepPolicy, splits_tied_state
 
@@ -207,10 +207,9 @@ def tied_halves(cfg, policy: StepPolicy) -> bool:
     )
 
 
-def check_fsdp(cfg, schedule) -> None:
+def check_fsdp(cfg) -> None:
     """What ``--dp.strategy fsdp`` (every chunk fully sharded over dp) cannot be combined with in the 3D engine:
     one ConfigError line each, naming the problem and the fix."""
-    p = cfg.parallel
     if cfg.fold.defer_reduce:
         raise ConfigError(
             "--fold.defer_reduce cannot be combined with --dp.strategy fsdp: FSDP reduce-scatters each chunk's "
@@ -221,12 +220,6 @@ def check_fsdp(cfg, schedule) -> None:
         raise ConfigError(
             "--optim.distributed cannot be combined with --dp.strategy fsdp: FSDP already shards the optimizer "
             "state (with the parameters and gradients) over --parallel.dp; drop --optim.distributed"
-        )
-    if any(a.op is Op.BACKWARD_INPUT for a in schedule.ranks[0]):
-        raise ConfigError(
-            f"--parallel.schedule {p.schedule} cannot be combined with --dp.strategy fsdp: its split backward "
-            f"computes the weights' gradients (W) apart from FSDP's backward hooks, after the chunk's parameters may "
-            f"be resharded; use gpipe, 1f1b, interleaved-1f1b or fold, or --dp.strategy none"
         )
 
 
@@ -261,7 +254,7 @@ def validate_layout(cfg, world_size: int) -> Layout:
 
     schedule = build_schedule(p.schedule, pp, v, n_micro, p.dp_sync, cfg.fold.defer_reduce, distributed_optimizer(cfg))
     if cfg.dp.strategy == "fsdp":
-        check_fsdp(cfg, schedule)
+        check_fsdp(cfg)
     check_tp(m.n_head, m.d_model, None, tp)  # the vocabulary is padded to a multiple of tp
     layers = chunk_layers(m.n_layer, pp * v, p.layers_per_chunk or None)
     if cfg.fold.defer_reduce:

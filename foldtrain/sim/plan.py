@@ -8,7 +8,7 @@ V = 2), ``dp_sync``, fold's
 deferral (when the base config allows it: no clipping, no fp16), recomputation, the 3D engine's
 distributed optimizer where dp > 1 (always, when the base config sets ``--optim.distributed``; with a pipeline
 with and without ``--optim.shard_tied``, only with it when the base config sets it), FSDP over dp
-with pp or tp (``--dp.strategy fsdp``; not with a split backward or deferral), and, where there
+with pp or tp (``--dp.strategy fsdp``; not with deferral), and, where there
 is neither pipeline nor tensor parallelism, the data-parallel strategies (allreduce, ddp,
 sharded-ps). Every candidate is first estimated in closed form (per-rank compute, the
 ``(V M + P - 1)`` pipeline, exposed reduction) with its activation memory; those that fit are
@@ -132,14 +132,14 @@ def _variants(base, gpus: int, cluster: Cluster):
 def _reductions(base, layout: dict, defer: bool):
     """The 3D engine's data-parallel reductions for one layout: its all-reduce, the distributed optimizer
     (where dp > 1; only it when the base config sets ``--optim.distributed``) and FSDP (dp > 1 with a pipeline
-    or tensor parallelism, on a schedule without a split backward, without deferral: ``check_fsdp``)."""
+    or tensor parallelism, without deferral: ``check_fsdp``)."""
     dp = layout["dp"]
     for dist in (True,) if base.optim.distributed else (False, True)[: 1 + (dp > 1)]:
         # the tied copies' state sliced too: only where the pipeline splits the tie (else the same run)
         ties = ((True,) if base.optim.shard_tied else (False, True)) if dist and layout["pp"] > 1 else (False,)
         for tied in ties:
             yield dict(layout, strategy="none", defer=defer, dist=dist, tied=tied)
-    fsdp_ok = dp > 1 and layout["pp"] * layout["tp"] > 1 and layout["schedule"] not in SPLIT_BACKWARD
+    fsdp_ok = dp > 1 and layout["pp"] * layout["tp"] > 1
     if fsdp_ok and not defer and not base.optim.distributed:
         yield dict(layout, strategy="fsdp", defer=False, dist=False)
 

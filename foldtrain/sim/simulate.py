@@ -51,7 +51,7 @@ from .dataparallel import simulate_dataparallel
 from .events import Sim, run_schedule
 from .fsdp import simulate_fsdp
 from .memory import GB, format_breakdown, rank_memory
-from .pipeline_fsdp import REDUCE_BYTES, gathering_actions, on_thread, roots_gathered, units
+from .pipeline_fsdp import REDUCE_BYTES, gathering_actions, on_thread, prefetched, roots_gathered, units
 from .setup import Setup, resolve_setup
 
 
@@ -115,7 +115,7 @@ class RunCosts:
 
     def compute(self, p: int, a) -> float:
         t = self._compute[a.op](a.chunk)
-        if self.fsdp and not on_thread(self.c) and (a.op, a.chunk, a.mb) in self._gathers[p]:
+        if self.fsdp and not on_thread(self.c) and prefetched(a) and (a.op, a.chunk, a.mb) in self._gathers[p]:
             # FSDP2 prefetches the next unit while one computes: the pass lasts as long as the longer of the two
             block = self.all_gather(p, self.block_bytes(), self.slower("ag"))
             t = max(t, (self.s.layers[a.chunk] - 1) * self._seconds(block))
@@ -147,7 +147,8 @@ class RunCosts:
     def unshard(self, p: int, a) -> list | None:
         """FSDP's all-gathers that compute action ``a`` waits for: its chunk's root at its first forward, the
         blocks where :func:`.pipeline_fsdp.gathering_actions` says they are sharded (on a GPU only the first
-        block's: the rest are prefetched, :meth:`compute`); ``None`` without fsdp."""
+        block's: the rest are prefetched, :meth:`compute`; a split backward's ``I`` gathers them all first);
+        ``None`` without fsdp."""
         if not self.fsdp:
             return None
         out: list = []
@@ -155,7 +156,9 @@ class RunCosts:
         if a.op is Op.FORWARD and root > 0 and (a.chunk, a.mb) in self._roots[p]:
             out += self.all_gather(p, root * self.s.weight_bytes, k)
         if (a.op, a.chunk, a.mb) in self._gathers[p]:
-            blocks = self.s.layers[a.chunk] if on_thread(self.c) else min(1, self.s.layers[a.chunk])
+            blocks = (
+                self.s.layers[a.chunk] if on_thread(self.c) or not prefetched(a) else min(1, self.s.layers[a.chunk])
+            )
             for _ in range(blocks):
                 out += self.all_gather(p, self.block_bytes(), k)
         return out or None

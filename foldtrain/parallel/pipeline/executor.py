@@ -171,6 +171,7 @@ class Executor:
         timeline,
         sync: Callable[[], None] | None = None,
         rank_of: Callable[[int], int] | None = None,  # segment -> pipeline rank (the schedules' placement)
+        gather_for_backward: Callable | None = None,  # a sharded chunk's gather before an I (fsdp.unshard)
     ):
         self.chunks = chunks
         self.n_seg = n_segments
@@ -189,6 +190,7 @@ class Executor:
         self.tl = timeline
         self.sync = sync or (lambda: None)
         self.rank_of = rank_of or (lambda s: stage_rank(s, self.pp))
+        self.gather_for_backward = gather_for_backward
         self.awaiting_step: set[int] = set()  # chunks whose reduction was launched, not yet stepped
         self._rules: tuple[Schedule, RankRules] | None = None
         self._splits: dict = {}  # segment -> its split backward (zero-bubble schedules)
@@ -334,7 +336,7 @@ class Executor:
         if s not in self._splits:
             chunk = self.chunks[s]
             recomputed = any(getattr(m, "_foldtrain_ac", False) for m in chunk.modules())
-            self._splits[s] = split_backward.split_for(chunk, recomputed)
+            self._splits[s] = split_backward.split_for(chunk, recomputed, self.gather_for_backward)
         return self._splits[s]
 
     def _backward_input(self, it: Iteration, a: Action, rule: Rule) -> None:

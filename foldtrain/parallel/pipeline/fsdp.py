@@ -16,7 +16,13 @@ the sharded gradients on the parameters. The engine's own data-parallel all-redu
 (:class:`~foldtrain.parallel.pipeline.reducer.ChunkReducer`) is not used: :class:`FSDPChunkReducer` stands in
 for it. Where the pipeline splits the tied embedding, the two ends' copies are sharded alike (same mesh,
 same placements), so their local gradient shards cover the same rows: one all-reduce of the shard over the
-tie group sums them.
+tie group sums them, or, where one rank holds both ends (zbv's V placement), one addition
+(:class:`LocalShardTie`).
+
+The zero-bubble schedules' split backward (:mod:`.split_backward`) takes a chunk's gathered weights at each
+``I``: :func:`unshard` gathers them first (FSDP's pre-backward would, but only inside the autograd call, after
+the ``I`` has read the parameters), and they stay gathered until the ``LR`` (no reshard after a backward), so
+the ``W`` accumulates into the same gathered weights' gradients that the ``LR`` reduce-scatters.
 
 The iteration's gradient norm is :func:`norm_sq` summed over every rank: each element of a sharded gradient
 once, a part replicated over tensor-parallel ranks weighted by ``1/tp``.
@@ -53,6 +59,16 @@ def shard_chunk(chunk: nn.Module, dp_mesh, reshard_after_forward: bool, precisio
     fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
     fit_fsdp_to_gloo([*blocks, chunk], dp_mesh.get_group())
     register_fsdp_forward_method(chunk, "body")
+
+
+def unshard(chunk: nn.Module) -> None:
+    """Gather every group of ``chunk`` that is sharded (a no-op for one already gathered): before a split
+    backward's ``I`` reads the chunk's parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in chunk.modules():
+        if isinstance(m, FSDPModule):
+            m.unshard()
 
 
 def reshard(chunk: nn.Module) -> None:
@@ -103,14 +119,16 @@ class FSDPChunkReducer:
 
     tie = None  # no row exchange (tie.py): the tied copy's shard is summed whole
 
-    def __init__(self, segment: int, chunk: nn.Module, tied, topo, wait):
+    def __init__(self, segment: int, chunk: nn.Module, tied, topo, wait, local_tie: LocalShardTie | None = None):
         """``tied``: the tied embedding's copy this chunk holds where the pipeline splits the tie, or None;
-        ``wait(work, what)``: a wait bounded by ``--dp.timeout_s``."""
+        ``wait(work, what)``: a wait bounded by ``--dp.timeout_s``; ``local_tie``: where this rank holds both
+        copies (zbv), what sums them."""
         self.segment = segment
         self.chunk = chunk
         self.tied = tied
         self.topo = topo
         self.wait_fn = wait
+        self.local_tie = local_tie
         self.tie_work = None
         self.pending = False
 
@@ -138,7 +156,10 @@ class FSDPChunkReducer:
             if self.tied.grad is None:
                 self.tied.grad = torch.zeros_like(self.tied)
             shard = local_part(self.tied.grad)
-            self.tie_work = collectives.all_reduce(shard, group=self.topo.tie_group, async_op=True)
+            if self.local_tie is not None:
+                self.local_tie.add(shard)
+            else:
+                self.tie_work = collectives.all_reduce(shard, group=self.topo.tie_group, async_op=True)
         self.pending = True
 
     def wait(self) -> None:
@@ -159,3 +180,20 @@ class FSDPChunkReducer:
 
     def reset(self) -> None:
         self.wait()
+
+
+class LocalShardTie:
+    """Both copies of the tied embedding on one rank (zbv's V placement): each chunk's ``LR`` hands over its
+    copy's reduced local shard; the second sums the two into both, as the tie group's all-reduce does where
+    the copies are on two ranks. Both ``LR`` come before either chunk's ``WR`` (no fsdp chunk is deferred)."""
+
+    def __init__(self):
+        self.first: torch.Tensor | None = None
+
+    def add(self, shard: torch.Tensor) -> None:
+        if self.first is None:
+            self.first = shard
+            return
+        shard.add_(self.first)
+        self.first.copy_(shard)
+        self.first = None

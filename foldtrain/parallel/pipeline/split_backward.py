@@ -12,11 +12,16 @@ would otherwise idle. The activations and the graph live until the ``W``. Two wa
   only a linear weight's gradient needs; the ``W`` multiplies them out, ``dW = dy^T x``, accumulated into
   ``.grad`` by the product itself where the dtypes allow (one kernel, no temporary), else in the
   product's own dtype (autocast's bf16 / fp16) as autograd would.
-* :class:`GraphSplit` (any chunk: DTensor weights under tensor parallelism, recomputed activations):
-  torch pipelining's own ``stage_backward_input`` / ``stage_backward_weight``, which find, per group of
-  weights, the graph nodes where their branches join the input's path, keep the gradients flowing into
-  them in the ``I`` and run autograd from there in the ``W``: general, but one autograd call per group
-  (6 a block), which costs a CPU as much as a third of a small block's backward.
+* :class:`GraphSplit` (any chunk: DTensor weights under tensor parallelism, recomputed activations, FSDP's
+  sharded chunks): torch pipelining's own ``stage_backward_input`` / ``stage_backward_weight``, which find,
+  per group of weights, the graph nodes where their branches join the input's path, keep the gradients
+  flowing into them in the ``I`` and run autograd from there in the ``W``: general, but one autograd call
+  per group (6 a block), which costs a CPU as much as a third of a small block's backward. The weights are
+  the ones the forward used, taken at the ``I``: under FSDP (``--dp.strategy fsdp``) a chunk's parameters
+  are its sharded DTensors between passes, and the gathered ones only while gathered, so the ``I`` gathers
+  them first (``prepare``), as FSDP's own pre-backward would, and the ``W`` uses the list the ``I`` took
+  (a forward between the two may have resharded them; the gradients accumulate on the gathered ones, which
+  FSDP reduce-scatters at the chunk's ``LR``).
 
 A segment whose input is token ids (segment 0) has no input gradient: its ``I`` does nothing and its
 ``W`` is the whole backward, as torch pipelining runs its first stage.
@@ -37,6 +42,7 @@ class WeightWork:
 
     linears: list = field(default_factory=list)  # LinearSplit: (module, input, output's gradient)
     param_groups: list | None = None  # GraphSplit: torch pipelining's saved gradients per group of weights
+    weights: list | None = None  # GraphSplit: the parameters those groups' gradients go to, as the I found them
     outputs: list | None = None  # segment 0: the outputs and their gradients for the whole backward
     grads: list | None = None
 
@@ -103,29 +109,35 @@ class LinearSplit:
 class GraphSplit:
     """The split backward of any chunk, with torch pipelining's graph analysis (module docstring)."""
 
-    def __init__(self, chunk: nn.Module):
+    def __init__(self, chunk: nn.Module, prepare=None):
+        """``prepare(chunk)``: run before an ``I`` reads the chunk's parameters (FSDP's gather)."""
         # torch pipelining's private helpers, imported where they are used: only this fallback needs them
         from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
         self.chunk = chunk
+        self.prepare = prepare
         self._input, self._weight = stage_backward_input, stage_backward_weight
 
     def forward(self, run, *args):
         return run(*args), None
 
     def backward_input(self, outputs, grads, inp: torch.Tensor, notes) -> WeightWork:
-        _dinputs, groups = self._input(outputs, grads, [inp], list(self.chunk.parameters()))
-        return WeightWork(param_groups=groups)
+        if self.prepare is not None:
+            self.prepare(self.chunk)
+        weights = list(self.chunk.parameters())
+        _dinputs, groups = self._input(outputs, grads, [inp], weights)
+        return WeightWork(param_groups=groups, weights=weights)
 
     def backward_weight(self, work: WeightWork) -> None:
-        self._weight(list(self.chunk.parameters()), work.param_groups)
+        self._weight(work.weights, work.param_groups)
 
 
-def split_for(chunk: nn.Module, recomputed: bool) -> LinearSplit | GraphSplit:
+def split_for(chunk: nn.Module, recomputed: bool, prepare=None) -> LinearSplit | GraphSplit:
     """The split of ``chunk``: by its linear layers when its weights are plain tensors and its activations
-    are kept (recomputation would note the recomputed products' tensors instead), else torch's."""
+    are kept (recomputation would note the recomputed products' tensors instead), else torch's.
+    ``prepare``: :class:`GraphSplit`'s (a sharded chunk's weights are DTensors: always torch's split)."""
     plain = not any(hasattr(p, "placements") for p in chunk.parameters())
-    return LinearSplit(chunk) if plain and not recomputed else GraphSplit(chunk)
+    return LinearSplit(chunk) if plain and not recomputed else GraphSplit(chunk, prepare)
 
 
 def backward_input(split, outputs, grads, inp: torch.Tensor, notes) -> WeightWork:

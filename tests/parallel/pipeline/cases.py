@@ -91,12 +91,14 @@ FSDP_DP_PP = [
     # no pipeline: FSDP over tensor-parallel DTensors (torchtitan's 2D), the tied embedding one parameter
     _one((2, 1, 2, 1), "gpipe", "per-chunk", "fsdp-2d", n_layer=2, m=2, **FSDP),
     # the split backward: each I gathers its chunk's weights first (resharded after a forward or kept), the W
-    # accumulates on them; zbv's two tied copies, both on rank 0, summed there; bf16 weights, fp32 gradients
+    # accumulates on them; zbv's two tied copies, both on rank 0, summed there; bf16 weights, fp32 gradients;
+    # recomputation
     _one((2, 2, 1, 1), "zb-h1", "per-chunk", "fsdp", **FSDP),
     _one((2, 2, 1, 2), "interleaved-zb", "after-flush", "fsdp-keep", reshard=False, **FSDP),
     _one((2, 2, 1, 2), "fold-zb", "per-chunk", "fsdp", **FSDP),
     _one((2, 2, 1, 2), "zbv", "per-chunk", "fsdp", **FSDP),
     _one((2, 2, 1, 2), "zbv", "per-chunk", "fsdp-bf16m", precision="bf16-master", **FSDP),
+    _one((2, 2, 1, 2), "fold-zb", "per-chunk", "fsdp-ac", ac="full", **FSDP),  # recomputed inside the I
 ]
 # with tensor parallelism: 2D (dp, tp) DTensors; the norm over shards of both really clips (every step)
 FSDP_DP_PP_TP = [

@@ -22,6 +22,7 @@ from .actions import (
     format_schedule,
     local_chunk,
     message_key,
+    runs_backward,
     stage_rank,
 )
 from .generators import (
@@ -74,6 +75,7 @@ __all__ = [
     "insert_reductions",
     "local_chunk",
     "message_key",
+    "runs_backward",
     "placement_of",
     "rank_rules",
     "schedule_rules",

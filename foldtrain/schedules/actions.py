@@ -75,6 +75,17 @@ COMM_OPS = SEND_OPS | RECV_OPS
 REDUCE_OPS = frozenset({Op.LAUNCH_REDUCE, Op.WAIT_REDUCE, Op.OPTIM_STEP})
 
 
+def runs_backward(op: Op, segment: int) -> bool:
+    """Whether ``op`` on ``segment`` is the autograd pass through the segment's blocks: a ``B``; of a split
+    backward the ``I``, but segment 0's ``W``: its input is the token ids, which take no gradient, so its ``I``
+    computes nothing and its ``W`` is its whole backward (as torch pipelining runs its first stage)."""
+    if op is Op.BACKWARD_INPUT:
+        return segment > 0
+    if op is Op.BACKWARD_WEIGHT:
+        return segment == 0
+    return op is Op.BACKWARD
+
+
 @dataclass(frozen=True)
 class Action:
     op: Op

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from foldtrain.schedules import chunks_of_rank, placement_of, stage_rank
+from foldtrain.schedules import Op, chunks_of_rank, placement_of, runs_backward, stage_rank
 
 from . import ops
 from .cluster import KIND_BANDWIDTH, Cluster
@@ -348,17 +348,16 @@ class CostModel:
 
     def backward_weight(self, seg: int) -> float:
         """A split backward's ``W`` of segment ``seg``: its blocks' weight-gradient products and reductions
-        (:attr:`w_share` of the split backward, :attr:`split_ratio` of the whole one). Segment 0's input is the
-        token ids, which need no gradient, so its ``I`` computes nothing and its ``W`` is its whole backward (as
-        torch pipelining runs the first stage)."""
-        if seg == 0:
+        (:attr:`w_share` of the split backward, :attr:`split_ratio` of the whole one); segment 0's whole backward
+        (``runs_backward``)."""
+        if runs_backward(Op.BACKWARD_WEIGHT, seg):
             return self.backward(seg)
         return self.s.layers[seg] * self.t_block_b * self.split_ratio * self.w_share
 
     def backward_input(self, seg: int) -> float:
         """A split backward's ``I``: the rest of the backward (the input's gradient, the tensor-parallel
         all-reduces, any recomputation); nothing for segment 0 (:meth:`backward_weight`)."""
-        if seg == 0:
+        if not runs_backward(Op.BACKWARD_INPUT, seg):
             return 0.0
         blocks = self.s.layers[seg] * self.t_block_b
         return self.backward(seg) + blocks * (self.split_ratio - 1.0) - self.backward_weight(seg)

@@ -14,7 +14,7 @@ tied copy) another, its *root*. Every rank keeps 1/dp of each parameter, gradien
   compute; on a GPU FSDP2 prefetches the next unit while one computes, so only the first unit's all-gather
   waits and the pass takes the longer of its compute and the other units' all-gathers. A split backward
   (the zero-bubble schedules) gathers at its ``I`` (segment 0, without an input gradient, at its ``W``, which is
-  its whole backward: :func:`backward_pass`), every block at once before the compute (the engine gathers them
+  its whole backward: ``runs_backward``), every block at once before the compute (the engine gathers them
   itself, so that the ``I`` reads the gathered weights: :func:`prefetched`); its other ``W`` gather nothing.
 * **Reduce-scatters**: the backwards only accumulate unsharded fp32 gradients (``reduce_dtype``); the chunk's
   ``LR`` reduce-scatters every unit's and waits for them (the root's final callback): the rank blocks there.
@@ -34,7 +34,7 @@ less its weights.
 
 from __future__ import annotations
 
-from foldtrain.schedules import WEIGHT_OPS, Op, Schedule
+from foldtrain.schedules import WEIGHT_OPS, Op, Schedule, runs_backward
 
 from .cluster import Cluster
 from .costs import block_params, segment_params
@@ -57,16 +57,6 @@ def units(s: Setup, seg: int) -> tuple[float, float]:
     return blocks, segment_params(s, seg) - blocks
 
 
-def backward_pass(a) -> bool:
-    """Whether action ``a`` runs a backward through its chunk's blocks with their weights gathered: a ``B``; of a
-    split backward the ``I``, but segment 0's ``W`` (its ``I`` has no input gradient to compute)."""
-    if a.op is Op.BACKWARD_INPUT:
-        return a.chunk > 0
-    if a.op is Op.BACKWARD_WEIGHT:
-        return a.chunk == 0
-    return a.op is Op.BACKWARD
-
-
 def prefetched(a) -> bool:
     """Whether FSDP's own hooks gather action ``a``'s blocks, prefetching the next while one computes on a GPU: a
     forward or a whole backward; an ``I`` gathers every block first (``foldtrain/parallel/pipeline/fsdp.py``)."""
@@ -74,13 +64,13 @@ def prefetched(a) -> bool:
 
 
 def gathering_actions(sched: Schedule, p: int, reshard_after_forward: bool) -> set[tuple[Op, int, int]]:
-    """``(op, chunk, micro-batch)`` of the forwards and backward passes (:func:`backward_pass`) of rank ``p`` that
+    """``(op, chunk, micro-batch)`` of the forwards and backward passes (``runs_backward``) of rank ``p`` that
     find their chunk's blocks sharded, so FSDP all-gathers them first (the module docstring's rule); every ``LR``
     reshards its chunk."""
     gathered: dict[int, bool] = {}
     out = set()
     for a in sched.ranks[p]:
-        if a.op is Op.FORWARD or backward_pass(a):
+        if a.op is Op.FORWARD or runs_backward(a.op, a.chunk):
             if not gathered.get(a.chunk):
                 out.add((a.op, a.chunk, a.mb))
             gathered[a.chunk] = a.op is not Op.FORWARD or not reshard_after_forward
@@ -140,12 +130,12 @@ def peak_buffers(
         if a.op is Op.FORWARD:
             first_f.add(c)
             live += act[c]
-        if (a.op is Op.FORWARD or backward_pass(a)) and s.layers[c]:
+        if (a.op is Op.FORWARD or runs_backward(a.op, a.chunk)) and s.layers[c]:
             # the unit computing (and the one prefetched), where the chunk's blocks are not all held already; an
             # I holds them all from its start
             unit = blocks[c] if not prefetched(a) else passing * blocks[c] / s.layers[c]
             moment(0.0 if blocks_held(c) else unit * wb)  # a forward; a backward's start
-        if backward_pass(a) or a.op in WEIGHT_OPS:
+        if runs_backward(a.op, a.chunk) or a.op in WEIGHT_OPS:
             first_b.add(c)  # the blocks stay gathered, the chunk's gradients accumulate
         if a.op in WEIGHT_OPS:  # this micro-batch's activations freed
             live -= act[c]

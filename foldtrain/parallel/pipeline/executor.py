@@ -178,6 +178,7 @@ class Executor:
         self.last = n_segments - 1
         self.pp = topo.pp
         self.p = topo.pp_rank
+        self.tp = topo.tp
         self.p2p = p2p
         self.reducers = reducers
         self.stepper = stepper
@@ -336,7 +337,7 @@ class Executor:
         if s not in self._splits:
             chunk = self.chunks[s]
             recomputed = any(getattr(m, "_foldtrain_ac", False) for m in chunk.modules())
-            self._splits[s] = split_backward.split_for(chunk, recomputed, self.gather_for_backward)
+            self._splits[s] = split_backward.split_for(chunk, recomputed, self.gather_for_backward, self.tp > 1)
         return self._splits[s]
 
     def _backward_input(self, it: Iteration, a: Action, rule: Rule) -> None:

@@ -16,8 +16,7 @@ would otherwise idle. The activations and the graph live until the ``W``. Two wa
   torch pipelining's own ``stage_backward_input`` / ``stage_backward_weight``, which find, per group of
   weights, the graph nodes where their branches join the input's path, keep the gradients flowing into
   them in the ``I`` and run autograd from there in the ``W``: general, but one autograd call per group
-  (6 a block), which costs a CPU as much as a third of a small block's backward (1.42x the whole
-  backward of 4 blocks of width 256 here, where :class:`LinearSplit` took 0.92x).
+  (6 a block), which costs a CPU as much as a third of a small block's backward.
 
 Both take the weights the forward used, not the chunk's current ones: under FSDP (``--dp.strategy
 fsdp``) a chunk's modules hold its sharded DTensors between passes and the gathered weights only while

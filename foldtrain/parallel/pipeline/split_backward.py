@@ -85,7 +85,7 @@ class LinearSplit:
             self.recording.append((module.weight, args[0], get_gradient_edge(out)))
 
     def forward(self, run, *args):
-        """``run(*args)`` with every linear layer's input and output edge noted; returns (output, notes)."""
+        """``run(*args)`` with every linear layer's weight, input and output edge noted; returns (output, notes)."""
         self.recording = notes = []
         try:
             return run(*args), notes

@@ -155,8 +155,9 @@ class PipelineEngine:
         """Each local chunk's data-parallel reduction: the engine's own all-reduce, or FSDP's reduce-scatter."""
         topo, timeout = self.topo, self.cfg.dp.timeout_s
         reducers = {}
-        local_tie = LocalTie(topo, p2p.wait_collective, self.wire) if len(self.tied) == 2 else None  # zbv: both ends
-        fsdp_tie = fsdp.LocalShardTie() if len(self.tied) == 2 else None
+        both_ends = len(self.tied) == 2  # zbv: both copies of the tie on this rank
+        fsdp_tie = fsdp.LocalShardTie() if both_ends and self.fsdp else None
+        local_tie = LocalTie(topo, p2p.wait_collective, self.wire) if both_ends and not self.fsdp else None
         for s, c in self.chunks.items():
             if self.fsdp:
                 reducers[s] = fsdp.FSDPChunkReducer(s, c, self.tied.get(s), topo, p2p.wait_collective, fsdp_tie)

@@ -93,10 +93,11 @@ class LinearSplit:
             self.recording = None
 
     def backward_input(self, outputs, grads, inp: torch.Tensor, notes: list) -> WeightWork:
-        if self.prepare is not None:
+        current = self.others
+        if self.prepare is not None:  # the gathered parameters are on the modules only from now
             self.prepare(self.chunk)
-            self.others = self._others()
-        others = [p for p in self.others if p.requires_grad]
+            current = self._others()
+        others = [p for p in current if p.requires_grad]
         wanted = [inp, *others, *(edge for _w, _x, edge in notes)]
         got = torch.autograd.grad(outputs, wanted, grads, allow_unused=True)
         inp.grad = got[0]

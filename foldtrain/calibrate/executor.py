@@ -40,16 +40,15 @@ def measure_action_overhead(cluster, dp: int = 1) -> tuple[float, float, float]:
     """The pipeline executor's own host work per action: a real 2-stage pipeline, ``dp`` replicas of it
     (``2 dp`` ranks; ``foldtrain train``, ``torchrun --standalone``), of a negligible model with 16
     micro-batches per replica, so that its step is nearly all executor (bookkeeping, posting and
-    waiting for transfers, waking up), against the simulator's step of the same run on ``cluster``
-    without it, per action of a rank's list. Returns ``(overhead_s,
-    measured_step_s, simulated_step_s)``."""
+    waiting for transfers, waking up), against the simulator's step of the same run on ``cluster``:
+    the core-seconds per action that make the simulated step the measured one (:func:`solve_overhead`).
+    Returns ``(overhead_s, measured_step_s, simulated_step_s)``, the last without the overhead."""
     import dataclasses
     import shutil
     import statistics
 
     from foldtrain.config import build_config
     from foldtrain.data import resolve_data
-    from foldtrain.schedules import build_schedule
     from foldtrain.sim.simulate import simulate
 
     if dp < 1:
@@ -94,9 +93,23 @@ def measure_action_overhead(cluster, dp: int = 1) -> tuple[float, float, float]:
         shutil.rmtree(out, ignore_errors=True)
     steps = [r["step_time_s"] for r in rows if "step_time_s" in r and r.get("step", 0) > EXECUTOR_STEPS // 3]
     measured = statistics.median(steps)
-    sim = simulate(cfg, dataclasses.replace(cluster, action_overhead=0.0, memory=1e12))
-    s = sim.setup
-    actions = max(
-        len(acts) for acts in build_schedule(s.schedule, s.pp, s.virtual, s.microbatches, s.dp_sync, s.defer).ranks
-    )
-    return max(0.0, (measured - sim.step_time) / actions), measured, sim.step_time
+
+    def simulated(overhead: float) -> float:
+        return simulate(cfg, dataclasses.replace(cluster, action_overhead=overhead, memory=1e12)).step_time
+
+    return solve_overhead(measured, simulated), measured, simulated(0.0)
+
+
+def solve_overhead(measured: float, simulated, probe: float = 1e-3) -> float:
+    """The overhead ``x`` (seconds per action) with ``simulated(x) == measured``, 0 when the step without it is
+    already as long. The simulator charges an action's overhead as work on the rank's core: where more ranks
+    than cores are busy, as on the probe's shared cores, each second of it takes longer than a second of the
+    step, so dividing the measured excess by the actions would count the cores' sharing twice. The simulated
+    step grows linearly with ``x`` (every action pays it), so one secant from ``x = 0`` finds it; a second from
+    there absorbs what little is not linear."""
+    lo = simulated(0.0)
+    if measured <= lo:
+        return 0.0
+    x = probe * (measured - lo) / (simulated(probe) - lo)
+    at = simulated(x)
+    return max(0.0, x + x * (measured - at) / (at - lo)) if at > lo else x

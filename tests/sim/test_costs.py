@@ -748,3 +748,30 @@ def test_meetings_wait_behind_the_interface_queue_only_where_they_cross_nodes():
     intra, inter = links(probe, probe)
     assert inter.queue == approx(QUEUE_MS / 1e3) and intra.queue == 0.0
     assert links(probe, None)[1].queue == 0.0  # loopback only: no shaper
+
+
+def test_the_calibrated_work_per_action_reproduces_the_probe_it_came_from():
+    """``calibrate`` measures the executor's work per action with a negligible pipeline of 2 replicas (4 ranks);
+    on 2 shared cores every core-second of it takes more than a second of the step there, so the overhead it
+    writes is the one with which the simulator's step of the probe is the measured step, not the measured
+    excess divided by the actions (which the simulator would stretch again)."""
+    import dataclasses
+
+    from foldtrain.calibrate.executor import EXECUTOR_PROBE, solve_overhead
+    from foldtrain.schedules import build_schedule
+
+    cfg = build_config([*EXECUTOR_PROBE, "--parallel.dp", "2", "--train.global_batch", "32"])
+    shared = from_dict(cluster_dict(device__memory_gb=1000, node__gpus=4, node__shared_cores=2), "c.toml")
+
+    def simulated(ov: float) -> float:
+        return simulate(cfg, dataclasses.replace(shared, action_overhead=ov)).step_time
+
+    lo = simulated(0.0)
+    actions = max(len(a) for a in build_schedule("interleaved-1f1b", 2, 2, 16).ranks)
+    measured = lo + actions * 1e-3  # 1 ms of the step per action
+    ov = solve_overhead(measured, simulated)
+    assert simulated(ov) == approx(measured, rel=1e-3)
+    assert 0.3e-3 < ov < 0.7e-3  # four ranks on two cores: each core-second of it costs about two of the step
+    assert solve_overhead(lo * 0.9, simulated) == 0.0  # a step the simulator already exceeds: no overhead
+    # where each action costs the step its own time (a core per rank): the excess per action
+    assert solve_overhead(measured, lambda ov: lo + actions * ov) == approx(1e-3)

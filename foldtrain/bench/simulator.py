@@ -30,6 +30,7 @@ from foldtrain.calibrate import (
     links,
     measure_action_overhead,
     measure_compute,
+    measure_fsdp_host,
     measure_loopback,
     measure_loss_buffers,
     measure_network,
@@ -101,6 +102,8 @@ def cluster_of(
         optim_rate=comp.get("optim_rate", 0.0),
         comm_cpu=(net or loop).get("cpu_per_byte", 0.0),
         action_overhead=overhead_at(comp.get("action_overhead", 0.0), ranks),
+        fsdp_unit=comp.get("fsdp_host", (0.0, 0.0))[0],
+        fsdp_gather=comp.get("fsdp_host", (0.0, 0.0))[1],
         shared_cores=float(cores),
         oversubscribed=comp.get("oversubscribed", 1.0),
         collective_cpu=busy.get("collective_cpu_s", 0.0),
@@ -190,8 +193,9 @@ def calibrate(cores: int) -> tuple[dict, dict, dict]:
         )[0]
         for n in (2, 4)
     }
+    fsdp_host = measure_fsdp_host(min(cores, 4))  # FSDP2's hooks and copies, core-seconds
     for v in comp.values():
-        v["action_overhead"] = overhead
+        v["action_overhead"], v["fsdp_host"] = overhead, fsdp_host
     net = measure_network("1gbit", 2)
     return comp, loop, net
 
@@ -494,6 +498,11 @@ def calibration_table(comp: dict, loop: dict, net: dict) -> list[str]:
             "the executor's host work per action",
             "device.action_overhead_us",
             _per(over, "processes", _ms) if isinstance(over, dict) else _ms(over),
+        ),
+        (
+            "FSDP2's host work per unit and pass; per unit gathered and resharded",
+            "device.fsdp_unit_us, device.fsdp_gather_us",
+            "; ".join(_ms(x) for x in c["fsdp_host"]) if "fsdp_host" in c else "",
         ),
         (
             "fp32 matrix-product peak per process",

@@ -14,6 +14,7 @@ from .compute import DTYPES, HEAD_SHAPES, RATIO_SHAPES, SIZES, measure_compute, 
 from .device import parse_options
 from .device import run as device_run
 from .executor import measure_action_overhead
+from .fsdp import BLOCKS, measure_fsdp_host
 from .memory import LOSS_SHAPE, LOSS_TOKENS, measure_loss_buffers
 
 
@@ -33,6 +34,7 @@ class Probes:
     net: dict | None  # gloo across the emulated nodes, with --network
     busy: dict  # the loopback probe with the runs' number of processes
     memory_total: int  # bytes
+    fsdp_host: tuple[float, float] = (0.0, 0.0)  # FSDP2's host work: per unit and pass, per unit gathered
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -116,6 +118,8 @@ def run_probes(a: argparse.Namespace) -> Probes:
         over, over_ratios = measure_oversubscription(ranks, cores)
     print("calibrate: memory at the loss ...", flush=True)
     loss_buffers = measure_loss_buffers()
+    print(f"calibrate: FSDP2's host work with {conc} concurrent processes ...", flush=True)
+    fsdp_host = measure_fsdp_host(conc)
     print("calibrate: gloo on loopback ...", flush=True)
     loop = measure_loopback(a.ranks_per_node)
     net = None
@@ -127,7 +131,7 @@ def run_probes(a: argparse.Namespace) -> Probes:
     # a collective's step with as many processes as the runs have on this machine (on shared cores the
     # host's scheduling, not the wire, is most of it)
     busy = loop if ranks <= max(a.ranks_per_node, 2) else measure_loopback(ranks)
-    return Probes(ranks, cores, conc, comp, over, over_ratios, loss_buffers, loop, net, busy, total)
+    return Probes(ranks, cores, conc, comp, over, over_ratios, loss_buffers, loop, net, busy, total, fsdp_host)
 
 
 def build_cluster(name: str, ranks_per_node: int, m: Probes):
@@ -162,6 +166,8 @@ def build_cluster(name: str, ranks_per_node: int, m: Probes):
         comm_cpu=(m.net or m.loop).get("cpu_per_byte", 0.0),
         oversubscribed=m.over,
         collective_cpu=m.busy.get("collective_cpu_s", 0.0),
+        fsdp_unit=m.fsdp_host[0],
+        fsdp_gather=m.fsdp_host[1],
     )
 
 
@@ -221,7 +227,12 @@ def device_notes(src: str, m: Probes, probe_dp: int, ov_measured: float, ov_sim:
             "device.head_weight_gelems": f"{src}: per element of the head's weight, the same fit",
             "device.action_overhead_us": f"{src}: {replicas}a 2-rank pipeline of a negligible model "
             f"(interleaved-1f1b, V 2, 16 micro-batches) took {ov_measured * 1e3:.1f} ms a step, "
-            f"the simulator without it {ov_sim * 1e3:.1f} ms; the difference per action of a rank's list",
+            f"the simulator without it {ov_sim * 1e3:.1f} ms; the core-seconds per action with which it takes as long",
+            "device.fsdp_unit_us": f"{src}: a pipeline chunk of {' and '.join(map(str, BLOCKS))} tiny blocks "
+            "sharded over one rank (blocks kept gathered, gradients accumulated), forward + backward, against the "
+            "same chunk unsharded: per block and pass",
+            "device.fsdp_gather_us": f"{src}: the same chunk resharded after each forward against it kept "
+            "gathered: per block's all-gather and reshard",
             "device.optim_gparams": f"{src}: fused AdamW step and gradient-norm clipping of 4 M fp32 parameters",
             "device.rows_half_size": f"{src}: fp32 F.linear of (n x 256) with a 1024 x 256 weight, n = {SIZES}, "
             f"at the fitted fp32 peak; measured {gflops(comp['fp32_rows'])} GFLOP/s",

@@ -106,6 +106,10 @@ class Phases:
     vocab_embed_f: float = 0.0
     vocab_head: float = 0.0
     vocab_embed_b: float = 0.0
+    # FSDP2's host work per unit and pass (its hooks) and per unit gathered (copies, reshard): Cluster.fsdp_unit and
+    # fsdp_gather at the rank's share of the cores
+    host_unit: float = 0.0
+    host_gather: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -199,30 +203,36 @@ def phases(s: Setup, c: Cluster) -> Phases:
         vocab_embed_f=vocab_embed_f,
         vocab_head=vocab_head,
         vocab_embed_b=vocab_embed_b,
+        host_unit=c.fsdp_unit / rate,
+        host_gather=c.fsdp_gather / rate,
     )
 
 
 def items(s: Setup, ph: Phases) -> list[Item]:
     """Every compute of the step in order, with the collectives FSDP2 ties to it."""
     L, again = s.n_layer, s.reshard_after_forward
+    unit, gathered = ph.host_unit, ph.host_unit + ph.host_gather  # FSDP2's own work on a unit's pass
     out: list[Item] = []
     for m in range(s.microbatches):
         sync = m == s.microbatches - 1  # no_sync on the others: no reduce-scatter
-        out.append(Item(f"F embed mb{m}", "F", ph.embed_f, gather=ph.ag_root, first=True, exchange=ph.vocab_embed_f))
-        out += [Item(f"F block {i} mb{m}", "F", ph.block_f, gather=ph.ag_block) for i in range(L)]
+        f_embed = ph.embed_f + gathered
+        out.append(Item(f"F embed mb{m}", "F", f_embed, gather=ph.ag_root, first=True, exchange=ph.vocab_embed_f))
+        out += [Item(f"F block {i} mb{m}", "F", ph.block_f + gathered, gather=ph.ag_block) for i in range(L)]
         out.append(Item(f"F head mb{m}", "F", ph.head, exchange=ph.vocab_head))
         out += [
             Item(
                 f"B block {i} mb{m}",
                 "B",
-                ph.block_b,
+                ph.block_b + (gathered if again else unit),
                 gather=ph.ag_block if again else 0.0,
                 reduce=ph.rs_block if sync else 0.0,
             )
             for i in reversed(range(L))
         ]
         out.append(
-            Item(f"B embed mb{m}", "B", ph.embed_b, reduce=ph.rs_root if sync else 0.0, exchange=ph.vocab_embed_b)
+            Item(
+                f"B embed mb{m}", "B", ph.embed_b + unit, reduce=ph.rs_root if sync else 0.0, exchange=ph.vocab_embed_b
+            )
         )
     return out
 

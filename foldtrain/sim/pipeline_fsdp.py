@@ -63,6 +63,16 @@ def prefetched(a) -> bool:
     return a.op is not Op.BACKWARD_INPUT
 
 
+def fsdp_host(c: Cluster, blocks: int, op: Op, segment: int, gathers: bool) -> float:
+    """FSDP2's host work in a compute action of a chunk of ``blocks`` blocks: its hooks on every unit of a pass
+    that runs through them (a forward, a backward: ``runs_backward``; the chunk's own unit priced per block,
+    as ``calibrate`` fits it), and each block's copies in and out and its reshard where the pass ``gathers``.
+    A weight-gradient ``W`` past segment 0 multiplies saved tensors, outside FSDP's hooks: none."""
+    if op is not Op.FORWARD and not runs_backward(op, segment):
+        return 0.0
+    return blocks * (c.fsdp_unit + (c.fsdp_gather if gathers else 0.0))
+
+
 def gathering_actions(sched: Schedule, p: int, reshard_after_forward: bool) -> set[tuple[Op, int, int]]:
     """``(op, chunk, micro-batch)`` of the forwards and backward passes (``runs_backward``) of rank ``p`` that
     find their chunk's blocks sharded, so FSDP all-gathers them first (the module docstring's rule); every ``LR``

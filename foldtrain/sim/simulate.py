@@ -51,7 +51,7 @@ from .dataparallel import simulate_dataparallel
 from .events import Sim, run_schedule
 from .fsdp import simulate_fsdp
 from .memory import GB, format_breakdown, rank_memory
-from .pipeline_fsdp import REDUCE_BYTES, gathering_actions, on_thread, prefetched, roots_gathered, units
+from .pipeline_fsdp import REDUCE_BYTES, fsdp_host, gathering_actions, on_thread, prefetched, roots_gathered, units
 from .setup import Setup, resolve_setup
 
 
@@ -115,11 +115,14 @@ class RunCosts:
 
     def compute(self, p: int, a) -> float:
         t = self._compute[a.op](a.chunk)
-        if self.fsdp and not on_thread(self.c) and prefetched(a) and (a.op, a.chunk, a.mb) in self._gathers[p]:
+        if not self.fsdp:
+            return t
+        gathers = (a.op, a.chunk, a.mb) in self._gathers[p]
+        if not on_thread(self.c) and prefetched(a) and gathers:
             # FSDP2 prefetches the next unit while one computes: the pass lasts as long as the longer of the two
             block = self.all_gather(p, self.block_bytes(), self.slower("ag"))
             t = max(t, (self.s.layers[a.chunk] - 1) * self._seconds(block))
-        return t
+        return t + fsdp_host(self.c, self.s.layers[a.chunk], a.op, a.chunk, gathers)
 
     # -- fsdp in the 3D engine (.pipeline_fsdp)
     def block_bytes(self) -> float:

@@ -75,6 +75,20 @@ def test_the_computes_add_up_to_the_cost_models_passes():
     assert total == pytest.approx(s.microbatches * (cm.forward(0) + cm.backward(0)))
 
 
+def test_fsdp2s_host_work_adds_to_every_units_pass_and_more_to_a_gathering_one():
+    """``device.fsdp_unit_us`` on every unit's pass (the head runs inside the root's, no hooks of its own),
+    ``device.fsdp_gather_us`` more where it gathers: every forward (resharded after each backward), a block's
+    backward under ``reshard_after_forward``; on a device of its own at full rate."""
+    c = dataclasses.replace(load_cluster("dgx-a100"), fsdp_unit=1e-3, fsdp_gather=2e-3)
+    for again in ("true", "false"):
+        s = setup(8, 16, 8, "--dp.reshard_after_forward", again)
+        plain = {it.name: it.compute for it in items(s, phases(s, dataclasses.replace(c, fsdp_unit=0, fsdp_gather=0)))}
+        extra = {it.name: it.compute - plain[it.name] for it in items(s, phases(s, c))}
+        assert extra["F embed mb0"] == pytest.approx(3e-3) and extra["F block 3 mb1"] == pytest.approx(3e-3)
+        assert extra["F head mb0"] == 0.0 and extra["B embed mb1"] == pytest.approx(1e-3)
+        assert extra["B block 3 mb0"] == pytest.approx(3e-3 if again == "true" else 1e-3)
+
+
 def hand_phases(**over) -> Phases:
     p = dict(ag_root=1, ag_block=2, rs_root=4, rs_block=3, embed_f=1, block_f=5, head=1, block_b=10, embed_b=1)
     return Phases(**{**p, "optim": 0.5, "before_step": 0.25, "loss": 0.125, **over})

@@ -13,7 +13,7 @@ from foldtrain.errors import ConfigError
 from foldtrain.schedules import Op, build_schedule
 from foldtrain.sim.cluster import from_dict
 from foldtrain.sim.costs import block_params, segment_params
-from foldtrain.sim.pipeline_fsdp import gathering_actions, peak_buffers, units
+from foldtrain.sim.pipeline_fsdp import fsdp_host, gathering_actions, peak_buffers, units
 from foldtrain.sim.plan import _reductions
 from foldtrain.sim.setup import resolve_setup
 from foldtrain.sim.simulate import simulate
@@ -57,6 +57,33 @@ def test_a_split_backwards_i_waits_for_all_its_blocks_on_a_gpu():
     block = block_params(s) * 4 / 2 / 10e9 + 10e-6
     assert waits["AG I c1 m1"] == pytest.approx(s.layers[1] * block, rel=1e-6)
     assert not any(k.startswith("AG W") for k in waits)  # rank 1's W use the weights their I gathered
+
+
+def test_fsdp2s_host_work_is_paid_by_every_pass_through_the_units_and_more_where_it_gathers():
+    """``device.fsdp_unit_us`` per block and pass that runs through FSDP's hooks (forwards, the backward passes:
+    B, an I, segment 0's W; not a W past it), ``device.fsdp_gather_us`` more per block where the pass gathers;
+    on the rank's timeline, each of its computes is that much longer."""
+    unit, gather = 300e-6, 500e-6
+    base = from_dict(cluster_dict(node__shared_cores=4, device__memory_gb=1000))  # a core per rank
+    host = dataclasses.replace(base, fsdp_unit=unit, fsdp_gather=gather)
+    assert fsdp_host(host, 3, Op.FORWARD, 1, True) == pytest.approx(3 * (unit + gather))
+    assert fsdp_host(host, 3, Op.BACKWARD_INPUT, 1, False) == pytest.approx(3 * unit)
+    assert fsdp_host(host, 3, Op.BACKWARD_WEIGHT, 1, False) == 0.0
+    assert fsdp_host(host, 3, Op.BACKWARD_WEIGHT, 0, True) == pytest.approx(3 * (unit + gather))
+    assert fsdp_host(base, 3, Op.FORWARD, 1, True) == 0.0
+    run = cfg("--parallel.schedule", "1f1b", "--parallel.microbatches", "4")
+    r0, r1 = simulate(run, base, keep_events=True), simulate(run, host, keep_events=True)
+    s, sched = r0.setup, build_schedule("1f1b", 2, 1, 4)
+    passes = [a for a in sched.ranks[0] if a.op in (Op.FORWARD, Op.BACKWARD)]
+    gathers = gathering_actions(sched, 0, s.reshard_after_forward)
+    extra = sum(s.layers[0] * (unit + (gather if (a.op, a.chunk, a.mb) in gathers else 0.0)) for a in passes)
+
+    def computing(r) -> float:
+        return sum(e["end"] - e["start"] for e in last_iteration(r.events[0]) if e["kind"] == "compute")
+
+    # a core per rank: each core-second of it is a second of rank 0's computes
+    assert computing(r1) - computing(r0) == pytest.approx(extra, rel=0.02)
+    assert r1.step_time > r0.step_time
 
 
 def test_the_lr_waits_for_every_units_reduce_scatter_and_gloo_pays_an_all_reduce():

@@ -1,0 +1,106 @@
+"""FSDP2's own host work (``device.fsdp_unit_us``, ``device.fsdp_gather_us``), timed in processes of one rank.
+
+``fully_shard`` puts hooks around every unit's forward and backward, and a gathering unit copies its shard into
+the all-gather's input, the output into its unsharded parameters, and frees them again when it reshards. On
+shared cores (gloo) that runs on the training thread, beside the collectives themselves, which the simulator
+prices from the links. Here a chunk of tiny blocks, sharded as the 3D engine shards a pipeline chunk
+(:func:`foldtrain.parallel.pipeline.fsdp.shard_chunk`, the backwards accumulating unsharded gradients and the
+blocks kept gathered after them, as between a chunk's first backward and its ``LR``) over a one-rank mesh (its
+collectives copy and return), runs forward and backward beside the same chunk unsharded:
+
+* blocks kept gathered (``reshard_after_forward false``): the hooks of every pass, per unit and pass, fitted
+  over chunks of 1 and 4 blocks (each pass also enters the chunk's own unit once, priced per block here);
+* resharded after each forward: one all-gather and one reshard more per block and iteration.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+BLOCKS = (1, 4)  # blocks per chunk: two points of the per-unit line
+
+
+def _chunk(n_blocks: int):
+    import torch.nn as nn
+
+    from foldtrain.model.gpt import Block, GPTShape
+
+    class Chunk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(GPTShape(1, 2, 16, 8, 16)) for _ in range(n_blocks))
+
+        def body(self, h):
+            for b in self.blocks:
+                h = b(h)
+            return h
+
+        def forward(self, h):
+            return self.body(h)
+
+    return Chunk()
+
+
+def _pass_times(mesh, n_blocks: int) -> tuple[float, float, float]:
+    """Forward + backward of an ``n_blocks`` chunk: unsharded, sharded and kept gathered, sharded and resharded
+    after each forward; seconds each."""
+    import torch
+
+    from foldtrain.optim.precision import Precision
+    from foldtrain.parallel.pipeline.fsdp import shard_chunk
+
+    from .compute import _time
+
+    h = torch.randn(1, 4, 16, requires_grad=True)
+    out = []
+    for shard, reshard in ((False, False), (True, False), (True, True)):
+        chunk = _chunk(n_blocks)
+        if shard:
+            shard_chunk(chunk, mesh, reshard, Precision("fp32", torch.device("cpu")))
+            chunk.set_is_last_backward(False)  # as the engine between a chunk's first backward and its LR
+            chunk.set_reshard_after_backward(False)
+            chunk.set_requires_gradient_sync(False)
+        out.append(_time(lambda: chunk(h).sum().backward(), min_s=0.3, reps=3))  # noqa: B023 - timed here
+    return out[0], out[1], out[2]
+
+
+def _fsdp_probe(barrier, queue) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    path = tempfile.mktemp(prefix="ft-cal-fsdp-")
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(path, 1), rank=0, world_size=1)
+        mesh = init_device_mesh("cpu", (1,))
+        _pass_times(mesh, 1)  # warm up
+        barrier.wait()
+        queue.put([_pass_times(mesh, n) for n in BLOCKS])
+        dist.destroy_process_group()
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def fit_fsdp_host(times: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """``(per unit and pass, per block's gather and reshard)`` seconds from the :data:`BLOCKS` chunks' times
+    ``(unsharded, kept gathered, resharded)``: the kept chunk's excess over two passes, a line through the two
+    block counts (its intercept, the chunk's own unit, shared out per block, since the engine's chunks have
+    a few); the resharded chunk's excess over the kept one per block."""
+    (n0, (p0, k0, r0)), (n1, (p1, k1, r1)) = zip(BLOCKS, times, strict=True)
+    e0, e1 = (k0 - p0) / 2, (k1 - p1) / 2  # per pass
+    slope = (e1 - e0) / (n1 - n0)
+    per_unit = max(0.0, slope + max(0.0, e0 - slope * n0) / n1)
+    gather = max(0.0, ((r0 - k0) / n0 + (r1 - k1) / n1) / 2)
+    return per_unit, gather
+
+
+def measure_fsdp_host(concurrency: int) -> tuple[float, float]:
+    """:func:`fit_fsdp_host` of the mean times of ``concurrency`` processes probing at once."""
+    from .compute import _concurrently
+
+    res = _concurrently(_fsdp_probe, concurrency)
+    mean = [tuple(sum(r[i][j] for r in res) / len(res) for j in range(3)) for i in range(len(BLOCKS))]
+    return fit_fsdp_host(mean)

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from foldtrain.calibrate import (
+    FSDP_FIELDS,
     fit_head,
     links,
     measure_action_overhead,
@@ -57,6 +58,13 @@ PIPE_MODEL = [
     "32",
 ]
 DP_MODEL = ["--model.preset", "tiny", "--train.global_batch", "16", "--train.seq_len", "128"]
+
+
+def fsdp_fields(comp: dict) -> dict[str, float]:
+    """The Cluster's FSDP2 host-work fields of a calibration: ``measure_fsdp_host``'s dict, or the
+    ``(per unit, per gather)`` pair a calibration saved before the root's figure had its own."""
+    host = comp.get("fsdp_host", {})
+    return dict(zip(("fsdp_unit", "fsdp_gather"), host, strict=True)) if isinstance(host, list) else host
 
 
 def cluster_of(
@@ -102,8 +110,7 @@ def cluster_of(
         optim_rate=comp.get("optim_rate", 0.0),
         comm_cpu=(net or loop).get("cpu_per_byte", 0.0),
         action_overhead=overhead_at(comp.get("action_overhead", 0.0), ranks),
-        fsdp_unit=comp.get("fsdp_host", (0.0, 0.0))[0],
-        fsdp_gather=comp.get("fsdp_host", (0.0, 0.0))[1],
+        **fsdp_fields(comp),
         shared_cores=float(cores),
         oversubscribed=comp.get("oversubscribed", 1.0),
         collective_cpu=busy.get("collective_cpu_s", 0.0),
@@ -500,9 +507,11 @@ def calibration_table(comp: dict, loop: dict, net: dict) -> list[str]:
             _per(over, "processes", _ms) if isinstance(over, dict) else _ms(over),
         ),
         (
-            "FSDP2's host work per unit and pass; per unit gathered and resharded",
-            "device.fsdp_unit_us, device.fsdp_gather_us",
-            "; ".join(_ms(x) for x in c["fsdp_host"]) if "fsdp_host" in c else "",
+            "FSDP2's host work per block's unit and pass; per pass in the root unit; per unit gathered and resharded",
+            "device.fsdp_unit_us, device.fsdp_root_us, device.fsdp_gather_us",
+            "; ".join(_ms(fsdp_fields(c)[k]) if k in fsdp_fields(c) else "—" for k in FSDP_FIELDS)
+            if "fsdp_host" in c
+            else "",
         ),
         (
             "fp32 matrix-product peak per process",

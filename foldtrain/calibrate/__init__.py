@@ -28,8 +28,9 @@ torchrun's ranks (:mod:`.nccl`). Otherwise (``--probes fitted``, the CPU default
 * the pipeline executor's own host work per action (``device.action_overhead_us``): a real 2-rank
   pipeline of a negligible model, its step against the simulator's (the core-seconds per action that make
   them equal);
-* FSDP2's own host work (``device.fsdp_unit_us``, ``device.fsdp_gather_us``): a chunk of tiny blocks sharded
-  over one rank, forward and backward, against it unsharded, kept gathered and resharded (:mod:`.fsdp`);
+* FSDP2's own host work (``device.fsdp_unit_us``, ``device.fsdp_root_us``, ``device.fsdp_gather_us``): chunks
+  of tiny blocks sharded over one rank, forward and backward, against them unsharded, kept gathered and
+  resharded (:mod:`.fsdp`);
 * with ``--network RATE``: the same over ``N`` emulated nodes on throttled links
   (:mod:`foldtrain.netem`, one rank per node): the ``inter`` link. Needs root and iproute2.
 
@@ -54,6 +55,7 @@ from .compute import (
     measure_oversubscription,
 )
 from .executor import EXECUTOR_PROBE, EXECUTOR_STEPS, measure_action_overhead
+from .fsdp import FIELDS as FSDP_FIELDS
 from .fsdp import measure_fsdp_host
 from .memory import LOSS_SHAPE, LOSS_TOKENS, measure_loss_buffers
 
@@ -78,6 +80,7 @@ __all__ = [
     "measure_action_overhead",
     "measure_compute",
     "measure_fsdp_host",
+    "FSDP_FIELDS",
     "measure_loopback",
     "measure_loss_buffers",
     "measure_network",

@@ -34,7 +34,7 @@ class Probes:
     net: dict | None  # gloo across the emulated nodes, with --network
     busy: dict  # the loopback probe with the runs' number of processes
     memory_total: int  # bytes
-    fsdp_host: tuple[float, float] = (0.0, 0.0)  # FSDP2's host work: per unit and pass, per unit gathered
+    fsdp_host: dict = dataclasses.field(default_factory=dict)  # FSDP2's host work: fit_fsdp_host's Cluster fields
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -166,8 +166,7 @@ def build_cluster(name: str, ranks_per_node: int, m: Probes):
         comm_cpu=(m.net or m.loop).get("cpu_per_byte", 0.0),
         oversubscribed=m.over,
         collective_cpu=m.busy.get("collective_cpu_s", 0.0),
-        fsdp_unit=m.fsdp_host[0],
-        fsdp_gather=m.fsdp_host[1],
+        **m.fsdp_host,
     )
 
 
@@ -230,7 +229,8 @@ def device_notes(src: str, m: Probes, probe_dp: int, ov_measured: float, ov_sim:
             f"the simulator without it {ov_sim * 1e3:.1f} ms; the core-seconds per action with which it takes as long",
             "device.fsdp_unit_us": f"{src}: a pipeline chunk of {' and '.join(map(str, BLOCKS))} tiny blocks "
             "sharded over one rank (blocks kept gathered, gradients accumulated), forward + backward, against the "
-            "same chunk unsharded: per block and pass",
+            "same chunk unsharded: per block and pass (the slope of the excess over the block count)",
+            "device.fsdp_root_us": f"{src}: the same: per pass in the chunk's own unit (the intercept)",
             "device.fsdp_gather_us": f"{src}: the same chunk resharded after each forward against it kept "
             "gathered: per block's all-gather and reshard",
             "device.optim_gparams": f"{src}: fused AdamW step and gradient-norm clipping of 4 M fp32 parameters",

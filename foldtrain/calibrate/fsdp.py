@@ -1,4 +1,5 @@
-"""FSDP2's own host work (``device.fsdp_unit_us``, ``device.fsdp_gather_us``), timed in processes of one rank.
+"""FSDP2's own host work (``device.fsdp_unit_us``, ``device.fsdp_root_us``, ``device.fsdp_gather_us``), timed in
+processes of one rank.
 
 ``fully_shard`` puts hooks around every unit's forward and backward, and a gathering unit copies its shard into
 the all-gather's input, the output into its unsharded parameters, and frees them again when it reshards. On
@@ -8,8 +9,8 @@ prices from the links. Here a chunk of tiny blocks, sharded as the 3D engine sha
 blocks kept gathered after them, as between a chunk's first backward and its ``LR``) over a one-rank mesh (its
 collectives copy and return), runs forward and backward beside the same chunk unsharded:
 
-* blocks kept gathered (``reshard_after_forward false``): the hooks of every pass, per unit and pass, fitted
-  over chunks of 1 and 4 blocks (each pass also enters the chunk's own unit once, priced per block here);
+* blocks kept gathered (``reshard_after_forward false``): the hooks of every pass, fitted over chunks of 1 and 4
+  blocks: per block, and per pass for the chunk's own unit, the root, whose hooks also begin and end the pass;
 * resharded after each forward: one all-gather and one reshard more per block and iteration.
 """
 
@@ -84,20 +85,23 @@ def _fsdp_probe(barrier, queue) -> None:
             os.remove(path)
 
 
-def fit_fsdp_host(times: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """``(per unit and pass, per block's gather and reshard)`` seconds from the :data:`BLOCKS` chunks' times
-    ``(unsharded, kept gathered, resharded)``: the kept chunk's excess over two passes, a line through the two
-    block counts (its intercept, the chunk's own unit, shared out per block, since the engine's chunks have
-    a few); the resharded chunk's excess over the kept one per block."""
+FIELDS = ("fsdp_unit", "fsdp_root", "fsdp_gather")  # the Cluster's fields, in the order fit_fsdp_host returns them
+
+
+def fit_fsdp_host(times: list[tuple[float, float, float]]) -> dict[str, float]:
+    """The :data:`FIELDS` (seconds) from the :data:`BLOCKS` chunks' times ``(unsharded, kept gathered,
+    resharded)``: the kept chunk's excess per pass is a line through the two block counts, its slope the hooks
+    per block (``fsdp_unit``), its intercept those of the chunk's own unit, the root of every pass
+    (``fsdp_root``); the resharded chunk's excess over the kept one per block is the gather's (``fsdp_gather``)."""
     (n0, (p0, k0, r0)), (n1, (p1, k1, r1)) = zip(BLOCKS, times, strict=True)
     e0, e1 = (k0 - p0) / 2, (k1 - p1) / 2  # per pass
-    slope = (e1 - e0) / (n1 - n0)
-    per_unit = max(0.0, slope + max(0.0, e0 - slope * n0) / n1)
+    slope = max(0.0, (e1 - e0) / (n1 - n0))
+    root = max(0.0, e0 - slope * n0)
     gather = max(0.0, ((r0 - k0) / n0 + (r1 - k1) / n1) / 2)
-    return per_unit, gather
+    return dict(zip(FIELDS, (slope, root, gather), strict=True))
 
 
-def measure_fsdp_host(concurrency: int) -> tuple[float, float]:
+def measure_fsdp_host(concurrency: int) -> dict[str, float]:
     """:func:`fit_fsdp_host` of the mean times of ``concurrency`` processes probing at once."""
     from .compute import _concurrently
 

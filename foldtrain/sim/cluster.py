@@ -40,7 +40,8 @@ A cluster file (copy a preset and edit it; every number is required and positive
     optim_gparams = 0.3      # optional: optimizer step, G parameters/s (absent: memory-bound at mem_bw_gbs)
     loss_buffers = 3         # optional: fp32 (b, L, V) tensors resident at the loss (absent: 3, the live ones)
     action_overhead_us = 40  # optional: the pipeline executor's own CPU time per action of a rank's list (absent: 0)
-    fsdp_unit_us = 400       # optional: FSDP2's host time per unit and pass (its hooks) (absent: 0)
+    fsdp_unit_us = 400       # optional: FSDP2's host time per block's unit and pass (its hooks) (absent: 0)
+    fsdp_root_us = 400       # optional: its host time per pass in the root unit's hooks (absent: 0)
     fsdp_gather_us = 400     # optional: its host time per unit gathered and resharded, beyond the transfer (absent: 0)
     launch_us = 5            # optional: host time to launch one kernel in eager mode; a pass takes at least
                              # its kernels x this (absent: 0)
@@ -184,10 +185,11 @@ class Cluster:
     loss_buffers: float = 3.0
     # s of the pipeline executor's own host work per action (bookkeeping, posting, waking up); 0: free
     action_overhead: float = 0.0
-    # s of FSDP2's host work per unit and pass (its hooks), and per unit all-gathered and resharded (copies in and
-    # out, frees) beyond the collective; on shared cores (gloo) on the training thread; 0: free (hidden behind a
-    # GPU's kernels)
+    # s of FSDP2's host work per block's unit and pass (its hooks), per pass in the root unit's (which also begin
+    # and end the pass), and per unit all-gathered and resharded (copies in and out, frees) beyond the collective;
+    # on shared cores (gloo) on the training thread; 0: free (hidden behind a GPU's kernels)
     fsdp_unit: float = 0.0
+    fsdp_root: float = 0.0
     fsdp_gather: float = 0.0
     # with shared_cores: the cores' throughput when twice as many ranks as cores are busy (1: none lost)
     oversubscribed: float = 1.0
@@ -252,6 +254,7 @@ OPTIONAL: dict[str, tuple[str, float, float]] = {
     "device.optim_gparams": ("optim_rate", 1e-9, 0.0),
     "device.action_overhead_us": ("action_overhead", 1e6, 0.0),
     "device.fsdp_unit_us": ("fsdp_unit", 1e6, 0.0),
+    "device.fsdp_root_us": ("fsdp_root", 1e6, 0.0),
     "device.fsdp_gather_us": ("fsdp_gather", 1e6, 0.0),
     "device.launch_us": ("launch", 1e6, 0.0),
     "device.attention_efficiency": ("attn_eff", 1.0, 0.0),
@@ -476,6 +479,7 @@ ALWAYS_WRITTEN = (
     "device.optim_gparams",
     "device.action_overhead_us",
     "device.fsdp_unit_us",
+    "device.fsdp_root_us",
     "device.fsdp_gather_us",
 )
 

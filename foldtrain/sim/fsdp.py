@@ -79,7 +79,7 @@ from foldtrain.schedules import build_schedule
 from .cluster import Cluster
 from .costs import CostModel, Placement, block_params, model_params, tied_params
 from .memory import GB, format_breakdown, rank_memory
-from .pipeline_fsdp import on_thread
+from .pipeline_fsdp import on_thread, unit_host
 from .setup import Setup
 
 REDUCE_BYTES = 4  # fp32 gradients on the wire and in the accumulation buffer
@@ -106,10 +106,12 @@ class Phases:
     vocab_embed_f: float = 0.0
     vocab_head: float = 0.0
     vocab_embed_b: float = 0.0
-    # FSDP2's host work per unit and pass (its hooks) and per unit gathered (copies, reshard): Cluster.fsdp_unit and
-    # fsdp_gather at the rank's share of the cores
-    host_unit: float = 0.0
-    host_gather: float = 0.0
+    # FSDP2's host work in one pass of a block's unit and of the root's, kept gathered and gathered
+    # (.pipeline_fsdp.unit_host) at the rank's share of the cores
+    host_block: float = 0.0
+    host_block_gathered: float = 0.0
+    host_root: float = 0.0
+    host_root_gathered: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -203,27 +205,30 @@ def phases(s: Setup, c: Cluster) -> Phases:
         vocab_embed_f=vocab_embed_f,
         vocab_head=vocab_head,
         vocab_embed_b=vocab_embed_b,
-        host_unit=c.fsdp_unit / rate,
-        host_gather=c.fsdp_gather / rate,
+        host_block=unit_host(c, False, False) / rate,
+        host_block_gathered=unit_host(c, False, True) / rate,
+        host_root=unit_host(c, True, False) / rate,
+        host_root_gathered=unit_host(c, True, True) / rate,
     )
 
 
 def items(s: Setup, ph: Phases) -> list[Item]:
     """Every compute of the step in order, with the collectives FSDP2 ties to it."""
     L, again = s.n_layer, s.reshard_after_forward
-    unit, gathered = ph.host_unit, ph.host_unit + ph.host_gather  # FSDP2's own work on a unit's pass
     out: list[Item] = []
     for m in range(s.microbatches):
         sync = m == s.microbatches - 1  # no_sync on the others: no reduce-scatter
-        f_embed = ph.embed_f + gathered
+        f_embed = ph.embed_f + ph.host_root_gathered
         out.append(Item(f"F embed mb{m}", "F", f_embed, gather=ph.ag_root, first=True, exchange=ph.vocab_embed_f))
-        out += [Item(f"F block {i} mb{m}", "F", ph.block_f + gathered, gather=ph.ag_block) for i in range(L)]
+        out += [
+            Item(f"F block {i} mb{m}", "F", ph.block_f + ph.host_block_gathered, gather=ph.ag_block) for i in range(L)
+        ]
         out.append(Item(f"F head mb{m}", "F", ph.head, exchange=ph.vocab_head))
         out += [
             Item(
                 f"B block {i} mb{m}",
                 "B",
-                ph.block_b + (gathered if again else unit),
+                ph.block_b + (ph.host_block_gathered if again else ph.host_block),
                 gather=ph.ag_block if again else 0.0,
                 reduce=ph.rs_block if sync else 0.0,
             )
@@ -231,7 +236,11 @@ def items(s: Setup, ph: Phases) -> list[Item]:
         ]
         out.append(
             Item(
-                f"B embed mb{m}", "B", ph.embed_b + unit, reduce=ph.rs_root if sync else 0.0, exchange=ph.vocab_embed_b
+                f"B embed mb{m}",
+                "B",
+                ph.embed_b + ph.host_root,
+                reduce=ph.rs_root if sync else 0.0,
+                exchange=ph.vocab_embed_b,
             )
         )
     return out

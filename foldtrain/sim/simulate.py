@@ -122,7 +122,12 @@ class RunCosts:
             # FSDP2 prefetches the next unit while one computes: the pass lasts as long as the longer of the two
             block = self.all_gather(p, self.block_bytes(), self.slower("ag"))
             t = max(t, (self.s.layers[a.chunk] - 1) * self._seconds(block))
-        return t + fsdp_host(self.c, self.s.layers[a.chunk], a.op, a.chunk, gathers)
+        return t + fsdp_host(self.c, self.s.layers[a.chunk], a.op, a.chunk, gathers, self.root_gathers(p, a))
+
+    def root_gathers(self, p: int, a) -> bool:
+        """Whether compute action ``a`` of rank ``p`` gathers its chunk's root: the chunk's first forward, where
+        the root holds parameters."""
+        return a.op is Op.FORWARD and units(self.s, a.chunk)[1] > 0 and (a.chunk, a.mb) in self._roots[p]
 
     # -- fsdp in the 3D engine (.pipeline_fsdp)
     def block_bytes(self) -> float:
@@ -155,9 +160,9 @@ class RunCosts:
         if not self.fsdp:
             return None
         out: list = []
-        root, k = units(self.s, a.chunk)[1], self.slower("ag")
-        if a.op is Op.FORWARD and root > 0 and (a.chunk, a.mb) in self._roots[p]:
-            out += self.all_gather(p, root * self.s.weight_bytes, k)
+        k = self.slower("ag")
+        if self.root_gathers(p, a):
+            out += self.all_gather(p, units(self.s, a.chunk)[1] * self.s.weight_bytes, k)
         if (a.op, a.chunk, a.mb) in self._gathers[p]:
             blocks = (
                 self.s.layers[a.chunk] if on_thread(self.c) or not prefetched(a) else min(1, self.s.layers[a.chunk])

@@ -1,6 +1,6 @@
 """The validation bench's choices that no run checks: which calibration and which per-action cost it uses."""
 
-from foldtrain.bench.simulator import calibration_table, least_disturbed, overhead_at
+from foldtrain.bench.simulator import calibration_table, fsdp_fields, least_disturbed, overhead_at
 
 
 def test_the_calibration_least_disturbed_is_kept():
@@ -36,3 +36,15 @@ def test_the_calibration_table_names_each_figure_and_leaves_out_what_was_not_mea
     # not in this calibration: no row rather than an empty or invented one
     assert not {"device.loss_buffers", "node.collective_cpu_us", "inter.collective_latency_us"} & set(rows)
     assert calibration_table({1: {"fp32": [1e11, 1.0, []], "action_overhead": 3e-4}}, {}, {})[5].endswith("| 0.30 ms |")
+
+
+def test_fsdps_host_work_reaches_the_cluster_and_the_table_from_new_and_older_calibrations():
+    new = {"fp32": [1e11, 1.0, []], "fsdp_host": {"fsdp_unit": 4e-4, "fsdp_root": 5e-5, "fsdp_gather": 2e-4}}
+    old = {"fp32": [1e11, 1.0, []], "fsdp_host": [4e-4, 2e-4]}  # saved before the root had its own figure
+    assert fsdp_fields(new) == new["fsdp_host"]
+    assert fsdp_fields(old) == {"fsdp_unit": 4e-4, "fsdp_gather": 2e-4}
+    key = "device.fsdp_unit_us, device.fsdp_root_us, device.fsdp_gather_us"
+    for comp, shown in ((new, "0.40 ms; 0.05 ms; 0.20 ms"), (old, "0.40 ms; —; 0.20 ms")):
+        lines = calibration_table({1: comp}, {}, {})
+        rows = {line.split("|")[2].strip(" `"): line.split("|")[3].strip() for line in lines if line.startswith("| ")}
+        assert rows[key] == shown

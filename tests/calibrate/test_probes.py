@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from foldtrain.calibrate import gpu, nccl
+from foldtrain.calibrate import fsdp, gpu, nccl
 from foldtrain.cli import main
 from foldtrain.sim import ops
 from foldtrain.sim.cluster import KIND_BANDWIDTH
@@ -161,6 +161,20 @@ def test_fits_recover_their_curves():
     bwd = [peak * 0.45 * L / (L + 200) for L in seqs]
     assert gpu.fit_attention(seqs, fwd, bwd, peak) == pytest.approx((0.6, 0.45, 200))
     assert gpu.fit_attention([1024], [peak / 2], [peak / 4], peak) == (0.5, 0.25, 0.0)
+
+
+def test_fsdp_host_fit_recovers_the_block_the_root_and_the_gather():
+    """Chunks of 1 and 4 blocks: the excess per pass is root + blocks x unit kept gathered, and gather more per
+    block resharded; the fit returns each as measured, the root not spread over the blocks."""
+    unit, root, gather = 0.4e-3, 1.5e-3, 0.6e-3
+    times = []
+    for n in fsdp.BLOCKS:
+        plain = 0.01 * n
+        kept = plain + 2 * (root + n * unit)  # forward and backward
+        times.append((plain, kept, kept + n * gather))
+    fit = fsdp.fit_fsdp_host(times)
+    assert fit == pytest.approx({"fsdp_unit": unit, "fsdp_root": root, "fsdp_gather": gather})
+    assert set(fit) == set(fsdp.FIELDS)
 
 
 def _err(capsys, argv) -> str:

@@ -227,10 +227,12 @@ def device_notes(src: str, m: Probes, probe_dp: int, ov_measured: float, ov_sim:
             "device.action_overhead_us": f"{src}: {replicas}a 2-rank pipeline of a negligible model "
             f"(interleaved-1f1b, V 2, 16 micro-batches) took {ov_measured * 1e3:.1f} ms a step, "
             f"the simulator without it {ov_sim * 1e3:.1f} ms; the core-seconds per action with which it takes as long",
-            "device.fsdp_unit_us": f"{src}: a pipeline chunk of {' and '.join(map(str, BLOCKS))} tiny blocks "
+            "device.fsdp_unit_us": f"{src}: pipeline chunks of {', '.join(map(str, BLOCKS))} tiny blocks "
             "sharded over one rank (blocks kept gathered, gradients accumulated), forward + backward, against the "
-            "same chunk unsharded: per block and pass (the slope of the excess over the block count)",
-            "device.fsdp_root_us": f"{src}: the same: per pass in the chunk's own unit (the intercept)",
+            "same chunk unsharded, in alternating rounds: per block and pass (the slope of the excess over the "
+            "block count)",
+            "device.fsdp_root_us": f"{src}: the same: per pass in the chunk's own unit, holding no parameters "
+            "(the intercept)",
             "device.fsdp_gather_us": f"{src}: the same chunk resharded after each forward against it kept "
             "gathered: per block's all-gather and reshard",
             "device.optim_gparams": f"{src}: fused AdamW step and gradient-norm clipping of 4 M fp32 parameters",

@@ -44,43 +44,37 @@ def measure_action_overhead(cluster, dp: int = 1) -> tuple[float, float, float]:
     the core-seconds per action that make the simulated step the measured one (:func:`solve_overhead`).
     Returns ``(overhead_s, measured_step_s, simulated_step_s)``, the last without the overhead."""
     import dataclasses
+
+    from foldtrain.sim.simulate import simulate
+
+    if dp < 1:
+        raise FoldtrainError(f"calibrate: the executor probe needs dp >= 1 replicas, not {dp}")
+    cfg, measured = probe_step(dp)
+
+    def simulated(overhead: float) -> float:
+        return simulate(cfg, dataclasses.replace(cluster, action_overhead=overhead, memory=1e12)).step_time
+
+    return solve_overhead(measured, simulated), measured, simulated(0.0)
+
+
+def probe_step(dp: int, extra: tuple[str, ...] = ()):
+    """``(config, median step seconds)`` of the executor's probe with ``dp`` replicas (16 micro-batches of 1
+    each) and the options ``extra``, trained for :data:`EXECUTOR_STEPS` steps under ``torchrun --standalone``;
+    the steps of the first third are left out (warm-up)."""
     import shutil
     import statistics
 
     from foldtrain.config import build_config
     from foldtrain.data import resolve_data
-    from foldtrain.sim.simulate import simulate
 
-    if dp < 1:
-        raise FoldtrainError(f"calibrate: the executor probe needs dp >= 1 replicas, not {dp}")
-    # 16 micro-batches of 1 per replica
-    probe = [*EXECUTOR_PROBE, "--parallel.dp", str(dp), "--train.global_batch", str(16 * dp)]
+    probe = [*EXECUTOR_PROBE, "--parallel.dp", str(dp), "--train.global_batch", str(16 * dp), *extra]
     cfg = build_config(probe)
     data = str(resolve_data(cfg.data))  # the built-in corpus (prepared once, then cached)
     out = tempfile.mkdtemp(prefix="ft-cal-exec-")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(2 * dp),
-        "-m",
-        "foldtrain",
-        "train",
-        *probe,
-        "--data.path",
-        data,
-        "--train.steps",
-        str(EXECUTOR_STEPS),
-        "--train.eval_every",
-        "0",
-        "--train.log_every",
-        "1",
-        "--out",
-        out,
-    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(2 * dp)]
+    cmd += ["-m", "foldtrain", "train", *probe, "--data.path", data, "--train.steps", str(EXECUTOR_STEPS)]
+    cmd += ["--train.eval_every", "0", "--train.log_every", "1", "--out", out]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         if p.returncode != 0:
@@ -92,12 +86,7 @@ def measure_action_overhead(cluster, dp: int = 1) -> tuple[float, float, float]:
     finally:
         shutil.rmtree(out, ignore_errors=True)
     steps = [r["step_time_s"] for r in rows if "step_time_s" in r and r.get("step", 0) > EXECUTOR_STEPS // 3]
-    measured = statistics.median(steps)
-
-    def simulated(overhead: float) -> float:
-        return simulate(cfg, dataclasses.replace(cluster, action_overhead=overhead, memory=1e12)).step_time
-
-    return solve_overhead(measured, simulated), measured, simulated(0.0)
+    return cfg, statistics.median(steps)
 
 
 def solve_overhead(measured: float, simulated, probe: float = 1e-3) -> float:

@@ -9,9 +9,14 @@ prices from the links. Here a chunk of tiny blocks, sharded as the 3D engine sha
 blocks kept gathered after them, as between a chunk's first backward and its ``LR``) over a one-rank mesh (its
 collectives copy and return), runs forward and backward beside the same chunk unsharded:
 
-* blocks kept gathered (``reshard_after_forward false``): the hooks of every pass, fitted over chunks of 1 and 4
-  blocks: per block, and per pass for the chunk's own unit, the root, whose hooks also begin and end the pass;
+* blocks kept gathered (``reshard_after_forward false``): the hooks of every pass, a line over chunks of 1, 2
+  and 4 blocks: per block (a unit with parameters), and per pass for the chunk's own unit, the root, whose
+  hooks also begin and end the pass (its own, holding no parameters here: a root that holds some runs a unit's
+  hooks for them too, as the simulator prices it);
 * resharded after each forward: one all-gather and one reshard more per block and iteration.
+
+The three run in turn, round after round, and each keeps its median: this VM's speed drifts by tens of percent
+within a minute, which timing them one after the other would read as FSDP's work.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-BLOCKS = (1, 4)  # blocks per chunk: two points of the per-unit line
+BLOCKS = (1, 2, 4)  # blocks per chunk: the points of the per-unit line
 
 
 def _chunk(n_blocks: int):
@@ -43,9 +48,14 @@ def _chunk(n_blocks: int):
     return Chunk()
 
 
+ROUNDS = 9  # rounds of the three variants in turn: a drift of the machine's speed shifts them alike
+
+
 def _pass_times(mesh, n_blocks: int) -> tuple[float, float, float]:
     """Forward + backward of an ``n_blocks`` chunk: unsharded, sharded and kept gathered, sharded and resharded
-    after each forward; seconds each."""
+    after each forward; seconds each, the median over :data:`ROUNDS` rounds that time the three in turn."""
+    import statistics
+
     import torch
 
     from foldtrain.optim.precision import Precision
@@ -54,7 +64,7 @@ def _pass_times(mesh, n_blocks: int) -> tuple[float, float, float]:
     from .compute import _time
 
     h = torch.randn(1, 4, 16, requires_grad=True)
-    out = []
+    passes = []
     for shard, reshard in ((False, False), (True, False), (True, True)):
         chunk = _chunk(n_blocks)
         if shard:
@@ -62,8 +72,10 @@ def _pass_times(mesh, n_blocks: int) -> tuple[float, float, float]:
             chunk.set_is_last_backward(False)  # as the engine between a chunk's first backward and its LR
             chunk.set_reshard_after_backward(False)
             chunk.set_requires_gradient_sync(False)
-        out.append(_time(lambda: chunk(h).sum().backward(), min_s=0.3, reps=3))  # noqa: B023 - timed here
-    return out[0], out[1], out[2]
+        passes.append(lambda chunk=chunk: chunk(h).sum().backward())
+    rounds = [[_time(fn, min_s=0.05, reps=1) for fn in passes] for _ in range(ROUNDS)]
+    plain, kept, resharded = (statistics.median(r[i] for r in rounds) for i in range(3))
+    return plain, kept, resharded
 
 
 def _fsdp_probe(barrier, queue) -> None:
@@ -90,14 +102,16 @@ FIELDS = ("fsdp_unit", "fsdp_root", "fsdp_gather")  # the Cluster's fields, in t
 
 def fit_fsdp_host(times: list[tuple[float, float, float]]) -> dict[str, float]:
     """The :data:`FIELDS` (seconds) from the :data:`BLOCKS` chunks' times ``(unsharded, kept gathered,
-    resharded)``: the kept chunk's excess per pass is a line through the two block counts, its slope the hooks
-    per block (``fsdp_unit``), its intercept those of the chunk's own unit, the root of every pass
-    (``fsdp_root``); the resharded chunk's excess over the kept one per block is the gather's (``fsdp_gather``)."""
-    (n0, (p0, k0, r0)), (n1, (p1, k1, r1)) = zip(BLOCKS, times, strict=True)
-    e0, e1 = (k0 - p0) / 2, (k1 - p1) / 2  # per pass
-    slope = max(0.0, (e1 - e0) / (n1 - n0))
-    root = max(0.0, e0 - slope * n0)
-    gather = max(0.0, ((r0 - k0) / n0 + (r1 - k1) / n1) / 2)
+    resharded)``: the kept chunks' excess per pass is a line over the block count (least squares), its slope the
+    hooks per block (``fsdp_unit``), its intercept those of the chunk's own unit, the root of every pass
+    (``fsdp_root``); the resharded chunks' excess over the kept ones per block is the gather's (``fsdp_gather``)."""
+    n = list(BLOCKS)
+    excess = [(k - p) / 2 for p, k, _ in times]  # per pass: a forward and a backward
+    n_mean, e_mean = sum(n) / len(n), sum(excess) / len(excess)
+    slope = sum((x - n_mean) * (e - e_mean) for x, e in zip(n, excess, strict=True)) / sum((x - n_mean) ** 2 for x in n)
+    slope = max(0.0, slope)
+    root = max(0.0, e_mean - slope * n_mean)
+    gather = max(0.0, sum((r - k) / x for x, (_, k, r) in zip(n, times, strict=True)) / len(n))
     return dict(zip(FIELDS, (slope, root, gather), strict=True))
 
 

@@ -166,8 +166,8 @@ def device_notes(src: str, opts, scale, k) -> dict[str, str]:
         ("rows_half_size", "the CPU model's few-row curve (0: half_size)"),
         ("loss_buffers", "the 3 fp32 logit-sized tensors live at the loss's backward"),
         ("action_overhead_us", "the pipeline executor's host time per action (0: none)"),
-        ("fsdp_unit_us", "FSDP2's host time per block's unit and pass (0: none)"),
-        ("fsdp_root_us", "FSDP2's host time per pass in the root unit (0: none)"),
+        ("fsdp_unit_us", "FSDP2's host time per unit and pass (0: none)"),
+        ("fsdp_root_us", "FSDP2's host time per pass in a root's own hooks (0: none)"),
         ("fsdp_gather_us", "FSDP2's host time per unit gathered (0: none)"),
     ):
         notes[f"device.{key}"] = NOT_ON_DEVICE.format(what=what)

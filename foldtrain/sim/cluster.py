@@ -40,8 +40,8 @@ A cluster file (copy a preset and edit it; every number is required and positive
     optim_gparams = 0.3      # optional: optimizer step, G parameters/s (absent: memory-bound at mem_bw_gbs)
     loss_buffers = 3         # optional: fp32 (b, L, V) tensors resident at the loss (absent: 3, the live ones)
     action_overhead_us = 40  # optional: the pipeline executor's own CPU time per action of a rank's list (absent: 0)
-    fsdp_unit_us = 400       # optional: FSDP2's host time per block's unit and pass (its hooks) (absent: 0)
-    fsdp_root_us = 400       # optional: its host time per pass in the root unit's hooks (absent: 0)
+    fsdp_unit_us = 400       # optional: FSDP2's host time per unit with parameters and pass (its hooks) (absent: 0)
+    fsdp_root_us = 40        # optional: its time per pass in a root's own hooks, beyond its unit's (absent: 0)
     fsdp_gather_us = 400     # optional: its host time per unit gathered and resharded, beyond the transfer (absent: 0)
     launch_us = 5            # optional: host time to launch one kernel in eager mode; a pass takes at least
                              # its kernels x this (absent: 0)
@@ -185,9 +185,10 @@ class Cluster:
     loss_buffers: float = 3.0
     # s of the pipeline executor's own host work per action (bookkeeping, posting, waking up); 0: free
     action_overhead: float = 0.0
-    # s of FSDP2's host work per block's unit and pass (its hooks), per pass in the root unit's (which also begin
-    # and end the pass), and per unit all-gathered and resharded (copies in and out, frees) beyond the collective;
-    # on shared cores (gloo) on the training thread; 0: free (hidden behind a GPU's kernels)
+    # s of FSDP2's host work per unit with parameters and pass (its hooks), per pass in a root's own hooks (which
+    # begin and end the pass; beyond its unit's where it holds parameters), and per unit all-gathered and
+    # resharded (copies in and out, frees) beyond the collective; on shared cores (gloo) on the training thread;
+    # 0: free (hidden behind a GPU's kernels)
     fsdp_unit: float = 0.0
     fsdp_root: float = 0.0
     fsdp_gather: float = 0.0

@@ -79,7 +79,7 @@ from foldtrain.schedules import build_schedule
 from .cluster import Cluster
 from .costs import CostModel, Placement, block_params, model_params, tied_params
 from .memory import GB, format_breakdown, rank_memory
-from .pipeline_fsdp import on_thread, unit_host
+from .pipeline_fsdp import on_thread, root_host, unit_host
 from .setup import Setup
 
 REDUCE_BYTES = 4  # fp32 gradients on the wire and in the accumulation buffer
@@ -106,8 +106,8 @@ class Phases:
     vocab_embed_f: float = 0.0
     vocab_head: float = 0.0
     vocab_embed_b: float = 0.0
-    # FSDP2's host work in one pass of a block's unit and of the root's, kept gathered and gathered
-    # (.pipeline_fsdp.unit_host) at the rank's share of the cores
+    # FSDP2's host work in one pass of a block's unit and of the root, kept gathered and gathered
+    # (.pipeline_fsdp.unit_host, root_host) at the rank's share of the cores
     host_block: float = 0.0
     host_block_gathered: float = 0.0
     host_root: float = 0.0
@@ -205,10 +205,10 @@ def phases(s: Setup, c: Cluster) -> Phases:
         vocab_embed_f=vocab_embed_f,
         vocab_head=vocab_head,
         vocab_embed_b=vocab_embed_b,
-        host_block=unit_host(c, False, False) / rate,
-        host_block_gathered=unit_host(c, False, True) / rate,
-        host_root=unit_host(c, True, False) / rate,
-        host_root_gathered=unit_host(c, True, True) / rate,
+        host_block=unit_host(c, False) / rate,
+        host_block_gathered=unit_host(c, True) / rate,
+        host_root=root_host(c, root > 0, False) / rate,
+        host_root_gathered=root_host(c, root > 0, True) / rate,
     )
 
 

@@ -63,22 +63,30 @@ def prefetched(a) -> bool:
     return a.op is not Op.BACKWARD_INPUT
 
 
-def unit_host(c: Cluster, root: bool, gathers: bool) -> float:
-    """FSDP2's host work on one unit in one pass: its hooks (a root's, which also begin and end the pass, are
-    ``fsdp_root``, a block's ``fsdp_unit``) and, where the pass ``gathers`` it, its copies in and out and its
-    reshard. The one rule both simulators of FSDP price its host work by."""
-    return (c.fsdp_root if root else c.fsdp_unit) + (c.fsdp_gather if gathers else 0.0)
+def unit_host(c: Cluster, gathers: bool) -> float:
+    """FSDP2's host work on one unit with parameters in one pass: its hooks (``fsdp_unit``) and, where the pass
+    ``gathers`` it, its copies in and out and its reshard (``fsdp_gather``). A root runs ``fsdp_root`` more, its
+    own hooks that begin and end the pass (:func:`root_host`). The one rule both simulators of FSDP price its
+    host work by."""
+    return c.fsdp_unit + (c.fsdp_gather if gathers else 0.0)
 
 
-def fsdp_host(c: Cluster, blocks: int, op: Op, segment: int, gathers: bool, root_gathers: bool = False) -> float:
+def root_host(c: Cluster, has_params: bool, gathers: bool) -> float:
+    """The root's host work in one pass: its own hooks, and :func:`unit_host` where it holds parameters."""
+    return c.fsdp_root + (unit_host(c, gathers) if has_params else 0.0)
+
+
+def fsdp_host(
+    c: Cluster, blocks: int, op: Op, segment: int, gathers: bool, root_params: bool = False, root_gathers: bool = False
+) -> float:
     """FSDP2's host work in a compute action of a chunk of ``blocks`` blocks: :func:`unit_host` of every block
-    and of the chunk's root in a pass that runs through their hooks (a forward, a backward: ``runs_backward``),
-    the blocks gathered where the pass ``gathers``, the root where ``root_gathers`` (its first forward, when it
-    holds parameters: :func:`roots_gathered`). A weight-gradient ``W`` past segment 0 multiplies saved tensors,
-    outside FSDP's hooks: none."""
+    and :func:`root_host` of the chunk's root (``root_params``: it holds parameters) in a pass that runs through
+    their hooks (a forward, a backward: ``runs_backward``), the blocks gathered where the pass ``gathers``, the
+    root where ``root_gathers`` (its first forward: :func:`roots_gathered`). A weight-gradient ``W`` past
+    segment 0 multiplies saved tensors, outside FSDP's hooks: none."""
     if op is not Op.FORWARD and not runs_backward(op, segment):
         return 0.0
-    return blocks * unit_host(c, False, gathers) + unit_host(c, True, root_gathers)
+    return blocks * unit_host(c, gathers) + root_host(c, root_params, root_gathers)
 
 
 def gathering_actions(sched: Schedule, p: int, reshard_after_forward: bool) -> set[tuple[Op, int, int]]:

@@ -122,7 +122,9 @@ class RunCosts:
             # FSDP2 prefetches the next unit while one computes: the pass lasts as long as the longer of the two
             block = self.all_gather(p, self.block_bytes(), self.slower("ag"))
             t = max(t, (self.s.layers[a.chunk] - 1) * self._seconds(block))
-        return t + fsdp_host(self.c, self.s.layers[a.chunk], a.op, a.chunk, gathers, self.root_gathers(p, a))
+        root_params = units(self.s, a.chunk)[1] > 0
+        layers = self.s.layers[a.chunk]
+        return t + fsdp_host(self.c, layers, a.op, a.chunk, gathers, root_params, self.root_gathers(p, a))
 
     def root_gathers(self, p: int, a) -> bool:
         """Whether compute action ``a`` of rank ``p`` gathers its chunk's root: the chunk's first forward, where

@@ -60,19 +60,21 @@ def test_a_split_backwards_i_waits_for_all_its_blocks_on_a_gpu():
 
 
 def test_fsdp2s_host_work_is_paid_by_every_pass_through_the_units_and_more_where_it_gathers():
-    """``device.fsdp_unit_us`` per block and ``device.fsdp_root_us`` per chunk in a pass that runs through FSDP's
-    hooks (forwards, the backward passes: B, an I, segment 0's W; not a W past it), ``device.fsdp_gather_us``
-    more per unit the pass gathers (the blocks where they are sharded, the root at the chunk's first forward);
-    on the rank's timeline, each of its computes is that much longer."""
+    """``device.fsdp_unit_us`` per unit with parameters (every block, a root that holds some) and
+    ``device.fsdp_root_us`` per chunk in a pass that runs through FSDP's hooks (forwards, the backward passes:
+    B, an I, segment 0's W; not a W past it), ``device.fsdp_gather_us`` more per unit the pass gathers (the
+    blocks where they are sharded, the root at the chunk's first forward); on the rank's timeline, each of its
+    computes is that much longer."""
     unit, root, gather = 300e-6, 700e-6, 500e-6
     base = from_dict(cluster_dict(node__shared_cores=4, device__memory_gb=1000))  # a core per rank
     host = dataclasses.replace(base, fsdp_unit=unit, fsdp_root=root, fsdp_gather=gather)
     assert fsdp_host(host, 3, Op.FORWARD, 1, True) == pytest.approx(3 * (unit + gather) + root)
-    assert fsdp_host(host, 3, Op.FORWARD, 1, True, True) == pytest.approx(3 * (unit + gather) + root + gather)
+    assert fsdp_host(host, 3, Op.FORWARD, 1, True, True) == pytest.approx(4 * unit + 3 * gather + root)
+    assert fsdp_host(host, 3, Op.FORWARD, 1, True, True, True) == pytest.approx(4 * (unit + gather) + root)
     assert fsdp_host(host, 3, Op.BACKWARD_INPUT, 1, False) == pytest.approx(3 * unit + root)
     assert fsdp_host(host, 3, Op.BACKWARD_WEIGHT, 1, False) == 0.0
     assert fsdp_host(host, 3, Op.BACKWARD_WEIGHT, 0, True) == pytest.approx(3 * (unit + gather) + root)
-    assert fsdp_host(base, 3, Op.FORWARD, 1, True, True) == 0.0
+    assert fsdp_host(base, 3, Op.FORWARD, 1, True, True, True) == 0.0
     run = cfg("--parallel.schedule", "1f1b", "--parallel.microbatches", "4")
     r0, r1 = simulate(run, base, keep_events=True), simulate(run, host, keep_events=True)
     s, sched = r0.setup, build_schedule("1f1b", 2, 1, 4)
@@ -80,7 +82,7 @@ def test_fsdp2s_host_work_is_paid_by_every_pass_through_the_units_and_more_where
     gathers = gathering_actions(sched, 0, s.reshard_after_forward)
     assert units(s, 0)[1] > 0  # rank 0's root holds the embeddings: gathered at the chunk's first forward
     extra = (
-        root * len(passes)
+        (root + unit) * len(passes)
         + gather
         + sum(s.layers[0] * (unit + (gather if (a.op, a.chunk, a.mb) in gathers else 0.0)) for a in passes)
     )

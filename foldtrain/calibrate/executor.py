@@ -99,6 +99,8 @@ def solve_overhead(measured: float, simulated, probe: float = 1e-3) -> float:
     lo = simulated(0.0)
     if measured <= lo:
         return 0.0
+    if simulated(probe) <= lo:
+        raise FoldtrainError("calibrate: the simulated probe does not grow with the executor's work per action")
     x = probe * (measured - lo) / (simulated(probe) - lo)
     at = simulated(x)
     return max(0.0, x + x * (measured - at) / (at - lo)) if at > lo else x

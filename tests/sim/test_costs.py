@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from foldtrain.config import build_config
+from foldtrain.errors import FoldtrainError
 from foldtrain.model.presets import PRESETS, analytic_param_count
 from foldtrain.sim.cluster import from_dict
 from foldtrain.sim.costs import CostModel, model_params, segment_params, stepped_share, tied_params
@@ -775,3 +776,5 @@ def test_the_calibrated_work_per_action_reproduces_the_probe_it_came_from():
     assert solve_overhead(lo * 0.9, simulated) == 0.0  # a step the simulator already exceeds: no overhead
     # where each action costs the step its own time (a core per rank): the excess per action
     assert solve_overhead(measured, lambda ov: lo + actions * ov) == approx(1e-3)
+    with pytest.raises(FoldtrainError, match="does not grow"):  # a simulator that ignored it: no answer, said
+        solve_overhead(measured, lambda ov: lo)

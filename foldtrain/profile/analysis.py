@@ -148,8 +148,10 @@ def step_summary(ranks: list[list[dict]], step: Any, lo: float, hi: float, has_s
     dur = hi - lo
     compute, bubble, recv_wait, reduce_wait, optim = [], [], [], [], []
     all_busy: list[Interval] = []
+    cpu_timed: list[dict] = []
     for evs in ranks:
         mine = _step_events(evs, step, has_steps)
+        cpu_timed += [e for e in mine if e["kind"] == "compute" and "cpu_s" in e.get("args", {})]
         busy = merge_intervals(_kind_intervals(mine, "compute", lo, hi))
         all_busy += busy
         c = sum(e - s for s, e in busy)
@@ -160,7 +162,10 @@ def step_summary(ranks: list[list[dict]], step: Any, lo: float, hi: float, has_s
         optim.append(sum(e - s for s, e in _kind_intervals(mine, "optim", lo, hi)))
     union = total_length(all_busy)
     n = len(ranks)
+    timed = [(e["end"] - e["start"], e["args"]["cpu_s"]) for e in cpu_timed if e["end"] > e["start"]]
     return {
+        # CPU seconds over wall seconds of the compute spans that kept them (a measured run's, not a simulation's)
+        "compute_cpu_share": sum(c for _, c in timed) / sum(w for w, _ in timed) if timed else None,
         "step": step,
         "start": lo,
         "end": hi,
@@ -193,6 +198,8 @@ def mean_summary(steps: list[dict[str, Any]], skip_first: bool = True) -> dict[s
     out: dict[str, Any] = {"step": "mean", "steps": [s["step"] for s in use], "ranks": n}
     for key in _SCALARS:
         out[key] = sum(s[key] for s in use) / k
+    shares = [s["compute_cpu_share"] for s in use if s.get("compute_cpu_share") is not None]
+    out["compute_cpu_share"] = sum(shares) / len(shares) if shares else None
     for key in _PER_RANK:
         out[key] = [sum(s[key][r] for s in use if r < len(s[key])) / k for r in range(n)]
     return out

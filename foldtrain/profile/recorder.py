@@ -39,6 +39,9 @@ def step_figures(gathered: list[list[dict]]) -> dict:
         "profiled_step_s": s["duration"],  # the step window over all ranks
         # compute + optimizer, busiest rank
         "busy_max_s": max((c + o for c, o in zip(s["compute"], s["optim"])), default=0.0),
+        # the computes' CPU seconds over their wall seconds, every rank: on shared cores the share of a core
+        # a computing rank had
+        "compute_cpu_share": s["compute_cpu_share"],
     }
 
 

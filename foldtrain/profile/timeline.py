@@ -70,7 +70,10 @@ NULL_SPAN = _NullSpan()
 
 
 class _Span:
-    __slots__ = ("_tl", "_name", "_kind", "_args", "_start", "_step")
+    """A compute span also keeps the CPU seconds its thread ran in it (``args["cpu_s"]``): on shared cores
+    the share of the span the rank had a core; on a GPU the host's time in it."""
+
+    __slots__ = ("_tl", "_name", "_kind", "_args", "_start", "_step", "_cpu")
 
     def __init__(self, tl: Timeline, name: str, kind: str, args: dict) -> None:
         self._tl = tl
@@ -80,12 +83,15 @@ class _Span:
 
     def __enter__(self) -> _Span:
         self._step = self._tl.step
+        self._cpu = time.thread_time() if self._kind == "compute" else None
         self._start = self._tl.clock()
         return self
 
     def __exit__(self, *exc: object) -> bool:
         tl = self._tl
         end = tl.clock()
+        if self._cpu is not None:
+            self._args = {**self._args, "cpu_s": time.thread_time() - self._cpu}
         off = tl.offset
         tl.events.append(
             {

@@ -72,6 +72,18 @@ def test_overlapping_compute_counted_once():
     assert s["compute"] == approx([3.0]) and s["bubble"] == approx([0.25]) and s["all_idle"] == approx(0.25)
 
 
+def test_the_computes_cpu_share_is_their_cpu_seconds_over_their_wall_seconds():
+    """Over every rank's computes that kept their thread's CPU seconds (a measured run's); none: no figure."""
+    timed = [
+        [ev(0, "compute", 0, 2, cpu_s=1.0), ev(0, "compute", 2, 3, cpu_s=1.0), ev(0, "step", 0, 4, name="step 0")],
+        [ev(1, "compute", 1, 4, cpu_s=2.0), ev(1, "step", 0, 4, name="step 0")],
+    ]
+    (s,) = [x for x in summarize(timed, skip_first=False) if x["step"] != "mean"]
+    assert s["compute_cpu_share"] == approx(4.0 / 6.0)
+    untimed = summarize(two_ranks((0, 3), 3), skip_first=False)
+    assert all(x["compute_cpu_share"] is None for x in untimed)
+
+
 def test_steps_windows_and_mean_skips_warmup():
     ranks = [[], []]
     # step 0: [0, 10], both ranks compute 5 (rank 1 overlapping rank 0 by 2): union 8 -> idle 0.2

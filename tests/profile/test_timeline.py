@@ -55,10 +55,26 @@ def test_spans_recorded_in_order_with_kinds():
     assert [(e["start"], e["end"]) for e in evs[:6]] == [(2, 3), (4, 5), (5.5, 5.75), (6, 7), (8, 8), (1, 9)]
     assert all(e["rank"] == 3 for e in evs)
     assert [e["step"] for e in evs] == [7] * 6 + [None]
-    assert evs[0]["args"] == {"op": "F", "chunk": 0, "mb": 0}
+    assert evs[0]["args"] == {"op": "F", "chunk": 0, "mb": 0, "cpu_s": evs[0]["args"]["cpu_s"]}
+    assert evs[0]["args"]["cpu_s"] >= 0.0 and all("cpu_s" not in e["args"] for e in evs[1:])  # computes only
     assert evs[1]["args"]["peer"] == 1
     assert evs[4]["args"] == {"note": "x", "instant": True}
     assert set(e["kind"] for e in evs) <= set(KINDS)
+
+
+def test_a_compute_span_keeps_the_cpu_seconds_its_thread_ran():
+    """A compute that waits (here: sleeps) keeps its wall time but hardly any CPU time; one that works keeps
+    some of both: on shared cores, their ratio is the share of a core the rank had."""
+    tl = Timeline(0)
+    with tl.span("F c0 m0", "compute"):
+        time.sleep(0.05)
+    with tl.span("B c0 m0", "compute"):
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
+    slept, worked = tl.events
+    assert slept["end"] - slept["start"] >= 0.05 and slept["args"]["cpu_s"] < 0.01
+    assert 0.02 <= worked["args"]["cpu_s"] <= worked["end"] - worked["start"] + 1e-3
 
 
 def test_span_records_when_body_raises_and_propagates():

@@ -149,9 +149,11 @@ def step_summary(ranks: list[list[dict]], step: Any, lo: float, hi: float, has_s
     compute, bubble, recv_wait, reduce_wait, optim = [], [], [], [], []
     all_busy: list[Interval] = []
     cpu_timed: list[dict] = []
+    process_cpu: list[float] = []
     for evs in ranks:
         mine = _step_events(evs, step, has_steps)
         cpu_timed += [e for e in mine if e["kind"] == "compute" and "cpu_s" in e.get("args", {})]
+        process_cpu += [e["args"]["cpu_s"] for e in mine if e["kind"] == "step" and "cpu_s" in e.get("args", {})]
         busy = merge_intervals(_kind_intervals(mine, "compute", lo, hi))
         all_busy += busy
         c = sum(e - s for s, e in busy)
@@ -166,6 +168,9 @@ def step_summary(ranks: list[list[dict]], step: Any, lo: float, hi: float, has_s
     return {
         # CPU seconds over wall seconds of the compute spans that kept them (a measured run's, not a simulation's)
         "compute_cpu_share": sum(c for _, c in timed) / sum(w for w, _ in timed) if timed else None,
+        # the CPU seconds a rank's whole process ran in the step (every thread), mean over the ranks
+        "process_cpu": sum(process_cpu) / len(process_cpu) if process_cpu else None,
+        "compute_cpu": sum(c for _, c in timed) / n if timed and n else None,
         "step": step,
         "start": lo,
         "end": hi,
@@ -198,8 +203,9 @@ def mean_summary(steps: list[dict[str, Any]], skip_first: bool = True) -> dict[s
     out: dict[str, Any] = {"step": "mean", "steps": [s["step"] for s in use], "ranks": n}
     for key in _SCALARS:
         out[key] = sum(s[key] for s in use) / k
-    shares = [s["compute_cpu_share"] for s in use if s.get("compute_cpu_share") is not None]
-    out["compute_cpu_share"] = sum(shares) / len(shares) if shares else None
+    for key in ("compute_cpu_share", "process_cpu", "compute_cpu"):
+        known = [s[key] for s in use if s.get(key) is not None]
+        out[key] = sum(known) / len(known) if known else None
     for key in _PER_RANK:
         out[key] = [sum(s[key][r] for s in use if r < len(s[key])) / k for r in range(n)]
     return out

@@ -42,6 +42,10 @@ def step_figures(gathered: list[list[dict]]) -> dict:
         # the computes' CPU seconds over their wall seconds, every rank: on shared cores the share of a core
         # a computing rank had
         "compute_cpu_share": s["compute_cpu_share"],
+        # CPU seconds of a rank's process in the step (every thread) and of its computes, means over the ranks:
+        # their difference is what the collectives, the executor and the optimizer took
+        "process_cpu_s": s["process_cpu"],
+        "compute_cpu_s": s["compute_cpu"],
     }
 
 

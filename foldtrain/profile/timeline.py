@@ -123,6 +123,7 @@ class Timeline:
         self.step: int | None = None
         self.offset = 0.0
         self._step_start: float | None = None
+        self._step_cpu = 0.0
         # event time + wall_base = wall-clock seconds (time.time()), for cross-rank alignment
         self.wall_base = 0.0
         self.calibrate()
@@ -173,13 +174,16 @@ class Timeline:
         if not self.enabled:
             return
         self.step = step
+        self._step_cpu = time.process_time()
         self._step_start = self.clock()
 
     def end_step(self, step: int | None = None) -> None:
-        """Close the open iteration and record its ``"step"`` window event."""
+        """Close the open iteration and record its ``"step"`` window event, with the CPU seconds the whole
+        process ran in it (``args["cpu_s"]``: every thread's, the collectives' and the allocator's too)."""
         if not self.enabled:
             return
         end = self.clock()
+        cpu = time.process_time() - self._step_cpu
         if step is None:
             step = self.step
         start = self._step_start if self._step_start is not None else end
@@ -192,7 +196,7 @@ class Timeline:
                 "start": start + off,
                 "end": end + off,
                 "step": step,
-                "args": {},
+                "args": {"cpu_s": cpu},
             }
         )
         self.step = None

@@ -75,13 +75,14 @@ def test_overlapping_compute_counted_once():
 def test_the_computes_cpu_share_is_their_cpu_seconds_over_their_wall_seconds():
     """Over every rank's computes that kept their thread's CPU seconds (a measured run's); none: no figure."""
     timed = [
-        [ev(0, "compute", 0, 2, cpu_s=1.0), ev(0, "compute", 2, 3, cpu_s=1.0), ev(0, "step", 0, 4, name="step 0")],
-        [ev(1, "compute", 1, 4, cpu_s=2.0), ev(1, "step", 0, 4, name="step 0")],
+        [ev(0, "compute", 0, 2, cpu_s=1.0), ev(0, "compute", 2, 3, cpu_s=1.0), ev(0, "step", 0, 4, cpu_s=3.0)],
+        [ev(1, "compute", 1, 4, cpu_s=2.0), ev(1, "step", 0, 4, cpu_s=2.5)],
     ]
     (s,) = [x for x in summarize(timed, skip_first=False) if x["step"] != "mean"]
     assert s["compute_cpu_share"] == approx(4.0 / 6.0)
+    assert s["compute_cpu"] == approx(2.0) and s["process_cpu"] == approx(2.75)  # means over the ranks
     untimed = summarize(two_ranks((0, 3), 3), skip_first=False)
-    assert all(x["compute_cpu_share"] is None for x in untimed)
+    assert all(x[k] is None for x in untimed for k in ("compute_cpu_share", "compute_cpu", "process_cpu"))
 
 
 def test_steps_windows_and_mean_skips_warmup():

@@ -499,6 +499,7 @@ def calibration_table(comp: dict, loop: dict, net: dict) -> list[str]:
     an older calibration lacks is left out."""
     c = comp[min(comp)]  # the allocator's, the oversubscription's and the executor's figures are in every entry
     over = c.get("action_overhead", {})
+    fsdp = fsdp_fields(c)
 
     rows = [
         (
@@ -509,9 +510,7 @@ def calibration_table(comp: dict, loop: dict, net: dict) -> list[str]:
         (
             "FSDP2's host work per block's unit and pass; per pass in the root unit; per unit gathered and resharded",
             "device.fsdp_unit_us, device.fsdp_root_us, device.fsdp_gather_us",
-            "; ".join(_ms(fsdp_fields(c)[k]) if k in fsdp_fields(c) else "—" for k in FSDP_FIELDS)
-            if "fsdp_host" in c
-            else "",
+            "; ".join(_ms(fsdp[k]) if k in fsdp else "—" for k in FSDP_FIELDS) if fsdp else "",
         ),
         (
             "fp32 matrix-product peak per process",

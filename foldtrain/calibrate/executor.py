@@ -99,8 +99,9 @@ def solve_overhead(measured: float, simulated, probe: float = 1e-3) -> float:
     lo = simulated(0.0)
     if measured <= lo:
         return 0.0
-    if simulated(probe) <= lo:
+    grown = simulated(probe) - lo
+    if grown <= 0:
         raise FoldtrainError("calibrate: the simulated probe does not grow with the executor's work per action")
-    x = probe * (measured - lo) / (simulated(probe) - lo)
+    x = probe * (measured - lo) / grown
     at = simulated(x)
     return max(0.0, x + x * (measured - at) / (at - lo)) if at > lo else x

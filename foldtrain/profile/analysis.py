@@ -170,7 +170,7 @@ def step_summary(ranks: list[list[dict]], step: Any, lo: float, hi: float, has_s
         "compute_cpu_share": sum(c for _, c in timed) / sum(w for w, _ in timed) if timed else None,
         # the CPU seconds a rank's whole process ran in the step (every thread), mean over the ranks
         "process_cpu": sum(process_cpu) / len(process_cpu) if process_cpu else None,
-        "compute_cpu": sum(c for _, c in timed) / n if timed and n else None,
+        "compute_cpu": sum(c for _, c in timed) / n if timed else None,
         "step": step,
         "start": lo,
         "end": hi,
@@ -191,6 +191,7 @@ def step_summary(ranks: list[list[dict]], step: Any, lo: float, hi: float, has_s
 
 _PER_RANK = ("compute", "bubble", "recv_wait", "reduce_wait", "optim")
 _SCALARS = ("duration", "bubble_mean", "bubble_max", "all_idle", "all_idle_time", "reduce_wait_max")
+_MEASURED = ("compute_cpu_share", "process_cpu", "compute_cpu")  # None where no event kept its CPU seconds
 
 
 def mean_summary(steps: list[dict[str, Any]], skip_first: bool = True) -> dict[str, Any]:
@@ -203,7 +204,7 @@ def mean_summary(steps: list[dict[str, Any]], skip_first: bool = True) -> dict[s
     out: dict[str, Any] = {"step": "mean", "steps": [s["step"] for s in use], "ranks": n}
     for key in _SCALARS:
         out[key] = sum(s[key] for s in use) / k
-    for key in ("compute_cpu_share", "process_cpu", "compute_cpu"):
+    for key in _MEASURED:
         known = [s[key] for s in use if s.get(key) is not None]
         out[key] = sum(known) / len(known) if known else None
     for key in _PER_RANK:
